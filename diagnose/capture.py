@@ -1,0 +1,180 @@
+"""Timing and profiler capture of the training step.
+
+The loop is: warm-up steps (timed, kept apart), unprofiled timed steps (the headline number), then
+profiled steps under ``torch.profiler`` (one extra profiler warm-up step that is not a sample).
+Every step is timed with the device synchronised at its end, and split into phases by
+:class:`diagnose.timing.PhaseTimer`. The profiled steps carry ``ProfilerStep#N`` markers, the phase
+labels, shapes and memory, and are saved as a gzip Chrome trace that Perfetto opens.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from diagnose.quiet import native_stderr_filtered
+from diagnose.record import PHASES, Breakdown, StepSample, Timing
+from diagnose.timing import PhaseTimer, device_synchronizer
+
+
+class SteppableWorkload(Protocol):
+    """What the capture loop needs from a workload (diagnose.workload.Workload satisfies it)."""
+
+    device: torch.device
+
+    def batches(self) -> Iterator[Any]: ...
+
+    def step(self, batch: Any, timer: PhaseTimer) -> float: ...
+
+
+@dataclass
+class Measurement:
+    timing: Timing
+    breakdown: Breakdown
+    #: The saved trace, or None when no step was profiled.
+    trace_path: Path | None
+
+
+ProgressCallback = Callable[[str], None]
+
+
+def _peak_rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class _StepRunner:
+    def __init__(self, workload: SteppableWorkload) -> None:
+        self.workload = workload
+        self.device = workload.device
+        self.sync = device_synchronizer(self.device)
+        self.is_cuda = self.device.type == "cuda"
+        self.batches = workload.batches()
+        self.timer = PhaseTimer(self.sync)
+        self.first_batch_seconds: float | None = None
+
+    def run_one(self, index: int, *, profiled: bool) -> StepSample:
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.timer.reset()
+        self.sync()
+        start = time.perf_counter()
+        with self.timer.phase("data_wait"):
+            batch = next(self.batches)
+        if self.first_batch_seconds is None:
+            self.first_batch_seconds = self.timer.seconds["data_wait"]
+        loss = self.workload.step(batch, self.timer)
+        self.sync()
+        seconds = time.perf_counter() - start
+        phases = dict(self.timer.seconds)
+        phases["other"] = max(0.0, seconds - sum(phases.values()))
+        sample = StepSample(
+            index=index,
+            seconds=seconds,
+            profiled=profiled,
+            phases=phases,
+            loss=float(loss),
+        )
+        if self.is_cuda:
+            sample.peak_allocated_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            sample.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(self.device))
+        return sample
+
+
+def measure(
+    workload: SteppableWorkload,
+    *,
+    steps: int,
+    warmup: int,
+    profiled_steps: int,
+    trace_path: Path | None,
+    progress: ProgressCallback | None = None,
+) -> Measurement:
+    """Time the steps; profile ``profiled_steps`` more and save their trace to ``trace_path``."""
+    say = progress or (lambda message: None)
+    runner = _StepRunner(workload)
+    timing = Timing(warmup_steps=warmup)
+
+    for i in range(warmup):
+        say(f"warm-up step {i + 1}/{warmup}")
+        timing.warmup_seconds.append(runner.run_one(i, profiled=False).seconds)
+
+    index = warmup
+    for i in range(steps):
+        say(f"timed step {i + 1}/{steps}")
+        timing.samples.append(runner.run_one(index, profiled=False))
+        index += 1
+    # The first batch of a fresh iterator pays for starting workers and filling their queues.
+    timing.first_batch_seconds = runner.first_batch_seconds
+
+    saved_trace: Path | None = None
+    if profiled_steps > 0 and trace_path is not None:
+        saved_trace = _profile(runner, timing, index, profiled_steps, trace_path, say)
+
+    timing.summarize()
+    timing.peak_rss_bytes = _peak_rss_bytes()
+    allocated = [s.peak_allocated_bytes for s in timing.samples if s.peak_allocated_bytes]
+    reserved = [s.peak_reserved_bytes for s in timing.samples if s.peak_reserved_bytes]
+    timing.peak_allocated_bytes = max(allocated) if allocated else None
+    timing.peak_reserved_bytes = max(reserved) if reserved else None
+    return Measurement(timing=timing, breakdown=phase_breakdown(timing), trace_path=saved_trace)
+
+
+def _profile(
+    runner: _StepRunner,
+    timing: Timing,
+    first_index: int,
+    profiled_steps: int,
+    trace_path: Path,
+    say: ProgressCallback,
+) -> Path:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if runner.is_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    # One profiler warm-up step lets the profiler settle; it is not a sample. The schedule makes
+    # the profiler emit ProfilerStep#N spans, which the trace analysis uses to find steps.
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=profiled_steps, repeat=1)
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(prof: torch.profiler.profile) -> None:
+        prof.export_chrome_trace(str(trace_path))
+
+    with (
+        native_stderr_filtered(),
+        torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=save,
+            record_shapes=True,
+            profile_memory=True,
+            with_stack=False,
+        ) as prof,
+    ):
+        say("profiler warm-up step")
+        runner.run_one(first_index, profiled=True)
+        prof.step()
+        for i in range(profiled_steps):
+            say(f"profiled step {i + 1}/{profiled_steps}")
+            timing.samples.append(runner.run_one(first_index + 1 + i, profiled=True))
+            prof.step()
+    return trace_path
+
+
+def phase_breakdown(timing: Timing) -> Breakdown:
+    """Median seconds per phase over the unprofiled steps (profiled ones if there are none)."""
+    samples = [s for s in timing.samples if not s.profiled] or timing.samples
+    seconds: dict[str, float] = {}
+    for phase in PHASES:
+        values = [s.phases[phase] for s in samples if phase in s.phases]
+        if values:
+            seconds[phase] = statistics.median(values)
+    return Breakdown(seconds=seconds, basis="measured")

@@ -1,0 +1,150 @@
+"""The settings of one `diagnose run`: what the user would set in their trainer.
+
+Light module (no torch import): the CLI validates options and the record stores them as a dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from diagnose.errors import DiagnoseError, ExitCode
+
+Precision = Literal["fp32", "fp16", "bf16-mixed", "bf16-full"]
+OptimizerName = Literal["adamw", "adamw8bit", "adafactor"]
+Attention = Literal["auto", "flash", "efficient", "cudnn", "math", "xformers"]
+Size = Literal["tiny", "full"]
+
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
+SIZES: tuple[str, ...] = get_args(Size)
+#: Model presets: the architectures LoRA users train. Configs live in diagnose/workload/configs/.
+PRESETS: tuple[str, ...] = ("sd15", "sdxl", "zimage", "flux", "sd3")
+
+
+@dataclass
+class RunConfig:
+    """Everything that decides what `diagnose run` measures. Stored verbatim in the record."""
+
+    #: None means: chosen from the device (full SDXL on a GPU, SD1.5 when VRAM is short,
+    #: tiny SD1.5 on a CPU). Resolved before the run starts; the record holds the resolved value.
+    preset: str | None = None
+    size: Size | None = None
+    #: A local diffusers model folder (offline) instead of a preset.
+    model_dir: str | None = None
+    #: "auto", "cpu", "cuda", "cuda:1" ...
+    device: str = "auto"
+    precision: Precision = "bf16-mixed"
+    optimizer: OptimizerName = "adamw"
+    batch: int = 1
+    #: Resolution buckets in pixels (square). Steps cycle through them. None = preset default.
+    resolution: list[int] | None = None
+    rank: int = 16
+    #: LoRA alpha; None = same as rank (scale 1.0).
+    alpha: float | None = None
+    #: Module name patterns the adapter wraps; None = the preset's attention projections.
+    target_modules: list[str] | None = None
+    grad_checkpointing: bool = False
+    #: DataLoader workers.
+    workers: int = 0
+    attention: Attention = "auto"
+    #: Timed steps (unprofiled), after the warm-up.
+    steps: int = 8
+    warmup: int = 2
+    #: Steps captured by the profiler (after the timed steps).
+    profiled_steps: int = 2
+    cache_latents: bool = False
+    cache_text_embeddings: bool = False
+    #: The user's image folder; None = generated high-resolution images in a temporary folder.
+    data_dir: str | None = None
+    learning_rate: float = 1e-4
+    seed: int = 0
+    #: Probes turned off with --skip.
+    skip_probes: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        """Raise DiagnoseError(USAGE) on a value no run could use."""
+
+        def bad(message: str) -> DiagnoseError:
+            return DiagnoseError(message, ExitCode.USAGE)
+
+        if self.preset is not None and self.preset not in PRESETS:
+            raise bad(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if self.size is not None and self.size not in SIZES:
+            raise bad(f"unknown size {self.size!r}; choose one of {', '.join(SIZES)}")
+        if self.precision not in PRECISIONS:
+            raise bad(
+                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise bad(
+                f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"
+            )
+        if self.attention not in ATTENTIONS:
+            raise bad(
+                f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}"
+            )
+        for name in ("batch", "rank", "steps"):
+            if getattr(self, name) < 1:
+                raise bad(f"--{name} must be at least 1")
+        for name in ("workers", "warmup", "profiled_steps"):
+            if getattr(self, name) < 0:
+                raise bad(f"--{name.replace('_', '-')} must not be negative")
+        if self.resolution is not None:
+            if not self.resolution:
+                raise bad("--resolution needs at least one value")
+            for r in self.resolution:
+                if r < 64 or r % 8:
+                    raise bad(f"resolution {r} must be a multiple of 8 and at least 64")
+        if self.alpha is not None and self.alpha <= 0:
+            raise bad("--alpha must be positive")
+        if self.learning_rate <= 0:
+            raise bad("--lr must be positive")
+
+    def command_line(self) -> str:
+        """The `diagnose run` command that repeats this configuration (defaults left out)."""
+        default = RunConfig()
+        flags = {
+            "preset": "--preset",
+            "size": "--size",
+            "model_dir": "--model",
+            "device": "--device",
+            "precision": "--precision",
+            "optimizer": "--optimizer",
+            "batch": "--batch",
+            "resolution": "--resolution",
+            "rank": "--rank",
+            "alpha": "--alpha",
+            "target_modules": "--target-modules",
+            "grad_checkpointing": "--grad-checkpointing",
+            "workers": "--workers",
+            "attention": "--attention",
+            "steps": "--steps",
+            "warmup": "--warmup",
+            "profiled_steps": "--profiled-steps",
+            "cache_latents": "--cache-latents",
+            "cache_text_embeddings": "--cache-text-embeddings",
+            "data_dir": "--data",
+            "learning_rate": "--lr",
+            "seed": "--seed",
+        }
+        parts = ["diagnose", "run"]
+        for name, flag in flags.items():
+            value = getattr(self, name)
+            if value == getattr(default, name) or value is None:
+                continue
+            if isinstance(value, bool):
+                parts.append(flag)
+            elif isinstance(value, list):
+                parts += [flag, ",".join(map(str, value))]
+            else:
+                parts += [flag, str(value)]
+        for probe in self.skip_probes:
+            parts += ["--skip", probe]
+        return shlex.join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

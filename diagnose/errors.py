@@ -1,0 +1,42 @@
+"""Exit codes and the one error class that carries them.
+
+Every user-facing failure becomes a :class:`DiagnoseError`; the CLI prints its message on one line
+and exits with its code, never with a traceback.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Process exit codes, documented in README.md."""
+
+    OK = 0
+    #: Something inside diagnose broke (a bug): the message says what.
+    INTERNAL_ERROR = 1
+    #: Bad command line: unknown option, bad value.
+    USAGE = 2
+    #: Bad input: a record, trace, model or data folder that cannot be used.
+    BAD_INPUT = 3
+    #: The output folder exists and is not empty, and --force was not given.
+    OUTPUT_EXISTS = 4
+    #: The requested run cannot be done on this machine (no such device, a full-size model on a CPU
+    #: without --force, a missing required package).
+    UNSUPPORTED = 5
+    #: A comparison found a regression (reserved for `diagnose compare`).
+    REGRESSION = 6
+    #: Interrupted by the user (Ctrl-C).
+    INTERRUPTED = 130
+
+
+class DiagnoseError(Exception):
+    """An error meant for the user: one line of text and the exit code to leave with."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.BAD_INPUT) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+    def __str__(self) -> str:
+        return self.message

@@ -1,0 +1,70 @@
+"""Output folders and files: nothing a user gave us is lost or overwritten without --force."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import tempfile
+from pathlib import Path
+
+from diagnose.errors import DiagnoseError, ExitCode
+
+RECORD_NAME = "record.json"
+REPORT_NAME = "report.html"
+TRACE_NAME = "trace.json.gz"
+
+
+def default_out_dir(prefix: str, base: Path | None = None) -> Path:
+    """A new timestamped folder under ``base`` (the current folder), never an existing one."""
+    base = base or Path.cwd()
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    candidate = base / f"diagnose-{prefix}-{stamp}"
+    n = 1
+    while candidate.exists():
+        n += 1
+        candidate = base / f"diagnose-{prefix}-{stamp}-{n}"
+    return candidate
+
+
+def prepare_out_dir(path: Path, *, force: bool) -> Path:
+    """Create ``path``; refuse an existing non-empty folder unless ``force``.
+
+    With ``force`` only the files diagnose writes are replaced: other files in the folder are left
+    alone.
+    """
+    if path.exists() and not path.is_dir():
+        raise DiagnoseError(f"--out {path}: exists and is not a folder", ExitCode.OUTPUT_EXISTS)
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise DiagnoseError(
+            f"--out {path}: folder exists and is not empty; choose another or add --force",
+            ExitCode.OUTPUT_EXISTS,
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DiagnoseError(
+            f"--out {path}: cannot create: {exc.strerror}", ExitCode.BAD_INPUT
+        ) from None
+    return path
+
+
+def check_writable_file(path: Path, *, force: bool, option: str) -> None:
+    """Refuse to overwrite an existing file unless ``force``."""
+    if path.is_dir():
+        raise DiagnoseError(f"{option} {path}: is a folder", ExitCode.BAD_INPUT)
+    if path.exists() and not force:
+        raise DiagnoseError(
+            f"{option} {path}: file exists; choose another or add --force", ExitCode.OUTPUT_EXISTS
+        )
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder, so a crash never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

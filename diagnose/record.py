@@ -1,0 +1,475 @@
+"""The RunRecord: the versioned JSON document that every stage after the measurement reads.
+
+Reports and the CI gate only ever read a saved record, so re-rendering never needs a GPU (or torch).
+This module must therefore import nothing heavy.
+
+Loading is forgiving: fields added in later versions are read with their defaults, unknown fields
+are ignored, and :data:`MIGRATIONS` upgrades documents written by older schema versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_type_hints
+
+from diagnose import __version__
+from diagnose.errors import DiagnoseError, ExitCode
+
+#: Bump when a field changes meaning or is removed, and add a migration for the previous version.
+#: Adding an optional field with a default needs no bump: older readers ignore it, newer readers
+#: default it.
+SCHEMA_VERSION = 1
+
+Mode = Literal["run", "trace"]
+Severity = Literal["info", "warn", "critical"]
+Category = Literal[
+    "precision",
+    "attention",
+    "optimizer",
+    "dataloader",
+    "triton",
+    "environment",
+    "memory",
+    "compute",
+]
+ProbeStatus = Literal["ok", "skipped", "error"]
+#: How a number was obtained; every number in the report says which.
+Basis = Literal["measured", "estimated", "trace", "none"]
+
+SEVERITIES: tuple[Severity, ...] = get_args(Severity)
+CATEGORIES: tuple[Category, ...] = get_args(Category)
+
+#: The phases of a training step, in the order the report draws them.
+PHASES: tuple[str, ...] = (
+    "data_wait",  # blocked in next(dataloader iterator)
+    "h2d",  # host-to-device copy of the batch
+    "encode",  # VAE encode of the images and text-encoder pass of the captions
+    "forward",  # denoiser forward and loss
+    "backward",
+    "optimizer",  # optimizer.step() and zero_grad()
+    "sync",  # host-device synchronisation not attributed to a phase above
+    "idle",  # device idle with nothing else to blame (from a trace)
+    "other",  # step time not covered by the phases above
+)
+
+PHASE_LABELS: dict[str, str] = {
+    "data_wait": "data wait",
+    "h2d": "host→device copy",
+    "encode": "VAE / text encode",
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer",
+    "sync": "host-device sync",
+    "idle": "device idle",
+    "other": "other",
+}
+
+
+@dataclass
+class Stats:
+    """Summary of a list of samples (seconds). Always derived from the samples, never edited."""
+
+    n: int = 0
+    median: float = math.nan
+    q1: float = math.nan
+    q3: float = math.nan
+    min: float = math.nan
+    max: float = math.nan
+    mean: float = math.nan
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    @property
+    def relative_spread(self) -> float:
+        """IQR divided by the median: how noisy the measurement is."""
+        if not self.n or self.median == 0:
+            return math.nan
+        return self.iqr / self.median
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> Stats:
+        values = sorted(float(v) for v in samples)
+        if not values:
+            return cls()
+        if len(values) == 1:
+            q1 = q3 = values[0]
+        else:
+            # "inclusive" keeps the quartiles inside the observed range for small n.
+            q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return cls(
+            n=len(values),
+            median=statistics.median(values),
+            q1=q1,
+            q3=q3,
+            min=values[0],
+            max=values[-1],
+            mean=statistics.fmean(values),
+        )
+
+
+@dataclass
+class DeviceInfo:
+    """The device the step ran on (or the trace was captured on)."""
+
+    #: "cuda" (NVIDIA), "rocm" (AMD through HIP), "cpu", or "unknown" for a trace without metadata.
+    kind: str = "unknown"
+    vendor: str = ""
+    name: str = ""
+    #: Compute capability ("sm_90"), gfx target ("gfx1100"), or CPU ISA summary.
+    arch: str = ""
+    memory_bytes: int | None = None
+    #: "CUDA 12.8", "HIP 6.4.43482", ... (empty on the CPU).
+    runtime: str = ""
+    driver: str = ""
+    #: The torch device string used ("cuda:0", "cpu").
+    torch_device: str = ""
+    #: Anything else worth recording (multiprocessor count, cores, ISA flags).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepSample:
+    """One timed training step. Warm-up steps are not recorded as samples."""
+
+    index: int = 0
+    seconds: float = 0.0
+    profiled: bool = False
+    #: Seconds per phase (keys from :data:`PHASES`), device-synchronised at phase boundaries.
+    phases: dict[str, float] = field(default_factory=dict)
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    loss: float | None = None
+
+
+@dataclass
+class Timing:
+    """Every per-step sample, plus summaries derived from them."""
+
+    warmup_steps: int = 0
+    samples: list[StepSample] = field(default_factory=list)
+    #: Summary of the unprofiled steps: the number the report leads with.
+    unprofiled: Stats = field(default_factory=Stats)
+    #: Summary of the profiled steps; the ratio to ``unprofiled`` is the profiler's overhead.
+    profiled: Stats = field(default_factory=Stats)
+    #: Seconds from the start of the first step until its first batch arrived.
+    first_batch_seconds: float | None = None
+    #: Seconds taken by each warm-up step (kept to show compile/autotune warm-up cost).
+    warmup_seconds: list[float] = field(default_factory=list)
+    peak_rss_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+
+    def summarize(self) -> None:
+        """Recompute the summaries from the samples (the samples are the truth)."""
+        self.unprofiled = Stats.of(s.seconds for s in self.samples if not s.profiled)
+        self.profiled = Stats.of(s.seconds for s in self.samples if s.profiled)
+
+    @property
+    def headline(self) -> Stats:
+        """The s/it to lead with: unprofiled if there are any, else profiled."""
+        return self.unprofiled if self.unprofiled.n else self.profiled
+
+    @property
+    def profiler_overhead(self) -> float | None:
+        """Profiled median / unprofiled median - 1, or None without both."""
+        if not (self.unprofiled.n and self.profiled.n) or self.unprofiled.median <= 0:
+            return None
+        return self.profiled.median / self.unprofiled.median - 1.0
+
+
+@dataclass
+class Breakdown:
+    """Seconds per step spent in each phase (median over steps)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    #: How the phase seconds were obtained: "measured" (synchronised timers) or "trace".
+    basis: Basis = "measured"
+    #: Device time per kernel class (GEMM, attention, ...) per step, when a device trace was read.
+    device_seconds_by_kernel_class: dict[str, float] = field(default_factory=dict)
+
+    def ordered(self) -> list[tuple[str, float]]:
+        """Phases in report order, known phases first, then any others by name."""
+        known = [(p, self.seconds[p]) for p in PHASES if p in self.seconds]
+        rest = sorted((k, v) for k, v in self.seconds.items() if k not in PHASES)
+        return known + rest
+
+
+@dataclass
+class Finding:
+    """One cause of lost time: the unit the report ranks."""
+
+    #: Stable dotted id, e.g. "attention.math_fallback"; the CI gate diffs findings by id.
+    id: str = ""
+    category: Category = "compute"
+    severity: Severity = "info"
+    title: str = ""
+    #: What a skeptical engineer needs to believe it: numbers, op names, shapes.
+    evidence: dict[str, Any] = field(default_factory=dict)
+    #: Seconds per iteration this would save if fixed, or None when it cannot be said.
+    est_seconds_saved_per_it: float | None = None
+    #: Whether the saving was measured by an A/B run, estimated, or read off a trace.
+    saving_basis: Basis = "none"
+    #: The concrete setting, flag or command that fixes it.
+    fix: str = ""
+    #: A longer explanation for the report (plain text).
+    detail: str = ""
+    #: The probe or trace rule that produced it.
+    source: str = ""
+
+
+@dataclass
+class ProbeResult:
+    """What one probe reported. A probe never takes the run down: failures land here."""
+
+    name: str = ""
+    status: ProbeStatus = "ok"
+    duration_seconds: float = 0.0
+    #: Why it was skipped, or the one-line error.
+    reason: str = ""
+    traceback: str = ""
+    #: What the probe found. Handed over to RunRecord.findings (deduplicated by id) when the record
+    #: is assembled, so in a saved record this list is empty.
+    findings: list[Finding] = field(default_factory=list)
+    #: Probe-specific measurements for the report (tables, A/B numbers). JSON-serialisable.
+    data: dict[str, Any] = field(default_factory=dict)
+    #: Things this probe checked and found fine, one line each (the report's "checked, fine").
+    checked_ok: list[str] = field(default_factory=list)
+
+
+@dataclass
+class OpStat:
+    """An operator's cost over the profiled steps, per step."""
+
+    name: str = ""
+    calls_per_step: float = 0.0
+    self_cpu_seconds: float = 0.0
+    self_device_seconds: float = 0.0
+    cpu_total_seconds: float = 0.0
+    #: Input shapes and dtypes of the most expensive call signature, when recorded.
+    input_shapes: str = ""
+    input_dtypes: str = ""
+
+
+@dataclass
+class ModelInfo:
+    """The model that was trained (run mode)."""
+
+    preset: str = ""
+    size: str = ""
+    class_name: str = ""
+    source: str = ""  # "config (random weights)" or the --model folder
+    parameters: int = 0
+    trainable_parameters: int = 0
+    lora_modules: int = 0
+    text_encoders: list[str] = field(default_factory=list)
+    vae: str = ""
+
+
+@dataclass
+class RunRecord:
+    """The contract between measuring and reporting."""
+
+    schema_version: int = SCHEMA_VERSION
+    tool_version: str = __version__
+    created: str = ""
+    mode: Mode = "run"
+    device: DeviceInfo = field(default_factory=DeviceInfo)
+    inventory: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    model: ModelInfo = field(default_factory=ModelInfo)
+    timing: Timing = field(default_factory=Timing)
+    breakdown: Breakdown = field(default_factory=Breakdown)
+    findings: list[Finding] = field(default_factory=list)
+    probes: list[ProbeResult] = field(default_factory=list)
+    top_ops: list[OpStat] = field(default_factory=list)
+    #: Path of the saved profiler trace, relative to the record's folder when it lies inside it.
+    trace_path: str = ""
+    #: The command line that reproduces this run.
+    command: str = ""
+    #: Things the reader should know that are not findings (e.g. "steps too few for a spread").
+    notes: list[str] = field(default_factory=list)
+
+    def ranked_findings(self) -> list[Finding]:
+        """Findings by estimated saving (largest first), then severity, then id."""
+        rank = {s: i for i, s in enumerate(reversed(SEVERITIES))}
+        return sorted(
+            self.findings,
+            key=lambda f: (
+                -(f.est_seconds_saved_per_it or 0.0),
+                rank.get(f.severity, len(rank)),
+                f.id,
+            ),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_jsonable(dataclasses.asdict(self))  # type: ignore[no-any-return]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False)
+
+    def save(self, path: Path) -> None:
+        from diagnose.output import write_text_atomic
+
+        write_text_atomic(path, self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunRecord:
+        if not isinstance(data, Mapping):
+            raise DiagnoseError("not a diagnose record: the JSON top level is not an object")
+        if "schema_version" not in data or "mode" not in data:
+            raise DiagnoseError("not a diagnose record: no schema_version/mode field")
+        version = data["schema_version"]
+        if not isinstance(version, int):
+            raise DiagnoseError(f"not a diagnose record: schema_version is {version!r}")
+        if version > SCHEMA_VERSION:
+            raise DiagnoseError(
+                f"record schema version {version} is newer than this diagnose "
+                f"(reads up to {SCHEMA_VERSION}); upgrade diagnose"
+            )
+        upgraded = dict(data)
+        while upgraded["schema_version"] < SCHEMA_VERSION:
+            step = MIGRATIONS.get(upgraded["schema_version"])
+            if step is None:
+                raise DiagnoseError(
+                    f"record schema version {upgraded['schema_version']} is not supported"
+                )
+            upgraded = step(upgraded)
+        try:
+            record = _from_dict(cls, upgraded)
+        except (TypeError, ValueError) as exc:
+            raise DiagnoseError(f"malformed record: {exc}") from None
+        record.timing.summarize()
+        return record
+
+    @classmethod
+    def load(cls, path: Path) -> RunRecord:
+        """Load a record file, or the ``record.json`` inside a run folder."""
+        if path.is_dir():
+            path = path / "record.json"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise DiagnoseError(f"{path}: no such file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DiagnoseError(f"{path}: cannot read: {exc}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DiagnoseError(f"{path}: invalid JSON: {exc}") from None
+        try:
+            return cls.from_dict(data)
+        except DiagnoseError as exc:
+            raise DiagnoseError(f"{path}: {exc.message}", exc.code) from None
+
+
+#: schema_version -> function that upgrades a document of that version to the next one.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def utc_now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def _to_jsonable(value: Any) -> Any:
+    """Replace non-finite floats (not valid JSON) by None, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    return value
+
+
+_T = TypeVar("_T")
+
+
+def _from_dict(cls: type[_T], data: Any) -> _T:
+    """Build dataclass ``cls`` from ``data``: unknown keys ignored, missing keys defaulted."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{cls.__name__} must be an object, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in data:
+            continue
+        kwargs[f.name] = _convert(hints[f.name], data[f.name], f"{cls.__name__}.{f.name}")
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    origin = getattr(hint, "__origin__", None)
+    args = get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _from_dict(hint, value)  # type: ignore[arg-type]
+    if origin is list:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise TypeError(f"{where} must be a list")
+        return [_convert(args[0], v, where) for v in value] if args else list(value)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{where} must be an object")
+        return dict(value)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{where} is {value!r}, expected one of {', '.join(map(str, args))}")
+        return value
+    if args and type(None) in args:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, where) if len(inner) == 1 else value
+    if hint is float:
+        if value is None:  # a NaN written as null
+            return math.nan
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{where} must be a number")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where} must be an integer")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{where} must be a string")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{where} must be true or false")
+        return value
+    return value
+
+
+def new_record(mode: Mode) -> RunRecord:
+    return RunRecord(mode=mode, created=utc_now_iso())
+
+
+__all__ = [
+    "CATEGORIES",
+    "PHASES",
+    "PHASE_LABELS",
+    "SCHEMA_VERSION",
+    "SEVERITIES",
+    "Breakdown",
+    "DeviceInfo",
+    "ExitCode",
+    "Finding",
+    "ModelInfo",
+    "OpStat",
+    "ProbeResult",
+    "RunRecord",
+    "Stats",
+    "StepSample",
+    "Timing",
+    "new_record",
+    "utc_now_iso",
+]

@@ -1,0 +1,27 @@
+"""Probes: active experiments that measure what one suspected slow-down costs.
+
+``REGISTRY`` lists the probes in the order they run; one module per probe. ``diagnose run --skip
+NAME`` turns one off. The contract (Probe, ProbeContext, the isolating runner) is in ``base``.
+"""
+
+from __future__ import annotations
+
+from diagnose.probes.base import Probe, ProbeContext, ProbeSkipped, run_probe, run_probes
+
+#: Probes in run order. Each entry is an instance of a class that satisfies ``Probe``.
+REGISTRY: tuple[Probe, ...] = ()
+
+
+def probe_names() -> list[str]:
+    return [p.name for p in REGISTRY]
+
+
+__all__ = [
+    "REGISTRY",
+    "Probe",
+    "ProbeContext",
+    "ProbeSkipped",
+    "probe_names",
+    "run_probe",
+    "run_probes",
+]

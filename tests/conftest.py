@@ -1,0 +1,61 @@
+"""Shared fixtures and the global-state guard every test runs under."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARED_TRACES = REPO_ROOT.parent / "shared" / "gpu-traces"
+FIXTURES = REPO_ROOT / "fixtures"
+
+
+#: Variables that pytest or torch itself set (torch.profiler sets the inductor cache folder).
+_ENV_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
+def _torch_switches() -> dict[str, object]:
+    import torch
+
+    switches: dict[str, object] = {
+        "grad": torch.is_grad_enabled(),
+        "autocast_cpu": torch.is_autocast_enabled("cpu"),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "threads": torch.get_num_threads(),
+    }
+    for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled"):
+        switches[name] = getattr(torch.backends.cuda, name)()
+    return switches
+
+
+@pytest.fixture(autouse=True)
+def _global_state_guard() -> Iterator[None]:
+    """Fail a test that leaves a profiler running, torch switches flipped or env changed.
+
+    pyinstrument's conftest does the same: one leaking test would otherwise make later ones
+    measure something else.
+    """
+    import torch
+
+    env_before = dict(os.environ)
+    switches_before = _torch_switches()
+    yield
+    assert torch.autograd.profiler._is_profiler_enabled is False, "a profiler is still running"
+    assert _torch_switches() == switches_before, "torch switches were not restored"
+    changed = {
+        k
+        for k in set(env_before) | set(os.environ)
+        if env_before.get(k) != os.environ.get(k) and k not in _ENV_SET_BY_OTHERS
+    }
+    assert not changed, f"environment variables changed: {sorted(changed)}"
+
+
+@pytest.fixture
+def shared_traces() -> Path:
+    if not SHARED_TRACES.is_dir():
+        pytest.skip(f"real GPU traces not present at {SHARED_TRACES}")
+    return SHARED_TRACES

@@ -1,0 +1,92 @@
+"""The timing loop and profiler capture, on a small real training loop (not the diffusers one)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from diagnose.capture import measure
+from diagnose.record import PHASES
+from diagnose.timing import PhaseTimer
+
+
+class _SmallWorkload:
+    """A real model, optimizer and DataLoader; the forward sleeps a known time when asked."""
+
+    def __init__(self, forward_sleep: float = 0.0) -> None:
+        self.device = torch.device("cpu")
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)
+        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        data = TensorDataset(torch.randn(64, 32), torch.randn(64, 1))
+        self.loader = DataLoader(data, batch_size=8, shuffle=True)
+        self.forward_sleep = forward_sleep
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield from self.loader
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor], timer: PhaseTimer) -> float:
+        with timer.phase("h2d"):
+            x, y = (t.to(self.device) for t in batch)
+        with timer.phase("forward"):
+            time.sleep(self.forward_sleep)
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+        with timer.phase("backward"):
+            loss.backward()
+        with timer.phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+
+def test_samples_phases_and_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json.gz"
+    m = measure(_SmallWorkload(), steps=4, warmup=2, profiled_steps=2, trace_path=trace)
+    timing = m.timing
+    assert len(timing.warmup_seconds) == 2
+    assert [s.profiled for s in timing.samples] == [False] * 4 + [True] * 2
+    assert timing.unprofiled.n == 4 and timing.profiled.n == 2
+    assert timing.first_batch_seconds is not None and timing.first_batch_seconds >= 0
+    for sample in timing.samples:
+        assert set(sample.phases) == {
+            "data_wait",
+            "h2d",
+            "forward",
+            "backward",
+            "optimizer",
+            "other",
+        }
+        # The phases and "other" add up to the step time.
+        assert abs(sum(sample.phases.values()) - sample.seconds) < 1e-6
+        assert sample.loss is not None
+    assert timing.peak_rss_bytes and timing.peak_rss_bytes > 10 * 2**20
+    assert m.breakdown.basis == "measured"
+    assert [p for p in PHASES if p in m.breakdown.seconds] == list(m.breakdown.seconds)
+
+    assert m.trace_path == trace
+    with gzip.open(trace, "rt") as handle:
+        events = json.load(handle)["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    steps = sorted(n for n in names if n.startswith("ProfilerStep#"))
+    assert len(steps) == 2, steps  # the profiler warm-up step is not recorded
+    assert {"diagnose::forward", "diagnose::backward", "diagnose::optimizer"} <= names
+    assert any(e.get("args", {}).get("Input Dims") for e in events), "shapes were not recorded"
+
+
+def test_a_slow_phase_shows_in_the_breakdown() -> None:
+    m = measure(
+        _SmallWorkload(forward_sleep=0.05), steps=3, warmup=0, profiled_steps=0, trace_path=None
+    )
+    assert m.trace_path is None
+    assert m.timing.profiled.n == 0
+    assert m.breakdown.seconds["forward"] >= 0.05
+    assert max(m.breakdown.seconds, key=lambda k: m.breakdown.seconds[k]) == "forward"
+    assert m.timing.unprofiled.median >= 0.05
