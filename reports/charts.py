@@ -1,0 +1,234 @@
+"""Charts for the HTML report: matplotlib figures turned into inline SVG.
+
+The functions take plain numbers (the view decides what to plot) and return an ``<svg>`` element
+as a string that can be pasted into the page as is:
+
+- deterministic: ``svg.hashsalt`` is fixed and no date or creator metadata is written, so the same
+  record renders to the same bytes;
+- self-contained: glyphs are drawn as paths (no font is needed to view it), the XML prolog, DOCTYPE,
+  metadata and namespace URIs are removed, so the page holds no URL of any kind;
+- free of data strings: labels that come from the record (phase names) are drawn by the HTML around
+  the chart, never inside it, so nothing from the record needs escaping here;
+- unique ids: every id gets a per-chart prefix, so several charts in one page never collide.
+
+No pyplot: a bare :class:`~matplotlib.figure.Figure` with an Agg canvas leaves the process's backend
+and figure registry alone.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+#: Colour per phase (Okabe-Ito, colour-blind safe); phases not listed cycle through EXTRA_COLORS.
+PHASE_COLORS: dict[str, str] = {
+    "data_wait": "#E69F00",
+    "h2d": "#F0E442",
+    "encode": "#CC79A7",
+    "forward": "#0072B2",
+    "backward": "#56B4E9",
+    "optimizer": "#009E73",
+    "sync": "#D55E00",
+    "idle": "#999999",
+    "other": "#CCCCCC",
+}
+EXTRA_COLORS: tuple[str, ...] = ("#8C6BB1", "#B15928", "#1B9E77", "#7570B3", "#E7298A")
+
+UNPROFILED_COLOR = "#0072B2"
+PROFILED_COLOR = "#D55E00"
+WARMUP_COLOR = "#999999"
+
+# Typed loosely: matplotlib types rc keys as a Literal of every known name.
+_RC: dict[Any, Any] = {
+    "svg.hashsalt": "diagnose-report",
+    "svg.fonttype": "path",
+    # Never interpret "$...$" as mathtext: a stray dollar sign must not break a chart.
+    "text.parse_math": False,
+    "font.size": 9.0,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+}
+
+
+def phase_color(phase: str, position: int) -> str:
+    """The colour of a phase; unknown phases get a colour by their position among the unknowns."""
+    return PHASE_COLORS.get(phase, EXTRA_COLORS[position % len(EXTRA_COLORS)])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One part of the stacked breakdown bar."""
+
+    seconds: float
+    color: str
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One step on the per-step chart: its position in run order and its seconds."""
+
+    position: int
+    seconds: float
+
+
+def breakdown_bar_svg(segments: Sequence[Segment], *, chart_id: str = "breakdown") -> str:
+    """One horizontal bar stacked from ``segments`` (left to right), seconds on the x axis.
+
+    Segments with no positive, finite width are left out. Returns "" when nothing is left to draw.
+    """
+    drawable = [s for s in segments if math.isfinite(s.seconds) and s.seconds > 0]
+    if not drawable:
+        return ""
+    import matplotlib
+
+    with matplotlib.rc_context(_RC):
+        fig = _new_figure(7.5, 0.95)
+        ax = fig.add_subplot()
+        left = 0.0
+        for segment in drawable:
+            ax.barh(
+                [0], [segment.seconds], left=left, height=0.6, color=segment.color,
+                edgecolor="white", linewidth=0.8,
+            )
+            left += segment.seconds
+        ax.set_xlim(0, left)
+        ax.set_ylim(-0.4, 0.4)
+        ax.set_yticks([])
+        ax.spines["left"].set_visible(False)
+        ax.set_xlabel("seconds per step")
+        fig.subplots_adjust(left=0.02, right=0.98, top=0.98, bottom=0.5)
+        return _to_svg(fig, chart_id, "Stacked bar of seconds per step by phase")
+
+
+def step_times_svg(
+    *,
+    unprofiled: Sequence[StepPoint],
+    profiled: Sequence[StepPoint],
+    warmup: Sequence[StepPoint],
+    median: float | None,
+    chart_id: str = "steps",
+) -> str:
+    """Seconds of every step in run order: warm-up, unprofiled and profiled steps told apart.
+
+    The y axis is scaled to the timed steps: a warm-up step far above them (compile, autotune) is
+    drawn at the top edge with its value written next to it, so it does not flatten the steps that
+    matter. Returns "" when there is no step to draw.
+    """
+    series = [
+        (warmup, WARMUP_COLOR, "s", "warm-up (not counted)"),
+        (unprofiled, UNPROFILED_COLOR, "o", "unprofiled"),
+        (profiled, PROFILED_COLOR, "^", "profiled"),
+    ]
+    finite = [
+        [p for p in points if math.isfinite(p.seconds) and p.seconds >= 0]
+        for points, *_ in series
+    ]
+    timed = [p.seconds for points in finite[1:] for p in points]
+    every = timed + [p.seconds for p in finite[0]]
+    if not every:
+        return ""
+    top = (max(timed) if timed else max(every)) * 1.25 or 1.0
+    import matplotlib
+
+    with matplotlib.rc_context(_RC):
+        from matplotlib.ticker import MaxNLocator
+
+        fig = _new_figure(7.5, 2.8)
+        ax = fig.add_subplot()
+        for points, (_, color, marker, label) in zip(finite, series, strict=True):
+            if not points:
+                continue
+            ax.plot(
+                [p.position for p in points], [min(p.seconds, top) for p in points],
+                linestyle="-", linewidth=0.8, marker=marker, markersize=4.5,
+                color=color, label=label, clip_on=False,
+            )
+            for p in points:
+                if p.seconds > top:
+                    ax.annotate(
+                        f"↑ {p.seconds:.3g} s", (p.position, top), xytext=(0, 6),
+                        textcoords="offset points", fontsize=7.5, color=color,
+                        ha="center", va="bottom",
+                    )
+        if median is not None and math.isfinite(median) and median > 0:
+            ax.axhline(median, color=UNPROFILED_COLOR, linestyle="--", linewidth=0.8,
+                       label="unprofiled median")
+        ax.set_ylim(0, top)
+        ax.set_xlabel("step, in run order")
+        ax.set_ylabel("seconds")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(axis="y", color="#e5e5e5", linewidth=0.6)
+        ax.set_axisbelow(True)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False,
+                  fontsize=8)
+        fig.subplots_adjust(left=0.08, right=0.98, top=0.9, bottom=0.3)
+        return _to_svg(fig, chart_id, "Seconds of each step in run order")
+
+
+def _new_figure(width_in: float, height_in: float) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width_in, height_in), dpi=100)
+    FigureCanvasAgg(fig)  # attaches itself to the figure; no pyplot, no global backend change
+    return fig
+
+
+_PROLOG = re.compile(r"\A.*?(?=<svg\b)", re.DOTALL)
+_METADATA = re.compile(r"<metadata>.*?</metadata>", re.DOTALL)
+_COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
+# matplotlib's global "*{stroke-linejoin...}" would leak into the HTML page; the page's CSS sets
+# the same properties scoped to the charts.
+_STYLE = re.compile(r"<style\b[^>]*>.*?</style>", re.DOTALL)
+_XMLNS = re.compile(r'\s+xmlns(?::\w+)?="[^"]*"')
+_ID = re.compile(r'\bid="([^"]+)"')
+_HREF = re.compile(r'\b(?:xlink:)?href="#([^"]+)"')
+_URL_REF = re.compile(r"url\(#([^)]+)\)")
+_SPACE = re.compile(r"\s+")
+
+
+def _to_svg(fig: Figure, chart_id: str, label: str) -> str:
+    buffer = io.StringIO()
+    fig.savefig(
+        buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None}
+    )
+    return clean_svg(buffer.getvalue(), chart_id, label)
+
+
+def clean_svg(raw: str, chart_id: str, label: str) -> str:
+    """Make matplotlib's SVG document fit to inline in HTML (see the module docstring)."""
+    svg = _PROLOG.sub("", raw, count=1)
+    svg = _METADATA.sub("", svg)
+    svg = _COMMENT.sub("", svg)
+    svg = _STYLE.sub("", svg)
+    svg = _XMLNS.sub("", svg)  # the HTML parser puts <svg> in the SVG namespace by itself
+    svg = _ID.sub(lambda m: f'id="{chart_id}-{m.group(1)}"', svg)
+    svg = _HREF.sub(lambda m: f'href="#{chart_id}-{m.group(1)}"', svg)
+    svg = _URL_REF.sub(lambda m: f"url(#{chart_id}-{m.group(1)})", svg)
+    svg = svg.replace("<defs> </defs>", "")
+    svg = _SPACE.sub(" ", svg).replace("> <", "><").strip()
+    safe_label = label.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;")
+    svg = svg.replace("<svg ", f'<svg role="img" aria-label="{safe_label}" ', 1)
+    if "://" in svg or "<script" in svg.lower():
+        # Not expected from matplotlib; refuse rather than put an external reference in the page.
+        raise ValueError("chart SVG holds an external reference or a script")
+    return svg
+
+
+__all__ = [
+    "EXTRA_COLORS",
+    "PHASE_COLORS",
+    "Segment",
+    "StepPoint",
+    "breakdown_bar_svg",
+    "clean_svg",
+    "phase_color",
+    "step_times_svg",
+]

@@ -1,0 +1,151 @@
+"""Number formatting shared by the HTML and terminal renderers.
+
+Pure functions of plain values. A missing or non-finite value is never printed as "nan" or "None":
+the caller gets the ``missing`` text instead, so the report says "not measured" rather than lying.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: What the report shows for a number that was not obtained.
+NOT_MEASURED = "not measured"
+
+_SECOND_UNITS: tuple[tuple[float, float, str], ...] = (
+    # (smallest magnitude in this unit, scale to apply, suffix), largest unit first.
+    (1.0, 1.0, "s"),
+    (1e-3, 1e3, "ms"),
+    (1e-6, 1e6, "µs"),
+    (0.0, 1e9, "ns"),
+)
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float (bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value)
+
+
+def _round_significant(value: float, digits: int = 3) -> float:
+    # Round before choosing the unit so 0.9996 s prints as "1.00 s", not "1000 ms".
+    return float(f"{value:.{digits}g}")
+
+
+def _seconds_unit(magnitude: float) -> tuple[float, str]:
+    for smallest, scale, suffix in _SECOND_UNITS:
+        if magnitude >= smallest:
+            return scale, suffix
+    return 1.0, "s"  # magnitude 0 in the loop above always matches "ns"; unreachable
+
+
+def _fixed(value: float) -> str:
+    """Three significant digits without switching to exponent notation: 123, 45.6, 1.84."""
+    magnitude = abs(value)
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def format_seconds(
+    seconds: float | None, *, like: float | None = None, missing: str = NOT_MEASURED
+) -> str:
+    """0.000123 -> "123 µs", 0.0456 -> "45.6 ms", 1.84 -> "1.84 s", 0 -> "0 s".
+
+    With ``like`` (e.g. the step time), the value is written in the unit of ``like`` when it reads
+    well there (0.42 next to a 1.84 s step -> "0.42 s"), so parts of a whole compare at a glance.
+    """
+    if seconds is None or not is_number(seconds):
+        return missing
+    if seconds == 0:
+        return "0 s"
+    rounded = _round_significant(float(seconds))
+    scale, suffix = _seconds_unit(abs(rounded))
+    if like is not None and is_number(like) and like != 0:
+        like_scale, like_suffix = _seconds_unit(abs(_round_significant(float(like))))
+        if like_scale < scale and abs(seconds) * like_scale >= 0.01:
+            scale, suffix = like_scale, like_suffix
+            rounded = float(seconds)
+    text = _fixed(rounded * scale)
+    return f"{text.replace('-', '−')} {suffix}"
+
+
+def format_seconds_range(low: float | None, high: float | None, *, missing: str = "") -> str:
+    """Two values in one unit: "1.80–1.90 s" (the unit of the larger one)."""
+    if low is None or high is None or not (is_number(low) and is_number(high)):
+        return missing
+    magnitude = max(abs(_round_significant(low)), abs(_round_significant(high)))
+    scale, suffix = _seconds_unit(magnitude) if magnitude else (1.0, "s")
+    return f"{_fixed(low * scale)}–{_fixed(high * scale)} {suffix}"
+
+
+def format_per_iteration(
+    seconds: float | None, *, like: float | None = None, missing: str = NOT_MEASURED
+) -> str:
+    """Seconds per iteration: "1.84 s/it", "45.6 ms/it" (``like`` as in :func:`format_seconds`)."""
+    text = format_seconds(seconds, like=like, missing="")
+    return f"{text}/it" if text else missing
+
+
+def format_bytes(count: float | None, *, missing: str = NOT_MEASURED) -> str:
+    """Binary units: 1536 -> "1.5 KiB", 25769803776 -> "24.0 GiB"."""
+    if count is None or not is_number(count):
+        return missing
+    value = float(count)
+    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or suffix == "TiB":
+            return f"{value:.0f} {suffix}" if suffix == "B" else f"{value:.1f} {suffix}"
+        value /= 1024
+    return missing  # unreachable: the loop returns at "TiB"
+
+
+def format_percent(fraction: float | None, *, signed: bool = False, missing: str = "") -> str:
+    """0.123 -> "12%", 0.034 -> "3.4%"; with ``signed`` a plus sign for positive values."""
+    if fraction is None or not is_number(fraction):
+        return missing
+    percent = fraction * 100
+    text = f"{percent:.1f}" if abs(percent) < 10 else f"{percent:.0f}"
+    if signed and percent > 0:
+        text = "+" + text
+    return text.replace("-", "−") + "%"
+
+
+def format_count(count: float | None, *, missing: str = NOT_MEASURED) -> str:
+    """Large counts for parameters: 2_567_000_000 -> "2.57 B", 860_000_000 -> "860 M"."""
+    if count is None or not is_number(count):
+        return missing
+    value = float(count)
+    for threshold, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= threshold:
+            return f"{_fixed(value / threshold)} {suffix}"
+    return f"{value:.0f}"
+
+
+def format_value(value: object) -> str:
+    """A scalar of unknown meaning (evidence, inventory): shown as is, floats to 4 digits."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "∞" if value > 0 else "−∞"
+        return f"{value:.4g}"
+    return str(value)
+
+
+__all__ = [
+    "NOT_MEASURED",
+    "format_bytes",
+    "format_count",
+    "format_per_iteration",
+    "format_percent",
+    "format_seconds",
+    "format_seconds_range",
+    "format_value",
+    "is_number",
+]

@@ -1,0 +1,710 @@
+"""The view: everything the report shows, as display-ready values derived from a RunRecord.
+
+Pure functions of the record: no analysis (the record already holds the findings and the numbers),
+no HTML (the templates lay it out, escaping every value), no torch. Both the HTML and the terminal
+renderer read the same view, so the two always say the same thing; tests check the view directly.
+
+Every part copes with a record that lacks it (no samples, no breakdown, no device name, a trace
+without a model, an old record): it says "not measured" or leaves the part out, never raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from diagnose.record import (
+    PHASE_LABELS,
+    Breakdown,
+    Finding,
+    OpStat,
+    ProbeResult,
+    RunRecord,
+    Stats,
+    Timing,
+)
+
+from .charts import Segment, StepPoint, breakdown_bar_svg, phase_color, step_times_svg
+from .format import (
+    NOT_MEASURED,
+    format_bytes,
+    format_count,
+    format_per_iteration,
+    format_percent,
+    format_seconds,
+    format_seconds_range,
+    format_value,
+    is_number,
+)
+
+#: Relative spread (IQR / median) above which the headline is flagged noisy.
+NOISY_RELATIVE_SPREAD = 0.10
+
+#: How each saving basis reads in the report.
+SAVING_BASIS_LABELS: dict[str, str] = {
+    "measured": "measured (A/B)",
+    "estimated": "estimated",
+    "trace": "from the trace",
+    "none": "not quantified",
+}
+
+BREAKDOWN_BASIS_LABELS: dict[str, str] = {
+    "measured": "measured: device-synchronised timers around each phase, median over the steps",
+    "estimated": "estimated",
+    "trace": "from the trace: phase spans read off the profiler trace, median over its steps",
+    "none": "how these were obtained was not recorded",
+}
+
+PRESET_LABELS: dict[str, str] = {
+    "sd15": "SD 1.5",
+    "sdxl": "SDXL",
+    "zimage": "Z-Image",
+    "flux": "FLUX",
+    "sd3": "SD3",
+}
+
+OPTIMIZER_LABELS: dict[str, str] = {
+    "adamw": "AdamW",
+    "adamw8bit": "AdamW8bit",
+    "adafactor": "Adafactor",
+}
+
+#: Nested key/value trees deeper than this are shown flattened to one text cell.
+_MAX_KV_DEPTH = 6
+#: Lists longer than this are cut, with a note of how many were left out.
+_MAX_LIST_ITEMS = 50
+
+
+# --------------------------------------------------------------------------------------------
+# Generic key/value trees (evidence, inventory, config, probe data)
+
+
+@dataclass(frozen=True)
+class KV:
+    """One row of a key/value table: a text value, or nested rows."""
+
+    key: str
+    text: str = ""
+    children: tuple[KV, ...] = ()
+
+
+def kv_rows(value: Any, *, depth: int = 0) -> tuple[KV, ...]:
+    """Rows for a mapping (keys sorted, so the output is deterministic) or a list (indexed)."""
+    if isinstance(value, Mapping):
+        items: list[tuple[str, Any]] = sorted(((str(k), v) for k, v in value.items()))
+    elif isinstance(value, (list, tuple)):
+        items = [(f"[{i}]", v) for i, v in enumerate(value[:_MAX_LIST_ITEMS])]
+        if len(value) > _MAX_LIST_ITEMS:
+            items.append(("…", f"{len(value) - _MAX_LIST_ITEMS} more not shown"))
+    else:
+        return (KV(key="", text=format_value(value)),)
+    return tuple(_kv_row(key, item, depth) for key, item in items)
+
+
+def _kv_row(key: str, value: Any, depth: int) -> KV:
+    if isinstance(value, (Mapping, list, tuple)):
+        if not value:
+            return KV(key=key, text="(empty)")
+        if isinstance(value, (list, tuple)) and all(not isinstance(v, (Mapping, list, tuple))
+                                                   for v in value):
+            shown = [format_value(v) for v in value[:_MAX_LIST_ITEMS]]
+            if len(value) > _MAX_LIST_ITEMS:
+                shown.append(f"… {len(value) - _MAX_LIST_ITEMS} more")
+            return KV(key=key, text=", ".join(shown))
+        if depth >= _MAX_KV_DEPTH:
+            return KV(key=key, text=format_value(value))
+        return KV(key=key, children=kv_rows(value, depth=depth + 1))
+    return KV(key=key, text=format_value(value))
+
+
+# --------------------------------------------------------------------------------------------
+# 1. The number
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The first line of the report."""
+
+    #: Whether there is a step time at all.
+    measured: bool
+    #: "1.84 s/it", or "not measured".
+    value: str
+    #: "median of 20 unprofiled steps, IQR 1.80–1.90 s".
+    how: str
+    #: "AMD Radeon RX 7900 XTX, SDXL LoRA rank 32, bf16-mixed, AdamW8bit, 1024 px, batch 1".
+    setup: str
+    #: The whole first line as one sentence, for the terminal and the page title.
+    sentence: str
+    noisy: bool
+    #: Why the spread is flagged, or "".
+    noise_text: str
+    #: Profiled vs unprofiled medians and the profiler's overhead, or "".
+    profiler_text: str
+    #: Where the step time came from: "measured" or "trace".
+    source: str
+
+
+def build_headline(record: RunRecord) -> Headline:
+    timing = record.timing
+    stats = timing.headline
+    from_trace = record.mode == "trace"
+    setup = describe_setup(record)
+    if not stats.n or not is_number(stats.median):
+        what = "step time" if from_trace else "seconds per iteration"
+        why = "the trace held no complete step" if from_trace else "no step was timed"
+        sentence = f"{what.capitalize()} not measured ({why})"
+        return Headline(
+            measured=False, value=NOT_MEASURED, how=why, setup=setup,
+            sentence=f"{sentence}{' on ' + setup if setup else ''}.",
+            noisy=False, noise_text="", profiler_text="", source="trace" if from_trace else "none",
+        )
+    value = format_per_iteration(stats.median)
+    how = _describe_stats(stats, timing, from_trace)
+    spread = stats.relative_spread
+    noisy = stats.n >= 2 and is_number(spread) and spread > NOISY_RELATIVE_SPREAD
+    noise_text = ""
+    if noisy:
+        noise_text = (
+            f"Noisy: the interquartile range is {format_percent(spread)} of the median "
+            f"(above {format_percent(NOISY_RELATIVE_SPREAD)}); differences smaller than that "
+            "are not conclusive. Rerun with more steps on an otherwise idle machine."
+        )
+    sentence = f"{value} ({how})"
+    if setup:
+        sentence += f" on {setup}"
+    return Headline(
+        measured=True, value=value, how=how, setup=setup, sentence=sentence + ".", noisy=noisy,
+        noise_text=noise_text, profiler_text=_describe_profiler(timing, from_trace),
+        source="trace" if from_trace else "measured",
+    )
+
+
+def _describe_stats(stats: Stats, timing: Timing, from_trace: bool) -> str:
+    steps = "step" if stats.n == 1 else "steps"
+    if from_trace:
+        kind = f"{steps} in the trace"
+    elif timing.unprofiled.n:
+        kind = f"unprofiled {steps}"
+    else:
+        kind = f"profiled {steps}, no unprofiled step was timed, so it includes profiler overhead"
+    if stats.n == 1:
+        text = f"1 {kind}, no spread"
+    else:
+        text = f"median of {stats.n} {kind}, IQR {format_seconds_range(stats.q1, stats.q3)}"
+    if from_trace:
+        text += "; step time read from the profiler trace"
+    return text
+
+
+def _describe_profiler(timing: Timing, from_trace: bool) -> str:
+    if from_trace:
+        return ""
+    profiled, unprofiled = timing.profiled, timing.unprofiled
+    overhead = timing.profiler_overhead
+    if overhead is not None:
+        return (
+            f"Profiled steps: median {format_seconds(profiled.median)} over {profiled.n} "
+            f"(unprofiled median {format_seconds(unprofiled.median)}): profiler overhead "
+            f"{format_percent(overhead, signed=True)}."
+        )
+    if unprofiled.n and not profiled.n:
+        return "No step was profiled: the profiler's overhead is not measured."
+    return ""
+
+
+def describe_setup(record: RunRecord) -> str:
+    """Device and workload in one phrase; only the parts the record holds."""
+    parts: list[str] = []
+    device = describe_device_name(record)
+    if device:
+        parts.append(device)
+    model = _model_phrase(record)
+    if model:
+        parts.append(model)
+    config = record.config
+    precision = config.get("precision")
+    if isinstance(precision, str) and precision:
+        parts.append(precision)
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, str) and optimizer:
+        parts.append(OPTIMIZER_LABELS.get(optimizer, optimizer))
+    resolution = _resolution_phrase(config.get("resolution"))
+    if resolution:
+        parts.append(resolution)
+    batch = config.get("batch")
+    if is_number(batch):
+        parts.append(f"batch {format_value(batch)}")
+    return ", ".join(parts)
+
+
+def describe_device_name(record: RunRecord) -> str:
+    device = record.device
+    if device.name:
+        return device.name
+    if device.kind == "cpu":
+        return "the CPU"
+    if device.kind and device.kind != "unknown":
+        return f"a {device.kind} device (name not recorded)"
+    return ""
+
+
+def _model_phrase(record: RunRecord) -> str:
+    model = record.model
+    preset = model.preset or record.config.get("preset") or ""
+    if not isinstance(preset, str):
+        preset = str(preset)
+    name = PRESET_LABELS.get(preset, preset) or model.class_name
+    if not name:
+        return ""
+    size = model.size or record.config.get("size") or ""
+    if size and size != "full":
+        name += f" ({size})"
+    rank = record.config.get("rank")
+    if is_number(rank):
+        return f"{name} LoRA rank {format_value(rank)}"
+    return name
+
+
+def _resolution_phrase(resolution: Any) -> str:
+    if is_number(resolution):
+        return f"{format_value(resolution)} px"
+    if isinstance(resolution, (list, tuple)) and resolution and all(map(is_number, resolution)):
+        return "/".join(format_value(r) for r in resolution) + " px"
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Where it goes
+
+
+@dataclass(frozen=True)
+class PhaseView:
+    key: str
+    label: str
+    seconds: str
+    percent: str
+    color: str
+
+
+@dataclass(frozen=True)
+class BreakdownView:
+    phases: tuple[PhaseView, ...]
+    #: "3.12 s", the sum of the phases.
+    total: str
+    basis: str
+    #: A note comparing the phase sum with the step time, or "".
+    coverage: str
+    #: Inline SVG of the stacked bar ("" when nothing to draw).
+    svg: str
+    #: Device time per kernel class, when a device trace was read.
+    kernel_classes: tuple[tuple[str, str], ...]
+
+
+def build_breakdown(
+    breakdown: Breakdown, headline_seconds: float | None, problems: list[str], *, draw: bool = True
+) -> BreakdownView:
+    """The phases in report order; ``draw=False`` skips the chart (the terminal needs none)."""
+    ordered = [(k, v) for k, v in breakdown.ordered() if is_number(v)]
+    total = sum(v for _, v in ordered if v > 0)
+    phases: list[PhaseView] = []
+    segments: list[Segment] = []
+    unknown_position = 0
+    for key, seconds in ordered:
+        color = phase_color(key, unknown_position)
+        if key not in PHASE_LABELS:
+            unknown_position += 1
+        phases.append(PhaseView(
+            key=key,
+            label=PHASE_LABELS.get(key, key.replace("_", " ")),
+            seconds=format_seconds(seconds, like=headline_seconds),
+            percent=format_percent(seconds / total) if total > 0 and seconds >= 0 else "",
+            color=color,
+        ))
+        segments.append(Segment(seconds=float(seconds), color=color))
+    coverage = ""
+    if total > 0 and headline_seconds is not None and is_number(headline_seconds):
+        coverage = (
+            f"The phases add up to {format_seconds(total)} against a median step of "
+            f"{format_seconds(headline_seconds)} (medians are taken per phase, so the two need "
+            "not match exactly)."
+        )
+    kernel_classes = tuple(
+        (name, format_seconds(seconds, like=headline_seconds))
+        for name, seconds in sorted(
+            breakdown.device_seconds_by_kernel_class.items(),
+            key=lambda kv: (-(kv[1] if is_number(kv[1]) else 0.0), kv[0]),
+        )
+    )
+    return BreakdownView(
+        phases=tuple(phases),
+        total=format_seconds(total, like=headline_seconds) if phases else NOT_MEASURED,
+        basis=BREAKDOWN_BASIS_LABELS.get(breakdown.basis, breakdown.basis),
+        coverage=coverage,
+        svg=_chart(lambda: breakdown_bar_svg(segments), problems) if draw else "",
+        kernel_classes=kernel_classes,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Why, ranked by what it costs
+
+
+@dataclass(frozen=True)
+class FindingView:
+    rank: int
+    id: str
+    severity: str
+    category: str
+    title: str
+    #: "0.52 s/it", or "" when the saving is not quantified.
+    saving: str
+    #: "measured (A/B)", "estimated", "from the trace", "not quantified".
+    saving_basis: str
+    #: "28% of the step", or "".
+    saving_share: str
+    fix: str
+    detail: str
+    source: str
+    evidence: tuple[KV, ...]
+
+
+def build_findings(record: RunRecord) -> tuple[FindingView, ...]:
+    headline = record.timing.headline
+    step = headline.median if headline.n and is_number(headline.median) else None
+    return tuple(_finding_view(i + 1, f, step) for i, f in enumerate(record.ranked_findings()))
+
+
+def _finding_view(rank: int, finding: Finding, step_seconds: float | None) -> FindingView:
+    saved = finding.est_seconds_saved_per_it
+    quantified = saved is not None and is_number(saved)
+    share = ""
+    if quantified and step_seconds and saved is not None and step_seconds > 0:
+        share = f"{format_percent(saved / step_seconds)} of the step"
+    return FindingView(
+        rank=rank,
+        id=finding.id,
+        severity=finding.severity,
+        category=finding.category,
+        title=finding.title or finding.id or "(untitled finding)",
+        saving=format_per_iteration(saved, like=step_seconds) if quantified else "",
+        saving_basis=_saving_basis(finding.saving_basis, quantified),
+        saving_share=share,
+        fix=finding.fix,
+        detail=finding.detail,
+        source=finding.source,
+        evidence=kv_rows(finding.evidence) if finding.evidence else (),
+    )
+
+
+def _saving_basis(basis: str, quantified: bool) -> str:
+    if not quantified:
+        return SAVING_BASIS_LABELS["none"]
+    if basis == "none":  # a number without its basis (an older or hand-written record)
+        return "how obtained not recorded"
+    return SAVING_BASIS_LABELS.get(basis, basis)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. What was checked
+
+
+@dataclass(frozen=True)
+class CheckedOk:
+    probe: str
+    text: str
+
+
+@dataclass(frozen=True)
+class NotChecked:
+    probe: str
+    status: str
+    reason: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class ProbeRow:
+    name: str
+    status: str
+    duration: str
+    reason: str
+    findings: int
+    traceback: str
+    data: tuple[KV, ...]
+
+
+@dataclass(frozen=True)
+class ChecksView:
+    checked_ok: tuple[CheckedOk, ...]
+    not_checked: tuple[NotChecked, ...]
+    probes: tuple[ProbeRow, ...]
+    #: Names of the probes that ran to completion (for the "no finding" state).
+    ran: tuple[str, ...]
+    #: "12 ok, 1 skipped, 1 error".
+    status_counts: str
+
+
+def build_checks(probes: Sequence[ProbeResult]) -> ChecksView:
+    checked_ok = tuple(CheckedOk(p.name, line) for p in probes for line in p.checked_ok)
+    not_checked = tuple(
+        NotChecked(
+            probe=p.name,
+            status=p.status,
+            reason=_first_line(p.reason) or ("no reason recorded" if p.status == "skipped"
+                                             else _last_line(p.traceback) or "no error recorded"),
+            traceback=p.traceback if p.status == "error" else "",
+        )
+        for p in probes
+        if p.status != "ok"
+    )
+    rows = tuple(
+        ProbeRow(
+            name=p.name,
+            status=p.status,
+            duration=format_seconds(p.duration_seconds),
+            reason=_first_line(p.reason),
+            findings=len(p.findings),
+            traceback=p.traceback,
+            data=kv_rows(p.data) if p.data else (),
+        )
+        for p in probes
+    )
+    counts: dict[str, int] = {}
+    for p in probes:
+        counts[p.status] = counts.get(p.status, 0) + 1
+    order = ["ok", "skipped", "error", *sorted(set(counts) - {"ok", "skipped", "error"})]
+    status_counts = ", ".join(f"{counts[s]} {s}" for s in order if s in counts)
+    return ChecksView(
+        checked_ok=checked_ok,
+        not_checked=not_checked,
+        probes=rows,
+        ran=tuple(p.name for p in probes if p.status == "ok"),
+        status_counts=status_counts or "no probe ran",
+    )
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0].strip() if text.strip() else ""
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1].strip() if text.strip() else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Below the first screen
+
+
+@dataclass(frozen=True)
+class StepsView:
+    #: Inline SVG ("" when there are no steps).
+    svg: str
+    #: One line per kind of step: how many and their median.
+    summary: tuple[str, ...]
+    warmup_note: str
+
+
+def build_steps(timing: Timing, *, from_trace: bool, problems: list[str]) -> StepsView:
+    warmup = [StepPoint(i + 1, s) for i, s in enumerate(timing.warmup_seconds) if is_number(s)]
+    offset = len(timing.warmup_seconds)
+    ordered = sorted(timing.samples, key=lambda s: s.index)
+    unprofiled = [StepPoint(offset + i + 1, s.seconds)
+                  for i, s in enumerate(ordered) if not s.profiled]
+    profiled = [StepPoint(offset + i + 1, s.seconds) for i, s in enumerate(ordered) if s.profiled]
+    median = timing.unprofiled.median if timing.unprofiled.n else None
+    summary: list[str] = []
+    for label, stats in (("unprofiled", timing.unprofiled), ("profiled", timing.profiled)):
+        if stats.n:
+            if from_trace:
+                label = "steps in the trace" if label == "profiled" else "steps"
+            else:
+                label += " steps"
+            summary.append(
+                f"{stats.n} {label}: median {format_seconds(stats.median)}, "
+                f"IQR {format_seconds_range(stats.q1, stats.q3)}, "
+                f"min {format_seconds(stats.min)}, max {format_seconds(stats.max)}"
+            )
+    warmup_note = ""
+    if timing.warmup_seconds:
+        warmup_note = (
+            f"{len(timing.warmup_seconds)} warm-up step(s), not counted: "
+            + ", ".join(format_seconds(s) for s in timing.warmup_seconds)
+            + "."
+        )
+    elif timing.warmup_steps:
+        warmup_note = f"{timing.warmup_steps} warm-up step(s) ran; their times were not kept."
+    return StepsView(
+        svg=_chart(
+            lambda: step_times_svg(
+                unprofiled=unprofiled, profiled=profiled, warmup=warmup, median=median
+            ),
+            problems,
+        ),
+        summary=tuple(summary),
+        warmup_note=warmup_note,
+    )
+
+
+@dataclass(frozen=True)
+class OpRow:
+    name: str
+    calls_per_step: str
+    self_cpu: str
+    self_device: str
+    cpu_total: str
+    shapes: str
+    dtypes: str
+
+
+def build_ops(ops: Sequence[OpStat]) -> tuple[OpRow, ...]:
+    return tuple(
+        OpRow(
+            name=op.name,
+            calls_per_step=format_value(round(op.calls_per_step, 2))
+            if is_number(op.calls_per_step) else "—",
+            self_cpu=format_seconds(op.self_cpu_seconds, missing="—"),
+            self_device=format_seconds(op.self_device_seconds, missing="—"),
+            cpu_total=format_seconds(op.cpu_total_seconds, missing="—"),
+            shapes=op.input_shapes,
+            dtypes=op.input_dtypes,
+        )
+        for op in ops
+    )
+
+
+def build_memory(timing: Timing) -> tuple[tuple[str, str], ...]:
+    rows = (
+        ("peak device memory allocated", timing.peak_allocated_bytes),
+        ("peak device memory reserved", timing.peak_reserved_bytes),
+        ("peak host memory (RSS)", timing.peak_rss_bytes),
+    )
+    out = tuple((label, format_bytes(value)) for label, value in rows if value is not None)
+    if timing.first_batch_seconds is not None:
+        out += (("first batch arrived after", format_seconds(timing.first_batch_seconds)),)
+    return out
+
+
+def build_device(record: RunRecord) -> tuple[KV, ...]:
+    d = record.device
+    fields: list[tuple[str, str]] = [
+        ("kind", d.kind),
+        ("vendor", d.vendor),
+        ("name", d.name),
+        ("architecture", d.arch),
+        ("memory", format_bytes(d.memory_bytes) if d.memory_bytes is not None else ""),
+        ("runtime", d.runtime),
+        ("driver", d.driver),
+        ("torch device", d.torch_device),
+    ]
+    rows = [KV(key=k, text=v) for k, v in fields if v]
+    if d.extra:
+        rows.append(KV(key="extra", children=kv_rows(d.extra)))
+    return tuple(rows)
+
+
+def build_model(record: RunRecord) -> tuple[KV, ...]:
+    m = record.model
+    fields: list[tuple[str, str]] = [
+        ("preset", PRESET_LABELS.get(m.preset, m.preset)),
+        ("size", m.size),
+        ("class", m.class_name),
+        ("weights", m.source),
+        ("parameters", format_count(m.parameters) if m.parameters else ""),
+        ("trainable (LoRA) parameters",
+         format_count(m.trainable_parameters) if m.trainable_parameters else ""),
+        ("LoRA-wrapped modules", str(m.lora_modules) if m.lora_modules else ""),
+        ("text encoders", ", ".join(m.text_encoders)),
+        ("VAE", m.vae),
+    ]
+    return tuple(KV(key=k, text=v) for k, v in fields if v)
+
+
+# --------------------------------------------------------------------------------------------
+# The whole report
+
+
+@dataclass(frozen=True)
+class ReportView:
+    title: str
+    mode: str
+    headline: Headline
+    breakdown: BreakdownView
+    findings: tuple[FindingView, ...]
+    checks: ChecksView
+    steps: StepsView
+    ops: tuple[OpRow, ...]
+    memory: tuple[tuple[str, str], ...]
+    device: tuple[KV, ...]
+    inventory: tuple[KV, ...]
+    model: tuple[KV, ...]
+    config: tuple[KV, ...]
+    notes: tuple[str, ...]
+    command: str
+    trace_path: str
+    tool_version: str
+    schema_version: int
+    created: str
+    #: Problems met while rendering (a chart that could not be drawn); shown in the notes.
+    render_notes: tuple[str, ...] = field(default=())
+
+
+def build_view(record: RunRecord) -> ReportView:
+    """Everything the report shows, derived from ``record`` alone."""
+    problems: list[str] = []
+    headline = build_headline(record)
+    stats = record.timing.headline
+    step_seconds = stats.median if stats.n and is_number(stats.median) else None
+    from_trace = record.mode == "trace"
+    title_number = headline.value if headline.measured else "no step time"
+    where = describe_device_name(record)
+    view = ReportView(
+        title=f"diagnose: {title_number}" + (f" on {where}" if where else ""),
+        mode=record.mode,
+        headline=headline,
+        breakdown=build_breakdown(record.breakdown, step_seconds, problems),
+        findings=build_findings(record),
+        checks=build_checks(record.probes),
+        steps=build_steps(record.timing, from_trace=from_trace, problems=problems),
+        ops=build_ops(record.top_ops),
+        memory=build_memory(record.timing),
+        device=build_device(record),
+        inventory=kv_rows(record.inventory) if record.inventory else (),
+        model=build_model(record),
+        config=kv_rows(record.config) if record.config else (),
+        notes=tuple(record.notes),
+        command=record.command,
+        trace_path=record.trace_path,
+        tool_version=record.tool_version,
+        schema_version=record.schema_version,
+        created=record.created,
+        render_notes=tuple(problems),
+    )
+    return view
+
+
+def _chart(draw: Callable[[], str], problems: list[str]) -> str:
+    """Draw a chart; a failure (matplotlib on an odd value) becomes a note, not a crash.
+
+    A chart is optional: the numbers it shows are in the text next to it.
+    """
+    try:
+        return draw()
+    except Exception as exc:
+        problems.append(f"A chart could not be drawn: {type(exc).__name__}: {exc}")
+        return ""
+
+
+__all__ = [
+    "KV",
+    "NOISY_RELATIVE_SPREAD",
+    "SAVING_BASIS_LABELS",
+    "BreakdownView",
+    "ChecksView",
+    "FindingView",
+    "Headline",
+    "ReportView",
+    "build_view",
+    "describe_setup",
+    "kv_rows",
+]
