@@ -124,7 +124,7 @@ class DeviceInfo:
     kind: str = "unknown"
     vendor: str = ""
     name: str = ""
-    #: Compute capability ("sm_90"), gfx target ("gfx1100"), or CPU ISA summary.
+    #: Compute capability ("sm_90"), gfx target ("gfx1100"), or the CPU machine ("x86_64").
     arch: str = ""
     memory_bytes: int | None = None
     #: "CUDA 12.8", "HIP 6.4.43482", ... (empty on the CPU).

@@ -69,7 +69,7 @@ def terminal_summary(
         lines.append("where it goes: not measured")
 
     findings = build_findings(record)
-    checks = build_checks(record.probes)
+    checks = build_checks(record.probes, record.findings)
     if findings:
         lines.append("why, ranked by what it costs:")
         for finding in findings[:TOP_FINDINGS]:

@@ -106,8 +106,9 @@ def _kv_row(key: str, value: Any, depth: int) -> KV:
     if isinstance(value, (Mapping, list, tuple)):
         if not value:
             return KV(key=key, text="(empty)")
-        if isinstance(value, (list, tuple)) and all(not isinstance(v, (Mapping, list, tuple))
-                                                   for v in value):
+        if isinstance(value, (list, tuple)) and all(
+            not isinstance(v, (Mapping, list, tuple)) for v in value
+        ):
             shown = [format_value(v) for v in value[:_MAX_LIST_ITEMS]]
             if len(value) > _MAX_LIST_ITEMS:
                 shown.append(f"… {len(value) - _MAX_LIST_ITEMS} more")
@@ -155,9 +156,15 @@ def build_headline(record: RunRecord) -> Headline:
         why = "the trace held no complete step" if from_trace else "no step was timed"
         sentence = f"{what.capitalize()} not measured ({why})"
         return Headline(
-            measured=False, value=NOT_MEASURED, how=why, setup=setup,
+            measured=False,
+            value=NOT_MEASURED,
+            how=why,
+            setup=setup,
             sentence=f"{sentence}{' on ' + setup if setup else ''}.",
-            noisy=False, noise_text="", profiler_text="", source="trace" if from_trace else "none",
+            noisy=False,
+            noise_text="",
+            profiler_text="",
+            source="trace" if from_trace else "none",
         )
     value = format_per_iteration(stats.median)
     how = _describe_stats(stats, timing, from_trace)
@@ -174,8 +181,14 @@ def build_headline(record: RunRecord) -> Headline:
     if setup:
         sentence += f" on {setup}"
     return Headline(
-        measured=True, value=value, how=how, setup=setup, sentence=sentence + ".", noisy=noisy,
-        noise_text=noise_text, profiler_text=_describe_profiler(timing, from_trace),
+        measured=True,
+        value=value,
+        how=how,
+        setup=setup,
+        sentence=sentence + ".",
+        noisy=noisy,
+        noise_text=noise_text,
+        profiler_text=_describe_profiler(timing, from_trace),
         source="trace" if from_trace else "measured",
     )
 
@@ -314,13 +327,15 @@ def build_breakdown(
         color = phase_color(key, unknown_position)
         if key not in PHASE_LABELS:
             unknown_position += 1
-        phases.append(PhaseView(
-            key=key,
-            label=PHASE_LABELS.get(key, key.replace("_", " ")),
-            seconds=format_seconds(seconds, like=headline_seconds),
-            percent=format_percent(seconds / total) if total > 0 and seconds >= 0 else "",
-            color=color,
-        ))
+        phases.append(
+            PhaseView(
+                key=key,
+                label=PHASE_LABELS.get(key, key.replace("_", " ")),
+                seconds=format_seconds(seconds, like=headline_seconds),
+                percent=format_percent(seconds / total) if total > 0 and seconds >= 0 else "",
+                color=color,
+            )
+        )
         segments.append(Segment(seconds=float(seconds), color=color))
     coverage = ""
     if total > 0 and headline_seconds is not None and is_number(headline_seconds):
@@ -445,14 +460,22 @@ class ChecksView:
     status_counts: str
 
 
-def build_checks(probes: Sequence[ProbeResult]) -> ChecksView:
+def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()) -> ChecksView:
+    # A saved record keeps its findings in RunRecord.findings, each naming its source probe.
+    by_source: dict[str, int] = {}
+    for finding in findings:
+        by_source[finding.source] = by_source.get(finding.source, 0) + 1
     checked_ok = tuple(CheckedOk(p.name, line) for p in probes for line in p.checked_ok)
     not_checked = tuple(
         NotChecked(
             probe=p.name,
             status=p.status,
-            reason=_first_line(p.reason) or ("no reason recorded" if p.status == "skipped"
-                                             else _last_line(p.traceback) or "no error recorded"),
+            reason=_first_line(p.reason)
+            or (
+                "no reason recorded"
+                if p.status == "skipped"
+                else _last_line(p.traceback) or "no error recorded"
+            ),
             traceback=p.traceback if p.status == "error" else "",
         )
         for p in probes
@@ -464,7 +487,7 @@ def build_checks(probes: Sequence[ProbeResult]) -> ChecksView:
             status=p.status,
             duration=format_seconds(p.duration_seconds),
             reason=_first_line(p.reason),
-            findings=len(p.findings),
+            findings=len(p.findings) + by_source.get(p.name, 0),
             traceback=p.traceback,
             data=kv_rows(p.data) if p.data else (),
         )
@@ -509,8 +532,9 @@ def build_steps(timing: Timing, *, from_trace: bool, problems: list[str]) -> Ste
     warmup = [StepPoint(i + 1, s) for i, s in enumerate(timing.warmup_seconds) if is_number(s)]
     offset = len(timing.warmup_seconds)
     ordered = sorted(timing.samples, key=lambda s: s.index)
-    unprofiled = [StepPoint(offset + i + 1, s.seconds)
-                  for i, s in enumerate(ordered) if not s.profiled]
+    unprofiled = [
+        StepPoint(offset + i + 1, s.seconds) for i, s in enumerate(ordered) if not s.profiled
+    ]
     profiled = [StepPoint(offset + i + 1, s.seconds) for i, s in enumerate(ordered) if s.profiled]
     median = timing.unprofiled.median if timing.unprofiled.n else None
     summary: list[str] = []
@@ -562,7 +586,8 @@ def build_ops(ops: Sequence[OpStat]) -> tuple[OpRow, ...]:
         OpRow(
             name=op.name,
             calls_per_step=format_value(round(op.calls_per_step, 2))
-            if is_number(op.calls_per_step) else "—",
+            if is_number(op.calls_per_step)
+            else "—",
             self_cpu=format_seconds(op.self_cpu_seconds, missing="—"),
             self_device=format_seconds(op.self_device_seconds, missing="—"),
             cpu_total=format_seconds(op.cpu_total_seconds, missing="—"),
@@ -611,8 +636,10 @@ def build_model(record: RunRecord) -> tuple[KV, ...]:
         ("class", m.class_name),
         ("weights", m.source),
         ("parameters", format_count(m.parameters) if m.parameters else ""),
-        ("trainable (LoRA) parameters",
-         format_count(m.trainable_parameters) if m.trainable_parameters else ""),
+        (
+            "trainable (LoRA) parameters",
+            format_count(m.trainable_parameters) if m.trainable_parameters else "",
+        ),
         ("LoRA-wrapped modules", str(m.lora_modules) if m.lora_modules else ""),
         ("text encoders", ", ".join(m.text_encoders)),
         ("VAE", m.vae),
@@ -664,7 +691,7 @@ def build_view(record: RunRecord) -> ReportView:
         headline=headline,
         breakdown=build_breakdown(record.breakdown, step_seconds, problems),
         findings=build_findings(record),
-        checks=build_checks(record.probes),
+        checks=build_checks(record.probes, record.findings),
         steps=build_steps(record.timing, from_trace=from_trace, problems=problems),
         ops=build_ops(record.top_ops),
         memory=build_memory(record.timing),

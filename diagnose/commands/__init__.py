@@ -1,0 +1,38 @@
+"""The subcommands: one module per command behind the :class:`Command` protocol.
+
+This module stays light (no torch import) so `diagnose --help` and `diagnose report` start fast;
+each command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Protocol
+
+from diagnose.errors import DiagnoseError, ExitCode
+
+
+class Command(Protocol):
+    name: str
+    help: str
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line and the USAGE exit code."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise DiagnoseError(f"{self.prog}: {message} (see {self.prog} --help)", ExitCode.USAGE)
+
+
+def all_commands() -> list[Command]:
+    from diagnose.commands.env import EnvCommand
+    from diagnose.commands.presets import PresetsCommand
+    from diagnose.commands.report import ReportCommand
+    from diagnose.commands.run import RunCommand
+    from diagnose.commands.trace import TraceCommand
+
+    return [RunCommand(), TraceCommand(), ReportCommand(), EnvCommand(), PresetsCommand()]

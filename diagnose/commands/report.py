@@ -1,0 +1,38 @@
+"""`diagnose report RECORD`: re-render a saved record (no torch work, no GPU needed)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from diagnose.errors import ExitCode
+
+
+class ReportCommand:
+    name = "report"
+    help = "re-render the HTML report of a saved record.json (or a run folder)"
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("record", type=Path, help="record.json, or the folder holding it")
+        parser.add_argument(
+            "-o",
+            "--out",
+            type=Path,
+            metavar="FILE",
+            help="HTML file to write (default: report.html beside the record)",
+        )
+        parser.add_argument("--force", action="store_true", help="overwrite an existing FILE")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from diagnose.output import REPORT_NAME, check_writable_file
+        from diagnose.record import RunRecord
+        from diagnose.reports import terminal_summary, write_html
+
+        record = RunRecord.load(args.record)
+        folder = args.record if args.record.is_dir() else args.record.parent
+        out = args.out if args.out is not None else folder / REPORT_NAME
+        check_writable_file(out, force=args.force, option="--out")
+        write_html(record, out)
+        print(terminal_summary(record))
+        print(f"\nreport: {out}")
+        return int(ExitCode.OK)

@@ -1,0 +1,169 @@
+"""`diagnose run`: a real LoRA training step, measured, profiled, probed and reported."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from diagnose.config import ATTENTIONS, OPTIMIZERS, PRECISIONS, PRESETS, SIZES, RunConfig
+from diagnose.errors import DiagnoseError, ExitCode
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 512,1024, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def _str_list(text: str) -> list[str]:
+    return [part for part in text.replace(" ", "").split(",") if part]
+
+
+class RunCommand:
+    name = "run"
+    help = "run a real LoRA training step under the profiler and explain its s/it"
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        d = RunConfig()
+        model = parser.add_argument_group("model")
+        model.add_argument(
+            "--preset",
+            choices=PRESETS,
+            help="architecture to train "
+            "(default: sdxl on a GPU, sd15 when VRAM is short or on a CPU)",
+        )
+        model.add_argument(
+            "--size",
+            choices=SIZES,
+            help="full = the real configuration; tiny = same architecture, shrunk "
+            "(default: full on a GPU, tiny on a CPU)",
+        )
+        model.add_argument(
+            "--model", dest="model_dir", metavar="DIR", help="a local diffusers model folder"
+        )
+        train = parser.add_argument_group("training settings")
+        train.add_argument(
+            "--device", default=d.device, help="auto, cpu, cuda, cuda:N (default: auto)"
+        )
+        train.add_argument("--precision", choices=PRECISIONS, default=d.precision)
+        train.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+        train.add_argument("--batch", type=int, default=d.batch)
+        train.add_argument(
+            "--resolution",
+            type=_int_list,
+            metavar="PX[,PX...]",
+            help="resolution buckets, e.g. 512,1024 (default: the preset's)",
+        )
+        train.add_argument("--rank", type=int, default=d.rank, help="LoRA rank")
+        train.add_argument("--alpha", type=float, help="LoRA alpha (default: the rank)")
+        train.add_argument(
+            "--target-modules",
+            type=_str_list,
+            metavar="NAME[,NAME...]",
+            help="modules the adapter wraps (default: the attention projections)",
+        )
+        train.add_argument("--grad-checkpointing", action="store_true")
+        train.add_argument("--workers", type=int, default=d.workers, help="DataLoader workers")
+        train.add_argument("--attention", choices=ATTENTIONS, default=d.attention)
+        train.add_argument("--lr", dest="learning_rate", type=float, default=d.learning_rate)
+        train.add_argument("--seed", type=int, default=d.seed)
+        train.add_argument(
+            "--cache-latents", action="store_true", help="encode images once, before timing"
+        )
+        train.add_argument(
+            "--cache-text-embeddings",
+            action="store_true",
+            help="encode captions once, before timing",
+        )
+        train.add_argument(
+            "--data",
+            dest="data_dir",
+            metavar="DIR",
+            help="your image folder (default: generated photos)",
+        )
+        measure = parser.add_argument_group("measurement")
+        measure.add_argument("--steps", type=int, default=d.steps, help="timed steps")
+        measure.add_argument(
+            "--warmup", type=int, default=d.warmup, help="warm-up steps (not counted)"
+        )
+        measure.add_argument(
+            "--profiled-steps", type=int, default=d.profiled_steps, help="steps under the profiler"
+        )
+        measure.add_argument(
+            "--skip", action="append", default=[], metavar="PROBE", help="turn a probe off"
+        )
+        output = parser.add_argument_group("output")
+        output.add_argument("--out", type=Path, metavar="DIR", help="output folder (default: new)")
+        output.add_argument(
+            "--force",
+            action="store_true",
+            help="write into a non-empty --out folder; run a full-size model on a CPU",
+        )
+        output.add_argument("--no-progress", action="store_true", help="no progress line")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from diagnose.output import default_out_dir, prepare_out_dir
+        from diagnose.probes import probe_names
+        from diagnose.progress import ProgressLine
+        from diagnose.reports import terminal_summary
+
+        config = RunConfig(
+            preset=args.preset,
+            size=args.size,
+            model_dir=args.model_dir,
+            device=args.device,
+            precision=args.precision,
+            optimizer=args.optimizer,
+            batch=args.batch,
+            resolution=args.resolution,
+            rank=args.rank,
+            alpha=args.alpha,
+            target_modules=args.target_modules,
+            grad_checkpointing=args.grad_checkpointing,
+            workers=args.workers,
+            attention=args.attention,
+            steps=args.steps,
+            warmup=args.warmup,
+            profiled_steps=args.profiled_steps,
+            cache_latents=args.cache_latents,
+            cache_text_embeddings=args.cache_text_embeddings,
+            data_dir=args.data_dir,
+            learning_rate=args.learning_rate,
+            seed=args.seed,
+            skip_probes=args.skip,
+        )
+        config.validate()
+        unknown = sorted(set(args.skip) - set(probe_names()))
+        if unknown:
+            known = ", ".join(probe_names()) or "none"
+            raise DiagnoseError(
+                f"--skip {unknown[0]}: no such probe (probes: {known})", ExitCode.USAGE
+            )
+        if config.model_dir is not None and not Path(config.model_dir).is_dir():
+            raise DiagnoseError(f"--model {config.model_dir}: no such folder", ExitCode.BAD_INPUT)
+        if config.data_dir is not None and not Path(config.data_dir).is_dir():
+            raise DiagnoseError(f"--data {config.data_dir}: no such folder", ExitCode.BAD_INPUT)
+
+        out_dir = args.out if args.out is not None else default_out_dir("run")
+        created = not out_dir.exists()
+        prepare_out_dir(out_dir, force=args.force)
+        from diagnose.run import execute_run
+
+        try:
+            with ProgressLine(enabled=False if args.no_progress else None) as progress:
+                outputs = execute_run(config, out_dir, force=args.force, progress=progress)
+        except BaseException:
+            # A run that failed before writing anything leaves no empty folder behind.
+            if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+                out_dir.rmdir()
+            raise
+        print(terminal_summary(outputs.record, color=sys.stdout.isatty()))
+        print(f"\nreport: {outputs.report_path}\nrecord: {outputs.record_path}")
+        if outputs.trace_path is not None:
+            print(f"trace:  {outputs.trace_path} (open it in Perfetto or chrome://tracing)")
+        return int(ExitCode.OK)

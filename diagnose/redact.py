@@ -1,0 +1,300 @@
+"""Redaction of secrets (and, on request, the user's home folder and name) from text and records.
+
+Records and reports are attached to public bug tickets, so everything the inventory stores and
+everything a report prints passes through here first. The rules err on the side of masking: a
+masked harmless value costs a reader a little context, a leaked token costs its owner an account.
+
+What is masked (:func:`redact_text`):
+
+- the literal values of every secret-named environment variable currently set (see
+  :func:`is_secret_name`), when at least :data:`MIN_SECRET_LENGTH` characters long (so that a
+  ``FOO_AUTH=1`` does not turn every "1" into "***"), and passwords found in URLs held by any
+  environment variable (``HTTPS_PROXY=http://user:password@proxy:3128``);
+- token shapes that are recognisable without context: Hugging Face (``hf_…``), OpenAI/Anthropic
+  style (``sk-…``), GitHub (``ghp_…``, ``github_pat_…``), GitLab (``glpat-…``), Slack
+  (``xoxb-…``), AWS access key ids (``AKIA…``/``ASIA…``), Google API keys (``AIza…``), JSON web
+  tokens, ``Bearer …`` headers and PEM private-key blocks;
+- credentials in URLs: ``scheme://user:pass@host`` → ``scheme://***@host``;
+- secret-named arguments and assignments: ``--token X``, ``--api-key=X``, ``token=X``,
+  ``"password": "X"``;
+- optionally the home folder (→ ``~``) and the user name (→ ``<user>``), for ``--redact-paths``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Secret values shorter than this are not masked literally: "1", "true" or "on" would otherwise
+#: be masked everywhere in the text.
+MIN_SECRET_LENGTH = 6
+
+MASK = "***"
+
+#: Parts of a name that mark it as holding a secret. A name is split into words at ``_ - . /``,
+#: spaces and camelCase boundaries; a word that *contains* one of these stems marks the name
+#: (so ``HFTOKEN``, ``APIKEY`` and ``apiKey`` are caught, not only ``HF_TOKEN``).
+_SECRET_STEMS: tuple[str, ...] = (
+    "TOKEN",
+    "KEY",
+    "SECRET",
+    "PASSWORD",
+    "PASSWD",
+    "CREDENTIAL",
+    "AUTH",
+    "COOKIE",
+    "SESSION",
+)
+#: Whole words that mark a name but are too short to be stems (``BYPASS``, ``COMPASS`` are fine).
+_SECRET_WORDS: frozenset[str] = frozenset({"PASS", "CREDS", "BEARER"})
+
+#: Words that contain a stem but are not secrets. Decision: "contains" with this small allow-list
+#: rather than exact words, so that unknown spellings (``HFTOKEN``) are still masked.
+_HARMLESS_WORDS: frozenset[str] = frozenset(
+    {"KEYBOARD", "KEYBOARDS", "KEYMAP", "TOKENIZER", "TOKENIZERS", "AUTHOR", "AUTHORS", "MONKEY"}
+)
+#: A name whose last word says it holds a size, a mode or an error is not a secret
+#: (``MAX_TOKEN_LENGTH``, ``--max_token_length 225`` in sd-scripts, ``AUTH_MODE``, and the
+#: ``KeyError: 'gfx'`` that error texts are full of).
+_NEUTRAL_LAST_WORDS: frozenset[str] = frozenset(
+    {
+        "LENGTH",
+        "LEN",
+        "LIMIT",
+        "COUNT",
+        "SIZE",
+        "MAX",
+        "MIN",
+        "NUM",
+        "TYPE",
+        "MODE",
+        "PARALLELISM",
+        "ERROR",
+        "EXCEPTION",
+        "WARNING",
+    }
+)
+#: Whole names that match a stem but hold no secret and whose values are common words: masking
+#: ``GDMSESSION=ubuntu`` literally would turn the distribution name into "***".
+_HARMLESS_NAMES: frozenset[str] = frozenset(
+    {
+        "DESKTOP_SESSION",
+        "GDMSESSION",
+        "XDG_SESSION_DESKTOP",
+        "XDG_SESSION_TYPE",
+        "XDG_SESSION_CLASS",
+        "XDG_SESSION_ID",
+        "XDG_SESSION_PATH",
+        "KDE_SESSION_VERSION",
+        "KDE_SESSION_UID",
+        "SESSION_MANAGER",
+        "DBUS_SESSION_BUS_ADDRESS",
+        "SSH_AUTH_SOCK",
+        "XAUTHORITY",
+    }
+)
+
+_WORD_SPLIT = re.compile(r"[_\-./\s]+|(?<=[a-z0-9])(?=[A-Z])")
+
+
+def _name_words(name: str) -> list[str]:
+    return [w.upper() for w in _WORD_SPLIT.split(name.strip()) if w]
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a variable, option or key called ``name`` may hold a secret.
+
+    Case-insensitive. ``HF_TOKEN``, ``MY_API_KEY``, ``apiKey``, ``DB_PASSWORD``, ``AUTH``,
+    ``SESSION_ID`` are secret; ``KEYBOARD_LAYOUT``, ``TOKENIZERS_PARALLELISM``,
+    ``MAX_TOKEN_LENGTH``, ``DESKTOP_SESSION`` are not (see the allow-lists above for why).
+    """
+    if name.strip().upper() in _HARMLESS_NAMES:
+        return False
+    words = _name_words(name)
+    if not words or words[-1] in _NEUTRAL_LAST_WORDS:
+        return False
+    for word in words:
+        if word in _HARMLESS_WORDS:
+            continue
+        if word in _SECRET_WORDS or any(stem in word for stem in _SECRET_STEMS):
+            return True
+    return False
+
+
+# --- patterns -------------------------------------------------------------------------------------
+
+#: (pattern, replacement) pairs for token shapes recognisable without context. The replacement
+#: keeps the public prefix so a reader can tell what kind of credential was there.
+_TOKEN_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(
+            r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.DOTALL
+        ),
+        "-----BEGIN PRIVATE KEY----- *** -----END PRIVATE KEY-----",
+    ),
+    (re.compile(r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{20,}"), "hf_" + MASK),
+    (re.compile(r"(?<![A-Za-z0-9_-])sk-[A-Za-z0-9_-]{20,}"), "sk-" + MASK),
+    (re.compile(r"(?<![A-Za-z0-9])github_pat_[A-Za-z0-9_]{20,}"), "github_pat_" + MASK),
+    (re.compile(r"(?<![A-Za-z0-9])(gh[pousr]_)[A-Za-z0-9]{20,}"), r"\1" + MASK),
+    (re.compile(r"(?<![A-Za-z0-9])glpat-[A-Za-z0-9_-]{20,}"), "glpat-" + MASK),
+    (re.compile(r"(?<![A-Za-z0-9])(xox[abprs]-)[A-Za-z0-9-]{10,}"), r"\1" + MASK),
+    (re.compile(r"(?<![A-Z0-9])(AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])"), r"\1" + MASK),
+    (re.compile(r"(?<![A-Za-z0-9])AIza[0-9A-Za-z_-]{35}"), "AIza" + MASK),
+    (
+        re.compile(r"(?<![A-Za-z0-9])eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
+        "eyJ" + MASK,
+    ),
+    (re.compile(r"(?i)\b((?:bearer|basic)\s+)[A-Za-z0-9._~+/-]{8,}=*"), r"\1" + MASK),
+)
+
+#: ``scheme://userinfo@`` — the user name alone can be a token (``https://TOKEN@github.com``).
+_URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^\s/@'\"<>]+@")
+
+#: The name part of an option or assignment whose value is masked when the name is secret.
+_NAME = r"[A-Za-z_][A-Za-z0-9_.-]*"
+#: ``--token X``, ``--token=X``, ``-api-key X``: the separator may be a space.
+_FLAG = re.compile(r"(?<![A-Za-z0-9_-])(--?)(" + _NAME + r")(=|[ \t]+)(['\"]?)([^\s'\"]+)")
+#: ``token=X``, ``token: X``, ``"token": "X"``, ``token='X'`` (URL queries, reprs, JSON, YAML).
+_ASSIGN = re.compile(
+    r"(?<![A-Za-z0-9_.-])(" + _NAME + r")(['\"]?)(\s*(?:=|:(?!//))\s*)(['\"]?)([^\s'\"&,;}\])]+)"
+)
+
+
+_AUTH_SCHEMES = frozenset({"bearer", "basic", "digest"})
+
+
+def _mask_flag(match: re.Match[str]) -> str:
+    dashes, name, sep, quote, value = match.groups()
+    if not is_secret_name(name) or value.startswith("-") or value == MASK:
+        return match.group(0)
+    return f"{dashes}{name}{sep}{quote}{MASK}"
+
+
+def _mask_assignment(match: re.Match[str]) -> str:
+    name, close_quote, sep, quote, value = match.groups()
+    if not is_secret_name(name) or value == MASK or value.lower() in _AUTH_SCHEMES:
+        # "Authorization: Bearer ***": the scheme word is not the secret, the token after it is
+        # (masked by the Bearer/Basic pattern).
+        return match.group(0)
+    return f"{name}{close_quote}{sep}{quote}{MASK}"
+
+
+def _url_passwords(value: str) -> list[str]:
+    """Passwords inside URLs in ``value`` (for literal masking wherever else they appear)."""
+    found = []
+    for match in re.finditer(r"://[^\s/@:'\"]*:([^\s/@'\"]+)@", value):
+        found.append(match.group(1))
+    return found
+
+
+def secret_env_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Values worth masking literally: secret-named variables and passwords in URL values."""
+    env = os.environ if environ is None else environ
+    values: set[str] = set()
+    for name, value in env.items():
+        if is_secret_name(name):
+            values.add(value.strip())
+        values.update(_url_passwords(value))
+    return sorted((v for v in values if len(v) >= MIN_SECRET_LENGTH), key=lambda v: (-len(v), v))
+
+
+@dataclass
+class Redactor:
+    """Compiled redaction rules; build once, apply to many strings (see :func:`redact_obj`)."""
+
+    secrets: list[str] = field(default_factory=list)
+    home: str | None = None
+    user: str | None = None
+    _literal: re.Pattern[str] | None = field(default=None, init=False, repr=False)
+    _home: re.Pattern[str] | None = field(default=None, init=False, repr=False)
+    _user: re.Pattern[str] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        literals = sorted(
+            {s for s in self.secrets if len(s) >= MIN_SECRET_LENGTH}, key=lambda s: (-len(s), s)
+        )
+        if literals:
+            # Longest first so that a secret containing another is masked whole.
+            self._literal = re.compile("|".join(re.escape(s) for s in literals))
+        home = (self.home or "").rstrip("/\\")
+        if len(home) > 1:  # never "/" itself
+            self._home = re.compile(re.escape(home) + r"(?=$|[/\\\s'\":;,)\]])")
+        if self.user and len(self.user) >= 2:
+            self._user = re.compile(
+                # Not "_" in the guards: "/tmp/torchinductor_alice" names the user too.
+                r"(?<![A-Za-z0-9])" + re.escape(self.user) + r"(?![A-Za-z0-9])"
+            )
+
+    def text(self, text: str) -> str:
+        if not text:
+            return text
+        if self._literal is not None:
+            text = self._literal.sub(MASK, text)
+        for pattern, replacement in _TOKEN_PATTERNS:
+            text = pattern.sub(replacement, text)
+        text = _URL_USERINFO.sub(r"\1" + MASK + "@", text)
+        text = _FLAG.sub(_mask_flag, text)
+        text = _ASSIGN.sub(_mask_assignment, text)
+        if self._home is not None:
+            text = self._home.sub("~", text)
+        if self._user is not None:
+            text = self._user.sub("<user>", text)
+        return text
+
+    def obj(self, obj: Any) -> Any:
+        if isinstance(obj, str):
+            return self.text(obj)
+        if isinstance(obj, Mapping):
+            return {
+                (self.text(k) if isinstance(k, str) else k): self.obj(v)
+                for k, v in obj.items()
+                if not (isinstance(k, str) and is_secret_name(k))
+            }
+        if isinstance(obj, (list, tuple)):
+            return [self.obj(v) for v in obj]
+        return obj
+
+
+def make_redactor(
+    *, secrets: Iterable[str] = (), home: str | None = None, user: str | None = None
+) -> Redactor:
+    """A redactor for the current environment's secrets plus ``secrets``."""
+    return Redactor(secrets=[*secret_env_values(), *secrets], home=home, user=user)
+
+
+def redact_text(
+    text: str, *, secrets: Iterable[str] = (), home: str | None = None, user: str | None = None
+) -> str:
+    """``text`` with secrets masked (see the module docstring for what is masked).
+
+    ``secrets`` are extra literal values to mask, on top of the values of the secret-named
+    environment variables set now. ``home`` and ``user`` (for ``--redact-paths``) replace the
+    home folder by ``~`` and the user name by ``<user>``.
+    """
+    return make_redactor(secrets=secrets, home=home, user=user).text(text)
+
+
+def redact_obj(
+    obj: Any, *, secrets: Iterable[str] = (), home: str | None = None, user: str | None = None
+) -> Any:
+    """A copy of a JSON-like structure with every string redacted (keys too).
+
+    Dict entries whose key is a secret name are dropped whatever their value. Tuples become lists
+    (as in JSON); other values are kept as they are.
+    """
+    return make_redactor(secrets=secrets, home=home, user=user).obj(obj)
+
+
+__all__ = [
+    "MASK",
+    "MIN_SECRET_LENGTH",
+    "Redactor",
+    "is_secret_name",
+    "make_redactor",
+    "redact_obj",
+    "redact_text",
+    "secret_env_values",
+]

@@ -1,0 +1,213 @@
+"""`diagnose run`: inventory → workload step under the profiler → trace rules → probes → record.
+
+Each stage after the measurement is guarded: a broken trace analysis or probe becomes a note or a
+probe error in the record, and the report is still written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diagnose.capture import measure
+from diagnose.config import RunConfig
+from diagnose.device import describe_device, select_device
+from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.inventory import collect_inventory
+from diagnose.output import RECORD_NAME, REPORT_NAME, TRACE_NAME
+from diagnose.probes import REGISTRY, Probe, ProbeContext, run_probes
+from diagnose.record import Finding, ProbeResult, RunRecord, new_record
+from diagnose.redact import redact_text
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class RunOutputs:
+    record: RunRecord
+    record_path: Path
+    report_path: Path
+    trace_path: Path | None
+
+
+def resolve_config(config: RunConfig, device_kind: str, memory_bytes: int | None) -> RunConfig:
+    """Fill in what the user left to the device: preset, size, resolution buckets."""
+    from diagnose.workload import default_preset
+
+    resolved = dataclasses.replace(config)
+    if resolved.model_dir is None:
+        if resolved.preset is None:
+            preset, size = default_preset(device_kind, memory_bytes)
+            resolved.preset = preset
+            resolved.size = resolved.size or size  # type: ignore[assignment]
+        if resolved.size is None:
+            resolved.size = "tiny" if device_kind == "cpu" else "full"
+    return resolved
+
+
+def refuse_full_size_on_cpu(config: RunConfig, device_kind: str, force: bool) -> None:
+    """A full-size model on a CPU takes hours per step: refuse it unless the user insists."""
+    if device_kind != "cpu" or config.size != "full" or config.model_dir is not None or force:
+        return
+    from diagnose.workload import describe_preset
+
+    assert config.preset is not None
+    info = describe_preset(config.preset, "full")
+    billions = info.parameters / 1e9
+    raise DiagnoseError(
+        f"full-size {config.preset} ({billions:.2f} B parameters) on a CPU would take hours per "
+        "step; use --size tiny, run on a GPU, or add --force",
+        ExitCode.UNSUPPORTED,
+    )
+
+
+def _merge_findings(groups: Sequence[Sequence[Finding]]) -> list[Finding]:
+    """One finding per id: when a probe and a trace rule report the same id, keep the one whose
+    saving was measured (then the larger saving)."""
+    basis_rank = {"measured": 0, "estimated": 1, "trace": 2, "none": 3}
+    best: dict[str, Finding] = {}
+    for group in groups:
+        for finding in group:
+            current = best.get(finding.id)
+            key = (
+                basis_rank.get(finding.saving_basis, 9),
+                -(finding.est_seconds_saved_per_it or 0),
+            )
+            if current is None or key < (
+                basis_rank.get(current.saving_basis, 9),
+                -(current.est_seconds_saved_per_it or 0),
+            ):
+                best[finding.id] = finding
+    return list(best.values())
+
+
+def _analyze_own_trace(trace_path: Path, record: RunRecord) -> ProbeResult | None:
+    """Apply the passive trace rules to the trace this run captured."""
+    import time
+
+    from diagnose.trace import analysis_to_record, analyze_trace
+
+    start = time.perf_counter()
+    try:
+        analysis = analyze_trace(trace_path)
+        traced = analysis_to_record(analysis, trace_path)
+    except Exception as exc:
+        return ProbeResult(
+            name="trace",
+            status="error",
+            reason=f"trace analysis failed: {type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc(),
+            duration_seconds=time.perf_counter() - start,
+        )
+    record.top_ops = traced.top_ops
+    if traced.breakdown.device_seconds_by_kernel_class:
+        record.breakdown.device_seconds_by_kernel_class = (
+            traced.breakdown.device_seconds_by_kernel_class
+        )
+    result = next((p for p in traced.probes if p.name == "trace"), None)
+    if result is None:
+        result = ProbeResult(name="trace", findings=traced.findings)
+    else:
+        result.findings = traced.findings
+    result.duration_seconds = time.perf_counter() - start
+    return result
+
+
+def execute_run(
+    config: RunConfig,
+    out_dir: Path,
+    *,
+    force: bool = False,
+    probes: Sequence[Probe] | None = None,
+    progress: Progress | None = None,
+) -> RunOutputs:
+    """Measure, analyse and record one run into ``out_dir`` (which must already exist)."""
+    from diagnose.reports import write_html
+    from diagnose.workload import build_workload
+
+    say = progress or (lambda message: None)
+    config.validate()
+    device = select_device(config.device)
+    device_info = describe_device(device)
+    config = resolve_config(config, device_info.kind, device_info.memory_bytes)
+    refuse_full_size_on_cpu(config, device_info.kind, force)
+
+    say("collecting the inventory")
+    record = new_record("run")
+    record.device = device_info
+    record.inventory = collect_inventory(device_info.kind)
+    record.command = redact_text(config.command_line())
+    torch.manual_seed(config.seed)
+
+    say("building the model")
+    workload = build_workload(config, device)
+    trace_path = out_dir / TRACE_NAME
+    scratch = Path(tempfile.mkdtemp(prefix="diagnose-scratch-"))
+    try:
+        record.model = workload.model_info
+        record.config = config.to_dict()
+        record.config["data"] = dataclasses.asdict(workload.data_info)
+        measurement = measure(
+            workload,
+            steps=config.steps,
+            warmup=config.warmup,
+            profiled_steps=config.profiled_steps,
+            trace_path=trace_path,
+            progress=say,
+        )
+        record.timing = measurement.timing
+        record.breakdown = measurement.breakdown
+        if measurement.trace_path is not None:
+            record.trace_path = measurement.trace_path.name
+            say("analysing the trace")
+            trace_result = _analyze_own_trace(measurement.trace_path, record)
+            if trace_result is not None:
+                record.probes.append(trace_result)
+        if record.timing.unprofiled.n < 5:
+            record.notes.append(
+                f"only {record.timing.unprofiled.n} timed steps: the spread is a rough guide; "
+                "use --steps 10 or more for a firmer number"
+            )
+        ctx = ProbeContext(
+            config=config,
+            device=device,
+            device_info=device_info,
+            record=record,
+            workload=workload,
+            scratch_dir=scratch,
+            progress=say,
+        )
+        record.probes.extend(
+            run_probes(
+                REGISTRY if probes is None else probes,
+                ctx,
+                skip=config.skip_probes,
+                on_start=lambda probe: say(f"probe {probe.name}"),
+            )
+        )
+    finally:
+        workload.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    # The record keeps one ranked list: probe results hand their findings over to it.
+    record.findings = _merge_findings([p.findings for p in record.probes])
+    for result in record.probes:
+        result.findings = []
+    record_path = out_dir / RECORD_NAME
+    report_path = out_dir / REPORT_NAME
+    say("writing the record and the report")
+    record.save(record_path)
+    write_html(record, report_path)
+    return RunOutputs(
+        record=record,
+        record_path=record_path,
+        report_path=report_path,
+        trace_path=measurement.trace_path,
+    )

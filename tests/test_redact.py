@@ -1,0 +1,158 @@
+"""Redaction: records and reports are attached to public tickets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from diagnose.redact import (
+    MASK,
+    Redactor,
+    is_secret_name,
+    redact_obj,
+    redact_text,
+    secret_env_values,
+)
+
+HF = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz01234567"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "hf_token",
+        "MY_API_KEY",
+        "OPENAI_API_KEY",
+        "apiKey",
+        "HFTOKEN",
+        "AWS_SECRET_ACCESS_KEY",
+        "DB_PASSWORD",
+        "DB_PASS",
+        "PGPASSWD",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "AUTH",
+        "COOKIE",
+        "SESSION_ID",
+        "TRITON_API_KEY",  # secret even under a performance prefix
+        "PYTORCH_SECRET",
+    ],
+)
+def test_secret_names(name: str) -> None:
+    assert is_secret_name(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "KEYBOARD_LAYOUT",
+        "TOKENIZERS_PARALLELISM",
+        "MAX_TOKEN_LENGTH",
+        "max_token_length",  # sd-scripts' --max_token_length 225
+        "DESKTOP_SESSION",  # value "ubuntu" would mask the distro name
+        "GDMSESSION",
+        "KeyError",
+        "BYPASS_CACHE",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "HIP_VISIBLE_DEVICES",
+        "PATH",
+        "",
+    ],
+)
+def test_harmless_names(name: str) -> None:
+    assert not is_secret_name(name)
+
+
+def test_masks_hf_tokens_and_url_credentials_in_arbitrary_text() -> None:
+    text = f"login with {HF} then fetch http://user:pass@host:3128/x and https://tok@github.com/a"
+    out = redact_text(text)
+    assert HF not in out
+    assert "hf_" + MASK in out
+    assert "user:pass" not in out
+    assert "http://***@host:3128/x" in out
+    assert "https://***@github.com/a" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("key sk-proj-abcdefghijklmnopqrstuvwx1234", "abcdefghijklmnopqrstuvwx1234"),
+        ("ghp_abcdefghijklmnopqrstuvwxyz0123456789", "abcdefghijklmnopqrstuvwxyz0123456789"),
+        ("aws AKIAIOSFODNN7EXAMPLE", "IOSFODNN7EXAMPLE"),
+        ("train.py --token s3cr3tvalue --lr 1e-4", "s3cr3tvalue"),
+        ("train.py --api-key=s3cr3tvalue", "s3cr3tvalue"),
+        ("train.py --hf_token 'quoted-secret'", "quoted-secret"),
+        ("https://example.org/dl?token=s3cr3tvalue&x=1", "s3cr3tvalue"),
+        ('{"password": "hunter2hunter2"}', "hunter2hunter2"),
+        ("Authorization: Bearer abcdefghijklmnop", "abcdefghijklmnop"),
+        (
+            "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXk\n"
+            "-----END OPENSSH PRIVATE KEY-----",
+            "b3BlbnNzaC1rZXk",
+        ),
+    ],
+)
+def test_masks_token_shapes_and_secret_arguments(text: str, secret: str) -> None:
+    assert secret not in redact_text(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "accelerate launch train.py --max_token_length 225 --lr 1e-4 --rank 32",
+        "KeyError: 'gfx1100'",
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        "torch 2.9.0+rocm6.4 HIP 6.4.43482-0f2d60242 cuDNN 9.1.0",
+        "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'",
+        "the tokenizer has 49408 tokens",
+    ],
+)
+def test_leaves_ordinary_text_alone(text: str) -> None:
+    assert redact_text(text) == text
+
+
+def test_masks_values_of_secret_named_env_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MY_API_KEY", "abcdef123456")
+    monkeypatch.setenv("FOO_AUTH", "1")  # too short to mask literally: "1" is everywhere
+    monkeypatch.setenv("HTTPS_PROXY", "http://bob:proxypass99@proxy:3128")
+    out = redact_text("key abcdef123456 step 1 of 10, proxypass99 alone")
+    assert "abcdef123456" not in out
+    assert "proxypass99" not in out
+    assert "step 1 of 10" in out
+    assert "abcdef123456" in secret_env_values()
+    assert "1" not in secret_env_values()
+
+
+def test_extra_secrets_are_masked() -> None:
+    assert redact_text("id=qwertyuiop", secrets=["qwertyuiop"]) == f"id={MASK}"
+
+
+def test_home_and_user_only_on_request() -> None:
+    text = "/home/alice/venv/bin/python /tmp/torchinductor_alice /home/alicex alice"
+    assert redact_text(text) == text
+    out = redact_text(text, home="/home/alice", user="alice")
+    assert out == "~/venv/bin/python /tmp/torchinductor_<user> /home/alicex <user>"
+
+
+def test_redact_obj_walks_structures_and_drops_secret_keys() -> None:
+    data: dict[str, Any] = {
+        "env": {"HF_TOKEN": HF, "OMP_NUM_THREADS": "8"},
+        "printed": [f"token is {HF}", ("tuple", 1)],
+        f"note {HF}": 1.5,
+        "n": None,
+        "ok": True,
+    }
+    out = redact_obj(data)
+    assert out["env"] == {"OMP_NUM_THREADS": "8"}
+    assert out["printed"] == [f"token is hf_{MASK}", ["tuple", 1]]
+    assert out[f"note hf_{MASK}"] == 1.5
+    assert out["n"] is None and out["ok"] is True
+    assert data["env"]["HF_TOKEN"] == HF  # the input is not modified
+
+
+def test_redactor_is_reusable() -> None:
+    redactor = Redactor(secrets=["s3cr3t-value"])
+    assert redactor.text("a s3cr3t-value b") == f"a {MASK} b"
+    assert redactor.obj({"x": ["s3cr3t-value"]}) == {"x": [MASK]}
