@@ -102,7 +102,13 @@ def capture_output() -> Iterator[Captured]:
 
 
 #: Lines from native code that carry no information for the user.
-_CHATTER = re.compile(r"^(USDT:.*profiler_(start|stop)|.*ActivityProfilerController.*|STAGE:.*)$")
+_CHATTER = re.compile(
+    r"^(USDT:.*profiler_(start|stop)"
+    r"|.*ActivityProfilerController.*"
+    r"|STAGE:.*"
+    # profile_memory=True: a tensor allocated before the profiled window was freed inside it.
+    r"|.*Memory block of unknown size was allocated before the profiling started.*)$"
+)
 
 
 @contextlib.contextmanager

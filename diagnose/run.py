@@ -153,6 +153,8 @@ def execute_run(
     try:
         record.model = workload.model_info
         record.config = config.to_dict()
+        # The buckets the workload settled on (the preset's when --resolution was not given).
+        record.config["resolution"] = list(workload.resolutions)
         record.config["data"] = dataclasses.asdict(workload.data_info)
         measurement = measure(
             workload,

@@ -464,7 +464,9 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
     # A saved record keeps its findings in RunRecord.findings, each naming its source probe.
     by_source: dict[str, int] = {}
     for finding in findings:
-        by_source[finding.source] = by_source.get(finding.source, 0) + 1
+        # Trace rules name themselves "trace:<rule>"; they belong to the "trace" row.
+        source = finding.source.split(":", 1)[0]
+        by_source[source] = by_source.get(source, 0) + 1
     checked_ok = tuple(CheckedOk(p.name, line) for p in probes for line in p.checked_ok)
     not_checked = tuple(
         NotChecked(

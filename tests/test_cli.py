@@ -1,0 +1,233 @@
+"""The CLI end to end: real runs of the tiny workload on the CPU, exit codes, re-rendering."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from diagnose.cli import main
+from diagnose.config import RunConfig
+from diagnose.errors import ExitCode
+from diagnose.output import prepare_out_dir
+from diagnose.probes import ProbeContext
+from diagnose.record import ProbeResult, RunRecord
+from diagnose.run import execute_run
+from tests.conftest import FIXTURES
+
+#: Small but complete: warm-up, timed and profiled steps (keeps the suite fast on 2 cores).
+QUICK = ["--steps", "3", "--warmup", "1", "--profiled-steps", "1", "--no-progress"]
+
+
+class _ExternalRefs(HTMLParser):
+    """Collects every attribute value that could make a browser fetch something."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[str] = []
+        self.tags: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        for name, value in attrs:
+            if (
+                name in {"src", "href", "srcset", "action", "poster", "data", "xlink:href"}
+                and value
+            ):
+                self.refs.append(value)
+
+
+def assert_offline_html(path: Path) -> str:
+    html = path.read_text(encoding="utf-8")
+    parser = _ExternalRefs()
+    parser.feed(html)
+    outside = [r for r in parser.refs if not r.startswith(("#", "data:"))]
+    assert not outside, f"the report references outside files: {outside}"
+    assert "http://" not in html and "https://" not in html
+    assert "@import" not in html and "url(http" not in html
+    return html
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real default run (tiny SD1.5 on the CPU), shared by the tests that read its outputs."""
+    out = tmp_path_factory.mktemp("runs") / "default"
+    assert main(["run", "--out", str(out), *QUICK]) == 0
+    return out
+
+
+def test_run_writes_record_report_and_trace(default_run: Path) -> None:
+    assert {p.name for p in default_run.iterdir()} == {
+        "record.json",
+        "report.html",
+        "trace.json.gz",
+    }
+    record = RunRecord.load(default_run / "record.json")
+    assert record.mode == "run"
+    assert record.device.kind == "cpu"
+    assert record.config["preset"] == "sd15" and record.config["size"] == "tiny"
+    assert record.model.trainable_parameters > 0
+    assert record.model.parameters > record.model.trainable_parameters
+    assert record.timing.unprofiled.n == 3 and record.timing.profiled.n == 1
+    assert record.timing.unprofiled.median > 0
+    assert record.timing.peak_rss_bytes
+    phases = set(record.breakdown.seconds)
+    assert {"data_wait", "h2d", "encode", "forward", "backward", "optimizer"} <= phases
+    assert record.trace_path == "trace.json.gz"
+    assert record.command.startswith("diagnose run")
+    assert record.inventory  # versions of torch, diffusers, ... are recorded
+    assert record.top_ops, "top operators come from the trace"
+    with gzip.open(default_run / "trace.json.gz", "rt") as handle:
+        names = {e.get("name") for e in json.load(handle)["traceEvents"]}
+    assert any(str(n).startswith("ProfilerStep#") for n in names)
+    assert "diagnose::forward" in names
+
+
+def test_report_is_self_contained_and_states_the_number(default_run: Path) -> None:
+    html = assert_offline_html(default_run / "report.html")
+    record = RunRecord.load(default_run)
+    assert "/it" in html  # "s/it" or "ms/it"
+    assert "SD 1.5" in html
+    assert record.command in html  # the command that reproduces the run
+
+
+def test_report_command_rerenders_a_saved_record(default_run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(default_run, copy)
+    (copy / "trace.json.gz").unlink()  # re-rendering needs only the record
+    # The run's own report is there: refused without --force ...
+    assert main(["report", str(copy)]) == ExitCode.OUTPUT_EXISTS
+    # ... written to another file, or over it with --force.
+    assert main(["report", str(copy / "record.json"), "-o", str(tmp_path / "again.html")]) == 0
+    assert_offline_html(tmp_path / "again.html")
+    assert main(["report", str(copy), "--force"]) == 0
+
+
+def test_report_of_the_oldest_record_fixture(tmp_path: Path) -> None:
+    out = tmp_path / "old.html"
+    assert main(["report", str(FIXTURES / "records" / "v1_minimal.json"), "-o", str(out)]) == 0
+    html = assert_offline_html(out)
+    assert "Attention fell back to the math path" in html
+    assert "RX 7900 XTX" in html
+
+
+def test_existing_output_folder_is_not_overwritten(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    assert main(["run", "--out", str(out), *QUICK]) == ExitCode.OUTPUT_EXISTS
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--force" in err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "needle"),
+    [
+        (["run", "--precision", "fp8"], ExitCode.USAGE, "--precision"),
+        (["run", "--steps", "0"], ExitCode.USAGE, "--steps"),
+        (["run", "--resolution", "abc"], ExitCode.USAGE, "--resolution"),
+        (["run", "--resolution", "100"], ExitCode.USAGE, "multiple of 8"),
+        (["run", "--skip", "no-such-probe"], ExitCode.USAGE, "no such probe"),
+        (["run", "--device", "cuda"], ExitCode.UNSUPPORTED, "cuda"),
+        (["run", "--model", "/no/such/folder"], ExitCode.BAD_INPUT, "--model"),
+        (["run", "--data", "/no/such/folder"], ExitCode.BAD_INPUT, "--data"),
+        (["run", "--preset", "flux", "--size", "full"], ExitCode.UNSUPPORTED, "--force"),
+        (["report", "/no/such/record.json"], ExitCode.BAD_INPUT, "no such file"),
+        (["bogus-command"], ExitCode.USAGE, "invalid choice"),
+    ],
+)
+def test_bad_input_gives_one_line_and_the_documented_code(
+    tmp_path: Path, capsys: Any, argv: list[str], code: ExitCode, needle: str
+) -> None:
+    if argv[0] == "run":
+        argv = [*argv, "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv) == code
+    captured = capsys.readouterr()
+    assert captured.err.startswith("diagnose: error:")
+    assert captured.err.count("\n") == 1, captured.err
+    assert needle in captured.err
+    assert "Traceback" not in captured.err + captured.out
+    assert not (tmp_path / "out").exists(), "a refused run must leave no output folder"
+
+
+def test_model_folder_that_is_not_a_model(tmp_path: Path, capsys: Any) -> None:
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "readme.txt").write_text("hello")
+    argv = ["run", "--model", str(folder), "--out", str(tmp_path / "out"), *QUICK]
+    assert main(argv) == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(folder) in err
+
+
+def test_empty_data_folder_is_bad_input(tmp_path: Path, capsys: Any) -> None:
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    argv = ["run", "--data", str(folder), "--out", str(tmp_path / "out"), *QUICK]
+    assert main(argv) == ExitCode.BAD_INPUT
+    assert capsys.readouterr().err.count("\n") == 1
+    assert list(folder.iterdir()) == []
+
+
+class _BrokenProbe:
+    name = "broken"
+    description = "raises on purpose"
+    requires_packages: tuple[str, ...] = ()
+    device_kinds: tuple[str, ...] = ()
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        raise ValueError("<script>alert('probe')</script> went wrong")
+
+
+def test_a_probe_that_raises_still_leaves_a_report(tmp_path: Path) -> None:
+    out = prepare_out_dir(tmp_path / "run", force=False)
+    config = RunConfig(steps=2, warmup=0, profiled_steps=1)
+    outputs = execute_run(config, out, probes=[_BrokenProbe()])
+    [broken] = [p for p in outputs.record.probes if p.name == "broken"]
+    assert broken.status == "error"
+    assert "went wrong" in broken.reason
+    html = assert_offline_html(outputs.report_path)
+    assert "went wrong" in html
+    assert "<script>alert('probe')</script>" not in html  # escaped, not injected
+    assert RunRecord.load(out).probes[-1].traceback
+
+
+def test_run_with_the_network_blocked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is downloaded: every socket connection attempt fails the test."""
+    attempts: list[object] = []
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        attempts.append(args)
+        raise OSError("network access is blocked in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    out = tmp_path / "offline"
+    argv = ["run", "--out", str(out), "--preset", "zimage", "--precision", "bf16-mixed", *QUICK]
+    assert main(argv) == 0
+    assert attempts == []
+    assert (out / "report.html").is_file()
+
+
+@pytest.mark.parametrize("entry", [["diagnose"], [sys.executable, "-m", "diagnose"]])
+def test_entry_points(entry: list[str]) -> None:
+    if entry[0] == "diagnose" and shutil.which("diagnose") is None:
+        pytest.skip("the console script is not installed")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([*entry, "--version"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout.startswith("diagnose ")
+    done = subprocess.run([*entry, "run", "--batch", "x"], capture_output=True, text=True, env=env)
+    assert done.returncode == ExitCode.USAGE
+    assert "Traceback" not in done.stderr
