@@ -199,6 +199,10 @@ def test_caching_removes_the_encode_work(images: str, built: list[Workload]) -> 
     assert calls == []
     assert all(set(t.seconds) == ALL_PHASES - {"encode"} for t in timers)
     assert all(math.isfinite(loss) for loss in losses)
+    # No image is decoded per step any more: the batches carry no pixels, only the bucket side.
+    batch = next(workload.batches())
+    assert batch.pixels.numel() == 0
+    assert batch.resolution == workload.resolutions[0]
 
 
 def test_caching_latents_only_still_encodes_captions(images: str, built: list[Workload]) -> None:

@@ -264,20 +264,35 @@ class ImageFolderDataset(Dataset[Sample]):
     Picklable (plain lists of str/int), so it crosses into DataLoader workers under fork or spawn.
     """
 
-    def __init__(self, paths: Sequence[str], captions: Sequence[str], buckets: Sequence[int]):
+    def __init__(
+        self,
+        paths: Sequence[str],
+        captions: Sequence[str],
+        buckets: Sequence[int],
+        decode: bool = True,
+    ):
         if not len(paths) == len(captions) == len(buckets):
             raise ValueError("paths, captions and buckets must have the same length")
         self.paths = list(paths)
         self.captions = list(captions)
         self.buckets = list(buckets)
+        self.decode = decode
+
+    def without_decoding(self) -> ImageFolderDataset:
+        """The same items with no image work: for trainers' cached-latents mode, where the
+        cached latents stand in for the pixels and no file is read per step."""
+        return ImageFolderDataset(self.paths, self.captions, self.buckets, decode=False)
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, key: int | SampleKey) -> Sample:
         index, flip = (key.item, key.flip) if isinstance(key, SampleKey) else (int(key), False)
-        path = self.paths[index]
-        return Sample(load_image(path, self.buckets[index], flip), self.captions[index], path)
+        path, side = self.paths[index], self.buckets[index]
+        if not self.decode:
+            # No channels, but the bucket side stays readable from the shape (ImageBatch.resolution).
+            return Sample(torch.empty((0, side, side)), self.captions[index], path)
+        return Sample(load_image(path, side, flip), self.captions[index], path)
 
 
 def collate_images(samples: list[Sample]) -> ImageBatch:
@@ -706,14 +721,21 @@ def prepare_data(
 
 
 def make_loader(
-    data: PreparedData, batch_size: int, workers: int, pin_memory: bool, seed: int = 0
+    data: PreparedData,
+    batch_size: int,
+    workers: int,
+    pin_memory: bool,
+    seed: int = 0,
+    *,
+    decode: bool = True,
 ) -> DataLoader[Sample]:
     """A real DataLoader over ``data``: bucketed full batches of :class:`ImageBatch`.
 
     ``persistent_workers`` when ``workers > 0`` (trainers keep workers alive between epochs, so
     a worker start-up is not charged to every epoch). Batches, their order and the flips depend
     only on ``seed`` and the epoch, never on ``workers``. Without an accelerator torch ignores
-    ``pin_memory=True`` with a warning.
+    ``pin_memory=True`` with a warning. ``decode=False`` yields the same batches without reading
+    any image (pixels with no channels): the loader of a cached-latents run.
     """
     if workers < 0:
         raise DiagnoseError(f"workers must be 0 or more, got {workers}", ExitCode.USAGE)
@@ -723,7 +745,7 @@ def make_loader(
     generator = torch.Generator()
     generator.manual_seed(seed)
     return DataLoader(
-        data.dataset,
+        data.dataset if decode else data.dataset.without_decoding(),
         batch_sampler=sampler,
         num_workers=workers,
         collate_fn=collate_images,

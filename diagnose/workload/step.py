@@ -625,6 +625,16 @@ class Workload:
                     cpu = _conditioning_to(cond, torch.device("cpu"), self.policy.weight_dtype)
                     for caption, part in zip(todo, split_conditioning(cpu), strict=True):
                         self._text_cache[caption] = part
+        if self.config.cache_latents:
+            # With latents cached, trainers read no image per step; neither do we from here on.
+            self.loader = make_loader(
+                self.data,
+                self.config.batch,
+                self.config.workers,
+                self.pin_memory,
+                seed=self.config.seed,
+                decode=False,
+            )
 
     def _cached_latents(self, batch: ImageBatch) -> torch.Tensor | None:
         if not self.config.cache_latents:
