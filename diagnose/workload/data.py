@@ -290,7 +290,7 @@ class ImageFolderDataset(Dataset[Sample]):
         index, flip = (key.item, key.flip) if isinstance(key, SampleKey) else (int(key), False)
         path, side = self.paths[index], self.buckets[index]
         if not self.decode:
-            # No channels, but the bucket side stays readable from the shape (ImageBatch.resolution).
+            # No channels, but ImageBatch.resolution still reads the bucket side off the shape.
             return Sample(torch.empty((0, side, side)), self.captions[index], path)
         return Sample(load_image(path, side, flip), self.captions[index], path)
 
