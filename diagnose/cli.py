@@ -1,0 +1,61 @@
+"""Command-line entry point: ``main(argv) -> int``; errors become one line and an exit code."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from diagnose import __version__
+from diagnose.commands import ArgumentParser, all_commands
+from diagnose.errors import DiagnoseError, ExitCode
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="diagnose",
+        description="Explain the seconds per iteration of a diffusion-model LoRA training run.",
+    )
+    parser.add_argument("--version", action="version", version=f"diagnose {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in all_commands():
+        sub = subparsers.add_parser(
+            command.name,
+            help=command.help,
+            description=command.help,
+            prog=f"diagnose {command.name}",
+        )
+        command.prepare_parser(sub)
+        sub.set_defaults(handler=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        if getattr(args, "handler", None) is None:
+            parser.print_help(sys.stderr)
+            return int(ExitCode.USAGE)
+        return int(args.handler(args))
+    except DiagnoseError as exc:
+        print(f"diagnose: error: {exc.message}", file=sys.stderr)
+        return int(exc.code)
+    except KeyboardInterrupt:
+        print("diagnose: interrupted", file=sys.stderr)
+        return int(ExitCode.INTERRUPTED)
+    except Exception as exc:
+        if os.environ.get("DIAGNOSE_DEBUG"):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(
+            f"diagnose: internal error: {type(exc).__name__}: {first} "
+            "(set DIAGNOSE_DEBUG=1 for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return int(ExitCode.INTERNAL_ERROR)
+
+
+def main_exit() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
