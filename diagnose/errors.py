@@ -24,8 +24,10 @@ class ExitCode(IntEnum):
     #: The requested run cannot be done on this machine (no such device, a full-size model on a CPU
     #: without --force, a missing required package).
     UNSUPPORTED = 5
-    #: A comparison found a regression (reserved for `diagnose compare`).
+    #: A comparison found a regression (`diagnose compare`, `diagnose run --baseline`).
     REGRESSION = 6
+    #: A correctness check failed (`diagnose triton`: a kernel computed a wrong answer).
+    CHECK_FAILED = 7
     #: Interrupted by the user (Ctrl-C).
     INTERRUPTED = 130
 

@@ -34,5 +34,13 @@ def all_commands() -> list[Command]:
     from diagnose.commands.report import ReportCommand
     from diagnose.commands.run import RunCommand
     from diagnose.commands.trace import TraceCommand
+    from diagnose.commands.triton import TritonCommand
 
-    return [RunCommand(), TraceCommand(), ReportCommand(), EnvCommand(), PresetsCommand()]
+    return [
+        RunCommand(),
+        TraceCommand(),
+        ReportCommand(),
+        TritonCommand(),
+        EnvCommand(),
+        PresetsCommand(),
+    ]

@@ -1,0 +1,228 @@
+"""`diagnose compare BASELINE CURRENT`: the CI gate on two saved records (no torch, no GPU).
+
+Exit codes: 0 no regression, 6 regression (ExitCode.REGRESSION), 3 bad or mismatched records,
+4 an output file exists (without --force), 2 a bad command line.
+
+The gate's options are defined by :func:`add_gate_options` so that `diagnose run --baseline`
+offers the same ones; :func:`apply_gate` is the whole gate for a caller holding both records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from diagnose.compare import (
+    DEFAULT_FAIL_ON,
+    DEFAULT_SIGNIFICANCE,
+    DEFAULT_THRESHOLD,
+    FAIL_ON_CHOICES,
+    CompareOptions,
+    Comparison,
+    compare_records,
+    gate_exit_code,
+    parse_fail_on,
+)
+from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.record import RunRecord
+
+GATE_OPTION_DESTS: tuple[str, ...] = (
+    "threshold",
+    "significance",
+    "fail_on",
+    "allow_different",
+    "junit",
+    "markdown",
+)
+
+
+def parse_threshold(text: str) -> float:
+    """Parse "10%" or "0.10" as 0.10; refuse a bare 10 (10% or 1000%?)."""
+    raw = text.strip()
+    try:
+        if raw.endswith("%"):
+            value = float(raw[:-1]) / 100
+        else:
+            value = float(raw)
+            if value >= 1:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r} is ambiguous: write a percentage (10%) or a fraction (0.10)"
+                )
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a percentage like 10% or 0.10, got {text!r}"
+        ) from None
+    if not 0 < value < 10:
+        raise argparse.ArgumentTypeError(f"threshold {text!r} must be above 0")
+    return value
+
+
+def _significance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a p-value like 0.01, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"significance {text!r} must be between 0 and 1")
+    return value
+
+
+def _fail_on(text: str) -> frozenset[str]:
+    try:
+        return parse_fail_on(text)
+    except DiagnoseError as exc:
+        raise argparse.ArgumentTypeError(exc.message.removeprefix("--fail-on ")) from None
+
+
+def add_gate_options(parser: argparse.ArgumentParser) -> None:
+    """The gate's options, shared by `diagnose compare` and `diagnose run --baseline`.
+
+    Adds (dest): --threshold (threshold: float), --significance (significance: float),
+    --fail-on (fail_on: frozenset[str]), --allow-different (allow_different: bool),
+    --junit (junit: Path | None), --markdown (markdown: Path | None). Output files are refused
+    when they exist unless the command's own --force is given.
+    """
+    gate = parser.add_argument_group("regression gate")
+    gate.add_argument(
+        "--threshold",
+        type=parse_threshold,
+        default=DEFAULT_THRESHOLD,
+        metavar="PCT",
+        help="smallest change that counts, e.g. 10%% or 0.10 (default: 10%%); a regression must "
+        "be both this large (median ratio) and statistically significant",
+    )
+    gate.add_argument(
+        "--significance",
+        type=_significance,
+        default=DEFAULT_SIGNIFICANCE,
+        metavar="P",
+        help=f"Mann-Whitney p-value below which a change is real (default: {DEFAULT_SIGNIFICANCE})",
+    )
+    gate.add_argument(
+        "--fail-on",
+        type=_fail_on,
+        default=DEFAULT_FAIL_ON,
+        metavar="WHAT[,WHAT...]",
+        help=f"what fails the job: {', '.join(FAIL_ON_CHOICES)} "
+        f"(default: {','.join(sorted(DEFAULT_FAIL_ON))})",
+    )
+    gate.add_argument(
+        "--allow-different",
+        action="store_true",
+        help="compare records of different devices or configs (said loudly in every output)",
+    )
+    gate.add_argument("--junit", type=Path, metavar="FILE", help="write JUnit XML for CI")
+    gate.add_argument(
+        "--markdown", type=Path, metavar="FILE", help="write markdown (job summary, PR comment)"
+    )
+
+
+def gate_options_from_args(args: argparse.Namespace) -> CompareOptions:
+    """The CompareOptions that the parsed gate options ask for."""
+    return CompareOptions(
+        threshold=args.threshold,
+        significance=args.significance,
+        fail_on=frozenset(args.fail_on),
+        allow_different=args.allow_different,
+    )
+
+
+def check_gate_outputs(args: argparse.Namespace, *, force: bool) -> None:
+    """Refuse existing --junit/--markdown files before any work (ExitCode.OUTPUT_EXISTS)."""
+    from diagnose.output import check_writable_file
+
+    for option, path in (("--junit", args.junit), ("--markdown", args.markdown)):
+        if path is not None:
+            check_writable_file(path, force=force, option=option)
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    exit_code: int
+    comparison: Comparison
+
+
+def apply_gate(
+    baseline: RunRecord,
+    current: RunRecord,
+    args: argparse.Namespace,
+    *,
+    labels: tuple[str, str] = ("baseline", "current"),
+    stream: TextIO | None = None,
+    color: bool | None = None,
+) -> GateOutcome:
+    """Compare, print the table, write --junit/--markdown; return the exit code and comparison.
+
+    Raises DiagnoseError(BAD_INPUT) on records that
+    are not comparable (unless --allow-different). Call :func:`check_gate_outputs` first, before
+    any long work, so an existing output file is refused early.
+    """
+    from diagnose.output import write_text_atomic
+    from diagnose.reports.compare import compare_junit, compare_markdown, compare_table
+
+    options = gate_options_from_args(args)
+    comparison = compare_records(baseline, current, options, labels=labels)
+    out = stream if stream is not None else sys.stdout
+    use_color = color if color is not None else out.isatty()
+    print(compare_table(comparison, color=use_color), file=out)
+    if args.junit is not None:
+        write_text_atomic(args.junit, compare_junit(comparison))
+        print(f"junit: {args.junit}", file=out)
+    if args.markdown is not None:
+        write_text_atomic(args.markdown, compare_markdown(comparison))
+        print(f"markdown: {args.markdown}", file=out)
+    return GateOutcome(exit_code=gate_exit_code(comparison), comparison=comparison)
+
+
+class CompareCommand:
+    name = "compare"
+    help = "compare two saved records: fail (exit 6) on a real slow-down or a new finding"
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("baseline", type=Path, help="the baseline record.json or run folder")
+        parser.add_argument("current", type=Path, help="the current record.json or run folder")
+        add_gate_options(parser)
+        output = parser.add_argument_group("output")
+        output.add_argument(
+            "--html",
+            type=Path,
+            metavar="FILE",
+            help="write the CURRENT record's HTML report with the comparison in it",
+        )
+        output.add_argument("--force", action="store_true", help="overwrite existing output files")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from diagnose.output import check_writable_file, write_text_atomic
+        from diagnose.reports import render_html
+
+        check_gate_outputs(args, force=args.force)
+        if args.html is not None:
+            check_writable_file(args.html, force=args.force, option="--html")
+        outputs = [p for p in (args.junit, args.markdown, args.html) if p is not None]
+        _refuse_duplicate_outputs(outputs)
+        baseline = RunRecord.load(args.baseline)
+        current = RunRecord.load(args.current)
+        outcome = apply_gate(
+            baseline, current, args, labels=(_label(args.baseline), _label(args.current))
+        )
+        if args.html is not None:
+            write_text_atomic(args.html, render_html(current, comparison=outcome.comparison))
+            print(f"report: {args.html}")
+        return outcome.exit_code
+
+
+def _label(path: Path) -> str:
+    return str(path / "record.json") if path.is_dir() else str(path)
+
+
+def _refuse_duplicate_outputs(paths: Sequence[Path]) -> None:
+    seen: set[Path] = set()
+    for path in paths:
+        resolved = path.resolve()
+        if resolved in seen:
+            raise DiagnoseError(f"{path}: named for two outputs", ExitCode.USAGE)
+        seen.add(resolved)

@@ -1,0 +1,93 @@
+"""Kernel correctness checks: the built-in corpus, and the API to check your own kernels.
+
+``diagnose triton`` (and the ``triton`` probe of ``diagnose run``) runs each case on fresh random
+inputs, with its output buffers filled with NaN first, and compares with a float64 reference
+computed on the CPU. On a GPU the kernels are compiled for it (CUDA or HIP backend); elsewhere
+they run in Triton's interpreter, which checks the kernel's logic but not the GPU compiler.
+
+Checking your own kernel: write a module with a ``CASES`` list and run
+``diagnose triton --cases my_cases.py`` (a file, or an importable module name)::
+
+    import torch, triton, triton.language as tl
+    from diagnose.probes.triton_cases import OutputSpec, TritonCase, random_tensor
+
+    @triton.jit
+    def scale_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n).to(tl.float32)
+        tl.store(out_ptr + offs, (2.0 * x).to(out_ptr.dtype.element_ty), mask=offs < n)
+
+    def launch(inputs, outputs):          # device tensors; outputs are NaN-filled buffers
+        n = inputs["x"].numel()
+        scale_kernel[(triton.cdiv(n, 256),)](inputs["x"], outputs["out"], n, BLOCK=256)
+
+    CASES = [
+        TritonCase(
+            name="scale",
+            make_inputs=lambda shape, dtype, gen: {"x": random_tensor((shape["n"],), dtype, gen)},
+            launch=launch,
+            reference=lambda inputs: {"out": 2.0 * inputs["x"]},   # CPU float64 inputs
+            outputs_for=lambda shape, dtype: {"out": OutputSpec((shape["n"],))},
+            shapes=[{"n": 1000}, {"n": 4097}],
+            dtypes=[torch.float32, torch.float16],
+        )
+    ]
+
+It exits 0 when every check passes, 7 when any fails (see ``diagnose triton --help``). In the
+interpreter, do arithmetic on bfloat16 values only after ``.to(tl.float32)``: the interpreter
+stores bfloat16 as raw bits and computes wrong answers on them (triton-lang/triton#11584).
+
+This package imports torch but not triton; the corpus modules import triton.
+"""
+
+from __future__ import annotations
+
+from diagnose.probes.triton_cases.api import (
+    CheckEnv,
+    Mode,
+    OutputSpec,
+    Shape,
+    Tensors,
+    TritonCase,
+    cdiv,
+    dtype_name,
+    next_power_of_2,
+    random_tensor,
+    shape_label,
+)
+from diagnose.probes.triton_cases.check import (
+    FAILING,
+    TOLERANCES,
+    VERDICTS,
+    CaseLoadError,
+    CheckResult,
+    Comparison,
+    Tolerance,
+    Verdict,
+    compare,
+    load_cases,
+)
+
+__all__ = [
+    "FAILING",
+    "TOLERANCES",
+    "VERDICTS",
+    "CaseLoadError",
+    "CheckEnv",
+    "CheckResult",
+    "Comparison",
+    "Mode",
+    "OutputSpec",
+    "Shape",
+    "Tensors",
+    "Tolerance",
+    "TritonCase",
+    "Verdict",
+    "cdiv",
+    "compare",
+    "dtype_name",
+    "load_cases",
+    "next_power_of_2",
+    "random_tensor",
+    "shape_label",
+]

@@ -1,0 +1,411 @@
+"""Where the checks run: compiled on the GPU in this process, or in Triton's interpreter elsewhere.
+
+``TRITON_INTERPRET=1`` must be set before the kernels are decorated, so the interpreter runs in a
+subprocess (:mod:`diagnose.probes.triton_cases.worker`) with the variable set there only; this
+process's environment is never touched. The worker reports each check as one JSON line, so a
+kernel that kills it (an out-of-bounds access in the interpreter can) costs only that check:
+the worker is restarted after it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diagnose.probes.triton_cases.api import CheckEnv, Mode, shape_label
+from diagnose.probes.triton_cases.check import (
+    FAILING,
+    VERDICTS,
+    CaseLoadError,
+    CheckResult,
+    load_cases,
+    plan_checks,
+    run_checks,
+    validate_source,
+)
+
+#: The built-in corpus, in run order.
+CORPUS: tuple[str, ...] = tuple(
+    f"diagnose.probes.triton_cases.{name}"
+    for name in ("elementwise", "softmax", "norms", "matmul", "attention", "atomics", "inductor")
+)
+WORKER_MODULE = "diagnose.probes.triton_cases.worker"
+#: A worker that dies this many times gives up on the remaining checks.
+MAX_WORKER_RESTARTS = 5
+
+
+@dataclass
+class SuiteResult:
+    """Every check of one run, and where and how it ran."""
+
+    mode: Mode
+    #: Triton's backend: "cuda", "hip" or "interpreter".
+    backend: str
+    arch: str
+    device: str
+    seed: int
+    sources: list[str]
+    checks: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        counted = Counter(c.verdict for c in self.checks)
+        return {verdict: counted.get(verdict, 0) for verdict in VERDICTS}
+
+    @property
+    def failed(self) -> list[CheckResult]:
+        return [c for c in self.checks if c.verdict in FAILING]
+
+    @property
+    def ran(self) -> int:
+        """Checks that ran to a verdict on the numbers or on a build/launch failure."""
+        return sum(1 for c in self.checks if c.verdict != "unsupported")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "backend": self.backend,
+            "arch": self.arch,
+            "device": self.device,
+            "seed": self.seed,
+            "sources": list(self.sources),
+            "seconds": self.seconds,
+            "counts": self.counts(),
+            "notes": list(self.notes),
+            "checks": [c.to_dict() for c in self.checks],
+        }
+
+
+def jsonable(value: Any) -> Any:
+    """Replace NaN and infinities (not valid JSON) by None, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def new_seed() -> int:
+    """A fresh seed per run: each run draws new inputs (it is recorded, so a run can be redone)."""
+    return secrets.randbelow(2**31 - 1) + 1
+
+
+def interpreter_forced() -> bool:
+    """Whether the user's environment already turns Triton's interpreter on."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def device_target(device: torch.device) -> tuple[str, str]:
+    """Triton's backend ("cuda"/"hip") and arch ("sm_90", "gfx1100") for a GPU device."""
+    try:
+        from triton.runtime import driver
+
+        with torch.cuda.device(device):
+            target = driver.active.get_current_target()
+        arch = target.arch
+        if target.backend == "cuda" and isinstance(arch, int):
+            return "cuda", f"sm_{arch}"
+        return str(target.backend), str(arch)
+    except Exception:
+        backend = "hip" if torch.version.hip else "cuda"
+        if backend == "hip":
+            name = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+            return backend, str(name).split(":", 1)[0]
+        major, minor = torch.cuda.get_device_capability(device)
+        return backend, f"sm_{major}{minor}"
+
+
+def run_suite(
+    sources: Sequence[str],
+    *,
+    device: torch.device,
+    seed: int | None = None,
+    timeout_s: float = 900.0,
+    progress: Callable[[str], None] | None = None,
+) -> SuiteResult:
+    """Run every check of ``sources`` (module names or .py files holding ``CASES``).
+
+    A GPU device runs them compiled, in this process; any other runs them in Triton's
+    interpreter in a subprocess (and the inductor cases on inductor's CPU backend). Raises
+    CaseLoadError for a source that does not give cases.
+    """
+    sources = [validate_source(s) for s in sources]
+    seed = new_seed() if seed is None else seed
+    start = time.perf_counter()
+    if device.type == "cuda" and not interpreter_forced():
+        backend, arch = device_target(device)
+        suite = SuiteResult("device", backend, arch, str(device), seed, sources)
+        suite.checks = _run_in_process(sources, device, backend, arch, seed, progress)
+    else:
+        suite = SuiteResult("interpreter", "interpreter", "", "cpu", seed, sources)
+        if device.type == "cuda":
+            suite.notes.append(
+                "TRITON_INTERPRET is set in this environment: the kernels ran in Triton's "
+                "interpreter on the CPU, not compiled for the GPU"
+            )
+        suite.checks, notes = _run_in_worker(sources, seed, timeout_s, progress)
+        suite.notes.extend(notes)
+    suite.seconds = time.perf_counter() - start
+    return suite
+
+
+def _run_in_process(
+    sources: Sequence[str],
+    device: torch.device,
+    backend: str,
+    arch: str,
+    seed: int,
+    progress: Callable[[str], None] | None,
+) -> list[CheckResult]:
+    cases = [case for source in sources for case in load_cases(source)]
+    env = CheckEnv("device", backend, arch, device)
+    total = len(plan_checks(cases, "device"))
+
+    def on_start(check: Any) -> None:
+        if progress is not None:
+            progress(f"triton check {check.index + 1}/{total}: {check.label}")
+
+    results: list[CheckResult] = run_checks(cases, env, seed, on_start=on_start)
+    return results
+
+
+@dataclass
+class _WorkerLog:
+    """What a worker wrote, read back from its JSON-lines file."""
+
+    plan: list[dict[str, Any]] = field(default_factory=list)
+    results: dict[int, CheckResult] = field(default_factory=dict)
+    in_flight: int | None = None
+    done: bool = False
+    load_error: str = ""
+
+
+def _read_events(path: Path, log: _WorkerLog) -> None:
+    if not path.exists():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        kind = event.get("event")
+        if kind == "plan":
+            log.plan = event["checks"]
+        elif kind == "start":
+            log.in_flight = int(event["index"])
+        elif kind == "result":
+            log.results[int(event["index"])] = CheckResult.from_dict(event["result"])
+            log.in_flight = None
+        elif kind == "done":
+            log.done = True
+        elif kind == "load_error":
+            log.load_error = str(event["message"])
+
+
+def _planned_result(entry: dict[str, Any], seed: int, message: str) -> CheckResult:
+    return CheckResult(
+        case=entry["case"],
+        kind=entry["kind"],
+        shape=dict(entry["shape"]),
+        dtype=entry["dtype"],
+        verdict="launch_error",
+        mode="interpreter",
+        backend="interpreter" if entry["kind"] == "triton" else "inductor-cpp",
+        message=message,
+        seed=seed,
+    )
+
+
+def _death_message(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"the interpreter process died ({name}) while running this check"
+    return f"the interpreter process exited with status {returncode} while running this check"
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+def _run_in_worker(
+    sources: Sequence[str],
+    seed: int,
+    timeout_s: float,
+    progress: Callable[[str], None] | None,
+) -> tuple[list[CheckResult], list[str]]:
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    log = _WorkerLog()
+    notes: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    start_index = 0
+    restarts = 0
+    with tempfile.TemporaryDirectory(prefix="diagnose-triton-") as tmp:
+        folder = Path(tmp)
+        while True:
+            events = folder / f"events-{restarts}.jsonl"
+            stderr_path = folder / f"stderr-{restarts}.txt"
+            spec = folder / f"spec-{restarts}.json"
+            spec.write_text(
+                json.dumps(
+                    {
+                        "sources": list(sources),
+                        "seed": seed,
+                        "start": start_index,
+                        "events": str(events),
+                    }
+                ),
+                encoding="utf-8",
+            )
+            attempt = _WorkerLog(plan=log.plan)
+            timed_out = False
+            with open(stderr_path, "wb") as stderr:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", WORKER_MODULE, str(spec)],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=stderr,
+                    stderr=stderr,
+                )
+                while True:
+                    try:
+                        proc.wait(timeout=0.5)
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if progress is not None:
+                        _read_events(events, attempt)
+                        done = len(log.results) + len(attempt.results)
+                        total = len(attempt.plan) or "?"
+                        progress(f"triton checks (interpreter) {done}/{total}")
+                    if time.monotonic() > deadline:
+                        proc.kill()
+                        proc.wait()
+                        timed_out = True
+                        break
+            _read_events(events, attempt)
+            if attempt.load_error:
+                raise CaseLoadError(attempt.load_error)
+            log.plan = attempt.plan or log.plan
+            log.results.update(attempt.results)
+            if attempt.done and not timed_out:
+                break
+            if not log.plan:
+                raise RuntimeError(
+                    f"the Triton interpreter worker failed before planning any check "
+                    f"(exit status {proc.returncode}): {_tail(stderr_path)}"
+                )
+            failed_at = attempt.in_flight
+            if failed_at is not None:
+                why = (
+                    f"timed out after {timeout_s:.0f} s"
+                    if timed_out
+                    else _death_message(proc.returncode)
+                )
+                log.results[failed_at] = _planned_result(log.plan[failed_at], seed, why)
+                tail = _tail(stderr_path, 2)
+                notes.append(
+                    f"{log.plan[failed_at]['case']}: {why}" + (f" ({tail})" if tail else "")
+                )
+            if timed_out or failed_at is None or restarts >= MAX_WORKER_RESTARTS:
+                reason = (
+                    "the time budget was spent"
+                    if timed_out
+                    else f"the interpreter process died {restarts + 1} times"
+                    if failed_at is not None
+                    else f"the interpreter process stopped: {_tail(stderr_path)}"
+                )
+                for index, entry in enumerate(log.plan):
+                    if index not in log.results:
+                        log.results[index] = _planned_result(entry, seed, f"not run: {reason}")
+                break
+            restarts += 1
+            start_index = failed_at + 1
+    return [log.results[i] for i in sorted(log.results)], notes
+
+
+# --- the verdict table ------------------------------------------------------------------------
+
+_VERDICT_LABELS = {
+    "pass": "pass",
+    "mismatch": "MISMATCH",
+    "compile_error": "COMPILE ERROR",
+    "launch_error": "LAUNCH ERROR",
+    "unsupported": "not supported here",
+    "case_error": "CASE ERROR",
+}
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def verdict_table(checks: Sequence[CheckResult]) -> str:
+    """A plain-text table, one row per check, the details of failures below it."""
+    header = ("case", "dtype", "shape", "verdict", "tol", "rel_l2", "max_abs", "first wrong")
+    rows = [header]
+    for check in checks:
+        first = "-" if check.first_wrong_index is None else str(tuple(check.first_wrong_index))
+        rows.append(
+            (
+                check.case,
+                check.dtype,
+                shape_label(check.shape),
+                _VERDICT_LABELS.get(check.verdict, check.verdict),
+                check.tolerance or "-",
+                _number(check.rel_l2),
+                _number(check.max_abs),
+                first if check.verdict == "mismatch" else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    details = [
+        f"  {check.label}: {check.message}"
+        for check in checks
+        if check.verdict != "pass" and check.message
+    ]
+    if details:
+        lines += ["", "details:", *details]
+    return "\n".join(lines)
+
+
+def summary_line(suite: SuiteResult) -> str:
+    counts = suite.counts()
+    parts = [f"{counts[v]} {_VERDICT_LABELS[v]}" for v in VERDICTS if counts[v]]
+    where = (
+        "Triton's interpreter: kernel logic only, not the GPU compiler"
+        if suite.mode == "interpreter"
+        else f"compiled for {suite.arch or suite.device} ({suite.backend} backend)"
+    )
+    return (
+        f"{len(suite.checks)} checks: {', '.join(parts) or 'none'} — {where}; seed {suite.seed}, "
+        f"{suite.seconds:.1f} s"
+    )

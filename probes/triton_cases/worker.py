@@ -1,0 +1,72 @@
+"""The interpreter worker: ``python -m diagnose.probes.triton_cases.worker SPEC.json``.
+
+Started by :mod:`diagnose.probes.triton_cases.runner` with ``TRITON_INTERPRET=1`` in its
+environment, so the kernels it imports are decorated for Triton's interpreter. It writes one JSON
+line per event to the file the spec names: ``plan`` (every check), ``start``/``result`` per check,
+``done``, or ``load_error``. Lines are flushed at once so a crash loses only the check in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def _emit(stream: TextIO, **event: Any) -> None:
+    stream.write(json.dumps(event) + "\n")
+    stream.flush()
+
+
+def main(argv: Sequence[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    with open(spec["events"], "a", encoding="utf-8") as events:
+        # Imported here, after the process started with TRITON_INTERPRET=1 set.
+        import torch
+
+        from diagnose.probes.triton_cases.api import CheckEnv, dtype_name
+        from diagnose.probes.triton_cases.check import (
+            CaseLoadError,
+            load_cases,
+            plan_checks,
+            run_checks,
+        )
+
+        try:
+            cases = [case for source in spec["sources"] for case in load_cases(source)]
+        except CaseLoadError as exc:
+            _emit(events, event="load_error", message=str(exc))
+            return 3
+        plan = plan_checks(cases, "interpreter")
+        _emit(
+            events,
+            event="plan",
+            checks=[
+                {
+                    "case": p.case.name,
+                    "kind": p.case.kind,
+                    "shape": dict(p.shape),
+                    "dtype": dtype_name(p.dtype),
+                }
+                for p in plan
+            ],
+        )
+        env = CheckEnv("interpreter", "interpreter", "", torch.device("cpu"))
+        run_checks(
+            cases,
+            env,
+            int(spec["seed"]),
+            start=int(spec["start"]),
+            on_start=lambda check: _emit(events, event="start", index=check.index),
+            on_result=lambda check, result: _emit(
+                events, event="result", index=check.index, result=result.to_dict()
+            ),
+        )
+        _emit(events, event="done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

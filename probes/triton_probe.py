@@ -1,0 +1,488 @@
+"""The ``triton`` probe: catch kernels that compile and run but compute the wrong answer.
+
+If ``triton.jit`` runs, the result should be correct or the kernel should fail to compile; a
+silent miscompile is the worst of both: training runs, the loss falls, and the model ships subtly
+broken. On ROCm the Triton backend supports a subset of the language, and a Triton package that
+does not match torch is a common cause. This probe runs a corpus of kernels typical of diffusion
+and LoRA training (:mod:`diagnose.probes.triton_cases`) on the run's device and checks each
+against a float64 CPU reference; it also checks that the installed Triton is the one torch
+expects.
+
+On a GPU the kernels are compiled for it in this process. Without one they run in Triton's
+interpreter in a subprocess (which checks kernel logic, not a GPU compiler) and the
+``torch.compile`` cases on inductor's CPU backend. The result says which mode ran.
+"""
+
+from __future__ import annotations
+
+import getpass
+import importlib
+import importlib.metadata
+import os
+import re
+import tempfile
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.record import Finding, ProbeResult
+
+if TYPE_CHECKING:
+    from diagnose.probes.triton_cases.check import CheckResult
+    from diagnose.probes.triton_cases.runner import SuiteResult
+
+#: Distributions that install the ``triton`` module (they overwrite one another).
+TRITON_DISTRIBUTIONS: tuple[str, ...] = (
+    "triton",
+    "pytorch-triton-rocm",
+    "pytorch-triton",
+    "pytorch-triton-xpu",
+    "triton-rocm",
+)
+_REQUIREMENT = re.compile(
+    r"^\s*(?P<name>triton|pytorch-triton(?:-rocm|-xpu)?)\s*(?:\[[^\]]*\])?\s*"
+    r"(?:==\s*(?P<version>[^\s;,]+))?"
+)
+
+
+@dataclass
+class TritonEnvironment:
+    """Which Triton is installed, which one torch expects, and where compiled kernels are kept."""
+
+    torch_version: str = ""
+    #: "cuda 12.8", "rocm 6.4.43482" or "cpu".
+    torch_build: str = ""
+    #: The Triton requirement in torch's metadata ("pytorch-triton-rocm==3.4.0; ..."), or "".
+    torch_requirement: str = ""
+    expected_package: str = ""
+    expected_version: str = ""
+    #: Installed distributions that provide the ``triton`` module: name -> version.
+    installed: dict[str, str] = field(default_factory=dict)
+    #: ``triton.__version__`` of the module that imports ("" if it does not).
+    triton_version: str = ""
+    import_error: str = ""
+    import_traceback: str = ""
+    cache_dir: str = ""
+    inductor_cache_dir: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("import_traceback")
+        return data
+
+
+def parse_torch_requirement(requirements: Sequence[str]) -> tuple[str, str, str]:
+    """(requirement line, package, exact version) of the Triton torch's wheel pins, or blanks.
+
+    CUDA wheels of torch require ``triton==X``, ROCm wheels ``pytorch-triton-rocm==X``, nightlies
+    ``pytorch-triton==X``; CPU wheels require none. Optional extras ("; extra == ...") are skipped.
+    """
+    for line in requirements:
+        if "extra ==" in line or "extra==" in line:
+            continue
+        match = _REQUIREMENT.match(line)
+        if match:
+            return line.strip(), match.group("name"), match.group("version") or ""
+    return "", "", ""
+
+
+def base_version(version: str) -> str:
+    """ "3.4.0+gitf7888497" -> "3.4.0": local build tags do not make a different release."""
+    return version.split("+", 1)[0].strip()
+
+
+def collect_environment() -> TritonEnvironment:
+    """Read versions from package metadata and import triton (recording a broken import)."""
+    import torch
+
+    env = TritonEnvironment(torch_version=torch.__version__)
+    if torch.version.hip:
+        env.torch_build = f"rocm {torch.version.hip}"
+    elif torch.version.cuda:
+        env.torch_build = f"cuda {torch.version.cuda}"
+    else:
+        env.torch_build = "cpu"
+    try:
+        requirements = importlib.metadata.requires("torch") or []
+    except importlib.metadata.PackageNotFoundError:
+        requirements = []
+    env.torch_requirement, env.expected_package, env.expected_version = parse_torch_requirement(
+        requirements
+    )
+    for name in TRITON_DISTRIBUTIONS:
+        try:
+            env.installed[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    try:
+        triton = importlib.import_module("triton")
+        env.triton_version = str(getattr(triton, "__version__", ""))
+    except Exception as exc:  # a broken install raises anything: ImportError, OSError, ...
+        env.import_error = f"{type(exc).__name__}: {str(exc).strip()}"
+        env.import_traceback = traceback.format_exc()
+    env.cache_dir = _triton_cache_dir()
+    env.inductor_cache_dir = _inductor_cache_dir()
+    return env
+
+
+def _triton_cache_dir() -> str:
+    try:
+        from triton import knobs
+
+        return str(knobs.cache.dir)
+    except Exception:
+        home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+        return os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache")
+
+
+def _inductor_cache_dir() -> str:
+    # Inductor's own cache_dir() (and importing its runtime package) writes
+    # TORCHINDUCTOR_CACHE_DIR into the environment; this is its default, read without side effects.
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.path.abspath(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    safe_user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{safe_user}")
+
+
+@dataclass(frozen=True)
+class VersionProblem:
+    message: str
+    fix: str
+
+
+def _rocm_index(torch_build: str) -> str:
+    match = re.match(r"rocm (\d+)\.(\d+)", torch_build)
+    return (
+        f"https://download.pytorch.org/whl/rocm{match.group(1)}.{match.group(2)}"
+        if match
+        else "the ROCm index of download.pytorch.org your torch came from"
+    )
+
+
+def version_problems(env: TritonEnvironment) -> list[VersionProblem]:
+    """Mismatches between the installed Triton and the torch beside it (pure)."""
+    problems: list[VersionProblem] = []
+    installed = env.installed
+    rocm = env.torch_build.startswith("rocm")
+    want = f"{env.expected_package}=={env.expected_version}" if env.expected_version else ""
+    if rocm and "triton" in installed:
+        reinstall = (
+            f"pip uninstall -y triton pytorch-triton-rocm && pip install "
+            f"{want or 'pytorch-triton-rocm'} --index-url {_rocm_index(env.torch_build)}"
+        )
+        if "pytorch-triton-rocm" in installed:
+            problems.append(
+                VersionProblem(
+                    f"both triton {installed['triton']} and pytorch-triton-rocm "
+                    f"{installed['pytorch-triton-rocm']} are installed beside ROCm torch "
+                    f"{env.torch_version}: both write the same triton module, so its files are "
+                    "a mix of the two",
+                    reinstall,
+                )
+            )
+        else:
+            problems.append(
+                VersionProblem(
+                    f"the triton package from PyPI ({installed['triton']}: the build PyTorch "
+                    f"pairs with its CUDA wheels) is installed beside ROCm torch "
+                    f"{env.torch_version}, which expects {want or 'pytorch-triton-rocm'}",
+                    reinstall,
+                )
+            )
+    if env.torch_build.startswith("cuda") and "pytorch-triton-rocm" in installed:
+        problems.append(
+            VersionProblem(
+                f"pytorch-triton-rocm {installed['pytorch-triton-rocm']} (Triton for AMD GPUs) "
+                f"is installed beside CUDA torch {env.torch_version}",
+                f"pip uninstall -y pytorch-triton-rocm triton && pip install {want or 'triton'}",
+            )
+        )
+    if env.expected_version:
+        provider = (
+            env.expected_package if env.expected_package in installed else next(iter(installed), "")
+        )
+        have = installed.get(provider, "")
+        if have and base_version(have) != base_version(env.expected_version):
+            problems.append(
+                VersionProblem(
+                    f"torch {env.torch_version} was built with {want}, but {provider} {have} is "
+                    "installed: inductor and the Triton runtime may disagree",
+                    f"pip install {want}"
+                    + (f" --index-url {_rocm_index(env.torch_build)}" if rocm else ""),
+                )
+            )
+    if env.triton_version and installed:
+        versions = {base_version(v) for v in installed.values()}
+        if base_version(env.triton_version) not in versions:
+            problems.append(
+                VersionProblem(
+                    f"the triton module reports version {env.triton_version} but the installed "
+                    f"distributions say {', '.join(f'{k} {v}' for k, v in installed.items())}: "
+                    "files from two installs are mixed",
+                    "pip uninstall -y "
+                    + " ".join(installed)
+                    + f" && pip install {want or 'triton'}",
+                )
+            )
+    return problems
+
+
+# --- findings -----------------------------------------------------------------------------------
+
+
+def _check_evidence(check: CheckResult) -> dict[str, Any]:
+    return {
+        "case": check.case,
+        "kind": check.kind,
+        "shape": dict(check.shape),
+        "dtype": check.dtype,
+        "output": check.output,
+        "rel_l2": check.rel_l2,
+        "max_abs": check.max_abs,
+        "max_rel": check.max_rel,
+        "wrong_elements": check.wrong_elements,
+        "numel": check.numel,
+        "first_wrong_index": check.first_wrong_index,
+        "expected": check.expected,
+        "actual": check.actual,
+        "tolerance": check.tolerance,
+        "mode": check.mode,
+        "backend": check.backend,
+        "check_seed": check.seed,
+        "message": check.message,
+    }
+
+
+def _where(suite: SuiteResult) -> str:
+    if suite.mode == "interpreter":
+        return "interpreter mode: kernel logic only"
+    return f"compiled for {suite.arch or suite.device}, {suite.backend} backend"
+
+
+def findings_for(suite: SuiteResult, env: TritonEnvironment) -> list[Finding]:
+    """The findings of one suite run plus the version checks (pure)."""
+    findings: list[Finding] = []
+    mismatches = [c for c in suite.checks if c.verdict == "mismatch"]
+    if mismatches:
+        first = mismatches[0]
+        # A wrong answer from code that training runs (a GPU kernel, or inductor's output on any
+        # device) is critical. Interpreted Triton on a CPU is not what any training step runs.
+        runs_in_training = any(c.mode == "device" or c.kind == "inductor" for c in mismatches)
+        cases = sorted({c.case for c in mismatches})
+        evidence = _check_evidence(first)
+        # The run's seed: `diagnose triton --seed N` draws the same inputs again.
+        evidence["seed"] = suite.seed
+        evidence["triton_version"] = env.triton_version
+        evidence["failing_checks"] = [
+            {"check": c.label, "rel_l2": c.rel_l2, "first_wrong_index": c.first_wrong_index}
+            for c in mismatches
+        ]
+        inductor = any(c.kind == "inductor" for c in mismatches)
+        fix = (
+            f"Clear the compiled-kernel caches ({env.cache_dir}"
+            + (f", {env.inductor_cache_dir}" if inductor and env.inductor_cache_dir else "")
+            + ") and install the Triton torch was built with"
+            + (f" ({env.expected_package}=={env.expected_version})" if env.expected_version else "")
+            + f", then re-run `diagnose triton --seed {suite.seed}`. If it still fails, do not "
+            "train with this kernel on this stack: use the PyTorch op instead"
+            + (" (for torch.compile: backend='aot_eager', or no compile)" if inductor else "")
+            + ", and report the case, shape and dtype upstream."
+        )
+        findings.append(
+            Finding(
+                id="triton.miscompile",
+                category="triton",
+                severity="critical" if runs_in_training else "warn",
+                title=(
+                    f"{len(mismatches)} kernel check{'s' if len(mismatches) != 1 else ''} "
+                    f"computed wrong answers ({', '.join(cases)}; {_where(suite)})"
+                ),
+                evidence=evidence,
+                fix=fix,
+                detail=(
+                    f"{first.label}: {first.message}. Inputs were fresh random values (seed "
+                    f"{suite.seed}); outputs were filled with NaN before the launch, so an "
+                    "element the kernel never wrote shows as NaN."
+                    + (
+                        " These ran in Triton's interpreter: the kernel logic (or the "
+                        "interpreter) is wrong; it says nothing about a GPU compiler."
+                        if suite.mode == "interpreter" and not runs_in_training
+                        else ""
+                    )
+                ),
+            )
+        )
+    errors = [c for c in suite.checks if c.verdict in ("compile_error", "launch_error")]
+    if errors:
+        findings.append(
+            Finding(
+                id="triton.compile_error",
+                category="triton",
+                severity="warn",
+                title=(
+                    f"{len(errors)} kernel check{'s' if len(errors) != 1 else ''} failed to "
+                    f"compile or launch ({', '.join(sorted({c.case for c in errors}))})"
+                ),
+                evidence={
+                    "mode": suite.mode,
+                    "backend": suite.backend,
+                    "arch": suite.arch,
+                    "triton_version": env.triton_version,
+                    "failures": [
+                        {"check": c.label, "verdict": c.verdict, "message": c.message}
+                        for c in errors
+                    ],
+                },
+                fix=(
+                    "Install the Triton torch was built with"
+                    + (
+                        f" ({env.expected_package}=={env.expected_version})"
+                        if env.expected_version
+                        else ""
+                    )
+                    + f" and clear {env.cache_dir}; kernels that still fail use a feature this "
+                    "backend lacks: keep the PyTorch op for them."
+                ),
+                detail=errors[0].message,
+            )
+        )
+    for problem in version_problems(env):
+        findings.append(
+            Finding(
+                id="triton.version_mismatch",
+                category="triton",
+                severity="warn",
+                title="The installed Triton does not match torch",
+                evidence={
+                    "torch": env.torch_version,
+                    "torch_build": env.torch_build,
+                    "torch_requirement": env.torch_requirement,
+                    "installed": dict(env.installed),
+                    "triton_version": env.triton_version,
+                    "problem": problem.message,
+                },
+                fix=problem.fix,
+                detail=problem.message,
+            )
+        )
+        break  # one finding per id (the record keeps one); the first problem is the root one
+    return findings
+
+
+def checked_ok_lines(suite: SuiteResult, env: TritonEnvironment) -> list[str]:
+    lines = []
+    for kind in ("triton", "inductor"):
+        of_kind = [c for c in suite.checks if c.kind == kind]
+        passed = sum(1 for c in of_kind if c.verdict == "pass")
+        if not passed or any(c.verdict not in ("pass", "unsupported") for c in of_kind):
+            continue
+        if kind == "triton":
+            lines.append(f"Triton: {passed} kernel checks passed ({_where(suite)})")
+        else:
+            backend = "C++ CPU backend" if suite.mode == "interpreter" else "Triton kernels"
+            lines.append(f"torch.compile (inductor, {backend}): {passed} checks passed")
+    if env.expected_version and not version_problems(env):
+        lines.append(
+            f"Triton {env.triton_version} is the version torch {env.torch_version} was built "
+            f"with ({env.expected_package}=={env.expected_version})"
+        )
+    return lines
+
+
+def suite_data(suite: SuiteResult, env: TritonEnvironment) -> dict[str, Any]:
+    """ProbeResult.data: where it ran, the environment, every check, time per case."""
+    per_case: dict[str, dict[str, float | None]] = {}
+    for check in suite.checks:
+        entry = per_case.setdefault(
+            check.case, {"first_call_seconds": None, "compile_seconds": None}
+        )
+        # Sums over the case's checks; None where nothing was measured (interpreted Triton
+        # compiles nothing, so it has no compile time).
+        for key in ("first_call_seconds", "compile_seconds"):
+            value = getattr(check, key)
+            if value is not None:
+                entry[key] = (entry[key] or 0.0) + value
+    data: dict[str, Any] = suite.to_dict()
+    data["environment"] = env.to_dict()
+    data["seconds_per_case"] = per_case
+    data["mode_note"] = (
+        "Triton's interpreter ran the kernels: this checks their logic, not the GPU compiler"
+        if suite.mode == "interpreter"
+        else f"kernels compiled by Triton's {suite.backend} backend for {suite.arch}"
+    )
+    data["not_supported"] = [
+        {"check": c.label, "reason": c.message} for c in suite.checks if c.verdict == "unsupported"
+    ]
+    return data
+
+
+# --- the probe ----------------------------------------------------------------------------------
+
+
+class TritonProbe:
+    """Runs the kernel corpus on the run's device and checks every answer."""
+
+    name = "triton"
+    description = (
+        "runs Triton and torch.compile kernels typical of LoRA training on this device and checks "
+        "each against a float64 CPU reference (silent miscompiles, Triton/torch mismatch)"
+    )
+    requires_packages: tuple[str, ...] = ("triton",)
+    device_kinds: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        *,
+        seed: int | None = None,
+        sources: Sequence[str] | None = None,
+        timeout_s: float = 900.0,
+        device_kinds: Sequence[str] = (),
+    ) -> None:
+        #: None: fresh inputs each run (the seed used is recorded).
+        self.seed = seed
+        self.sources = tuple(sources) if sources is not None else None
+        self.timeout_s = timeout_s
+        self.device_kinds = tuple(device_kinds)
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        from diagnose.probes.triton_cases.runner import CORPUS, run_suite
+
+        env = collect_environment()
+        if env.import_error:
+            problems = findings_for_environment_only(env)
+            return ProbeResult(
+                status="error",
+                reason=f"triton is installed but does not import: {env.import_error}",
+                traceback=env.import_traceback,
+                findings=problems,
+                data={"environment": env.to_dict()},
+            )
+        suite = run_suite(
+            self.sources or CORPUS,
+            device=ctx.device,
+            seed=self.seed,
+            timeout_s=self.timeout_s,
+            progress=ctx.progress,
+        )
+        if not suite.ran:
+            reasons = sorted({c.message for c in suite.checks})
+            raise ProbeSkipped(f"no kernel check can run here: {'; '.join(reasons)}")
+        return ProbeResult(
+            findings=findings_for(suite, env),
+            checked_ok=checked_ok_lines(suite, env),
+            data=suite_data(suite, env),
+        )
+
+
+def findings_for_environment_only(env: TritonEnvironment) -> list[Finding]:
+    """The version findings alone (when no kernel could run)."""
+    from diagnose.probes.triton_cases.runner import SuiteResult
+
+    empty = SuiteResult("interpreter", "", "", "", 0, [])
+    return findings_for(empty, env)
