@@ -1,0 +1,313 @@
+"""Benchmark the trace analysis against a plain orjson parse and HTA's trace loading.
+
+    python benchmarks/bench_trace.py                 # largest real trace + a ~200 MB synthetic one
+    python benchmarks/bench_trace.py --gigabyte      # also a ~1 GB synthetic trace
+    python benchmarks/bench_trace.py --hta-python /path/to/venv/bin/python
+
+Every measurement runs in a fresh subprocess, so peak memory (VmHWM) is that operation's
+alone; "wall" times the operation only (imports excluded), "peak" is the process's peak resident
+memory including the interpreter and imports ("base" in the JSON, the resident memory after
+imports, is printed in the notes).
+
+Synthetic traces repeat the profiled steps of a real trace, shifted in time, with correlation and
+External ids offset so links stay unique: the same phenomena, many more events.
+
+HolisticTraceAnalysis (``pip install HolisticTraceAnalysis``) is measured when it can be imported
+by this Python or by the one given with ``--hta-python``; otherwise the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "gpu-traces"
+METHODS = ("orjson", "orjson_nogc", "analyze", "hta")
+_NO_HTA = "HTA not importable (pip install HolisticTraceAnalysis failed or not done)"
+_ID_KEYS = ("External id", "external id", "correlation", "Record function id", "Python id")
+
+
+def largest_real_trace() -> Path | None:
+    traces = sorted(SHARED.glob("*/*.json*"), key=_uncompressed_size)
+    return traces[-1] if traces else None
+
+
+def _uncompressed_size(path: Path) -> int:
+    if path.suffix != ".gz":
+        return path.stat().st_size
+    with gzip.open(path, "rb") as stream:
+        size = 0
+        while chunk := stream.read(1 << 24):
+            size += len(chunk)
+    return size
+
+
+def build_synthetic(source: Path, target_bytes: int, out: Path) -> Path:
+    """Write ``out`` (plain JSON) by repeating ``source``'s events, shifted, until big enough."""
+    opener = gzip.open if source.suffix == ".gz" else open
+    with opener(source, "rb") as stream:
+        doc = orjson.loads(stream.read())
+    events: list[dict[str, Any]] = doc.pop("traceEvents")
+    timed = [e for e in events if isinstance(e.get("ts"), (int, float))]
+    start = min(e["ts"] for e in timed)
+    span = max(e["ts"] + e.get("dur", 0) for e in timed) - start + 1000
+    id_span = 1 + max(
+        (v for e in events for k in _ID_KEYS if isinstance(v := (e.get("args") or {}).get(k), int)),
+        default=0,
+    )
+    flow_span = 1 + max((e["id"] for e in events if isinstance(e.get("id"), int)), default=0)
+    one_copy = len(orjson.dumps(events))
+    copies = max(1, round(target_bytes / one_copy))
+    header = orjson.dumps(doc)[:-1]  # "{...", closed after the events
+    with out.open("wb") as f:
+        f.write(header + (b',"traceEvents":[' if len(header) > 1 else b'"traceEvents":['))
+        for copy in range(copies):
+            shifted = []
+            for e in events:
+                if e.get("ph") == "M" and copy:
+                    continue
+                e2 = dict(e)
+                if isinstance(e2.get("ts"), (int, float)):
+                    e2["ts"] = e2["ts"] + copy * span
+                if isinstance(e2.get("id"), int):
+                    e2["id"] = e2["id"] + copy * flow_span
+                args = e2.get("args")
+                if isinstance(args, dict) and copy:
+                    args = dict(args)
+                    for key in _ID_KEYS:
+                        if isinstance(args.get(key), int) and args[key] > 0:
+                            args[key] += copy * id_span
+                    e2["args"] = args
+                name = e2.get("name")
+                if isinstance(name, str) and name.startswith("ProfilerStep#"):
+                    e2["name"] = f"ProfilerStep#{copy * 1000 + int(name.split('#')[1])}"
+                shifted.append(e2)
+            body = orjson.dumps(shifted)[1:-1]
+            f.write((b"," if copy else b"") + body)
+        f.write(b"]}")
+    return out
+
+
+# -- measurements (each in a fresh process) ---------------------------------------------------
+
+
+def _read_bytes(path: Path) -> bytes:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rb") as stream:
+            return stream.read()
+    return path.read_bytes()
+
+
+def _measure(method: str, path: Path) -> dict[str, Any]:
+    if method == "analyze":
+        from diagnose.trace import analyze_trace
+    elif method == "hta":
+        from hta.trace_analysis import TraceAnalysis
+    base = _rss_now()
+    started = time.perf_counter()
+    extra: dict[str, Any] = {}
+    if method in ("orjson", "orjson_nogc"):
+        import gc
+
+        if method == "orjson_nogc":
+            gc.disable()
+        data = orjson.loads(_read_bytes(path))
+        extra["events"] = len(data["traceEvents"])
+    elif method == "analyze":
+        analysis = analyze_trace(path)
+        extra["findings"] = sorted(f.id for f in analysis.findings)
+        extra["steps"] = len(analysis.steps)
+    elif method == "hta":
+        folder = Path(tempfile.mkdtemp(prefix="hta_bench_"))
+        try:
+            os.symlink(path, folder / path.name)
+            TraceAnalysis(trace_dir=str(folder))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    wall = time.perf_counter() - started
+    return {"wall": wall, "peak": _peak_rss(), "base": base, **extra}
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory. VmHWM, not ru_maxrss: Linux carries ru_maxrss over
+    from the parent across fork+exec, which would charge the benchmark driver's memory here."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_now() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_measurement(python: str, method: str, path: Path, timeout: float) -> dict[str, Any]:
+    cmd = [python, str(Path(__file__).resolve()), "--measure", method, str(path)]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+        return {"error": last[:120]}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def hta_python(explicit: str | None) -> str | None:
+    candidates = [explicit] if explicit else [sys.executable]
+    for python in candidates:
+        if not python:
+            continue
+        probe = subprocess.run(
+            [python, "-c", "import hta.trace_analysis"], capture_output=True, check=False
+        )
+        if probe.returncode == 0:
+            return python
+    return None
+
+
+def _mb(value: float) -> str:
+    return f"{value / 2**20:,.0f} MB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", nargs=2, metavar=("METHOD", "FILE"), help=argparse.SUPPRESS)
+    parser.add_argument("--gigabyte", action="store_true", help="also build a ~1 GB trace")
+    parser.add_argument("--size-mb", type=int, default=200, help="synthetic trace size")
+    parser.add_argument("--hta-python", help="a Python that can import hta (HTA's venv)")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "bench_trace")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs per measurement (best kept; 1 above 512 MB)"
+    )
+    parser.add_argument("--skip", nargs="*", default=[], choices=METHODS)
+    args = parser.parse_args(argv)
+
+    if args.measure:
+        method, file = args.measure
+        print(json.dumps(_measure(method, Path(file))))
+        return 0
+
+    source = largest_real_trace()
+    if source is None:
+        print(f"no real traces under {SHARED}", file=sys.stderr)
+        return 1
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    files: list[tuple[str, Path]] = [(f"real: {source.name}", source)]
+    sizes = [args.size_mb] + ([1024] if args.gigabyte else [])
+    for size in sizes:
+        out = args.workdir / f"synthetic_{size}mb.json"
+        if not out.exists():
+            print(f"building {out} ...", file=sys.stderr)
+            build_synthetic(source, size << 20, out)
+        files.append((f"synthetic {size} MB (x{source.stem.split('.')[0]})", out))
+
+    hta = hta_python(args.hta_python)
+    rows: list[list[str]] = []
+    for label, path in files:
+        size = _uncompressed_size(path)
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+        # Methods alternate within each repeat, so a busy moment of the machine hits all alike.
+        for _ in range(1 if size > 512 << 20 else args.repeat):
+            for method in METHODS:
+                if method in args.skip:
+                    runs[method].append({"error": "skipped"})
+                    continue
+                if method == "hta" and hta is None:
+                    runs[method].append({"error": _NO_HTA})
+                    continue
+                python = hta if method == "hta" and hta else sys.executable
+                print(f"{label}: {method} ...", file=sys.stderr)
+                runs[method].append(run_measurement(python, method, path, args.timeout))
+        results: dict[str, dict[str, Any]] = {}
+        for method, tries in runs.items():
+            ok = [r for r in tries if "error" not in r]
+            # The fastest run is the least disturbed by the machine; keep its peak with it.
+            results[method] = min(ok, key=lambda r: r["wall"]) if ok else tries[0]
+        base = results["orjson"].get("wall")
+        base_nogc = results["orjson_nogc"].get("wall")
+        for method in METHODS:
+            r = results[method]
+            if "error" in r:
+                rows.append([label, _mb(size), method, "-", "-", "-", "-", r["error"]])
+                continue
+            ratio = f"{r['wall'] / base:.2f}x" if base else "-"
+            ratio_nogc = f"{r['wall'] / base_nogc:.2f}x" if base_nogc else "-"
+            note = f"base {_mb(r['base'])}"
+            if method == "analyze":
+                found = ", ".join(r.get("findings", [])) or "no findings"
+                note += f"; {r.get('steps')} steps; {found}"
+            elif method.startswith("orjson"):
+                note += f"; {r.get('events'):,} events"
+            rows.append(
+                [
+                    label,
+                    _mb(size),
+                    method,
+                    f"{r['wall']:.2f} s",
+                    ratio,
+                    ratio_nogc,
+                    _mb(r["peak"]),
+                    note,
+                ]
+            )
+        analyze, hta_r = results["analyze"], results["hta"]
+        if "wall" in analyze and "wall" in hta_r:
+            rows.append(
+                [
+                    label,
+                    "",
+                    "analyze vs HTA",
+                    f"{hta_r['wall'] / analyze['wall']:.1f}x faster",
+                    "",
+                    "",
+                    f"{analyze['peak'] / hta_r['peak']:.2f}x HTA's",
+                    "",
+                ]
+            )
+
+    header = [
+        "trace",
+        "size",
+        "method",
+        "wall",
+        "vs orjson",
+        "vs orjson gc off",
+        "peak RSS",
+        "notes",
+    ]
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print(" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    print("-+-".join("-" * w for w in widths))
+    for row in rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,483 @@
+"""Where each step's wall time went: data wait, forward, backward, optimizer, sync, idle, other.
+
+How a step is split (basis "trace"):
+
+1. Device busy time is charged to the phase that *launched* the work: each kernel/memcpy carries
+   the phase of the host at its launch (the runtime call's time and thread). Launch phases, in
+   order of precedence: a ``diagnose::<phase>`` range (what ``diagnose run`` emits), a DataLoader
+   ``__next__`` range (data_wait), an ``Optimizer.step#``/``Optimizer.zero_grad#`` range
+   (optimizer), autograd work (``autograd::engine::evaluate_function``, ``*Backward*`` ops, the
+   autograd threads: backward), a blocking sync (sync), a top-level op that only copies host to
+   device (h2d), any other op of the training thread (forward).
+2. Device idle time is charged to what the host was doing meanwhile, in this order: waiting for
+   the next batch (data_wait), blocked in a sync (sync), then optimizer, backward, h2d, forward
+   (the host was busy launching: launch-bound time). Idle time with none of these is "idle".
+3. Without device activity (a CPU trace) the same host ranges split the wall time, and time in no
+   range (Python between ops) is "other".
+
+Overlapping device work (two streams) counts once; its phase is the first of backward, forward,
+optimizer, encode, h2d, data_wait, sync, other that covers it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from diagnose.record import Breakdown, OpStat
+from diagnose.trace.intervals import (
+    EMPTY,
+    Intervals,
+    complement,
+    intersect,
+    subtract,
+    union,
+    union_of,
+)
+from diagnose.trace.reader import MEMCPY, ParsedTrace
+from diagnose.trace.steps import StepSet
+from diagnose.trace.structure import Structure
+
+#: Phases a launch can carry (same names as diagnose.record.PHASES).
+LAUNCH_PHASES: tuple[str, ...] = (
+    "data_wait",
+    "h2d",
+    "encode",
+    "forward",
+    "backward",
+    "optimizer",
+    "sync",
+    "other",
+)
+_DEVICE_ORDER = ("backward", "forward", "optimizer", "encode", "h2d", "data_wait", "sync", "other")
+_IDLE_ORDER = ("data_wait", "sync", "optimizer", "backward", "h2d", "encode", "forward")
+_DIAGNOSE_PHASES = ("data_wait", "h2d", "encode", "forward", "backward", "optimizer")
+
+_DATALOADER = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__|dataloader_next", re.I)
+_OPTIMIZER = re.compile(r"^Optimizer\.(step|zero_grad)#|optimizer_step|optimizer_zero_grad", re.I)
+_DIAGNOSE = re.compile(r"^diagnose::(\w+)$")
+
+#: Host API calls that block until the device catches up.
+SYNC_CALLS = frozenset(
+    {
+        "cudaDeviceSynchronize",
+        "cudaStreamSynchronize",
+        "cudaEventSynchronize",
+        "cuCtxSynchronize",
+        "cuStreamSynchronize",
+        "cuEventSynchronize",
+        "hipDeviceSynchronize",
+        "hipStreamSynchronize",
+        "hipEventSynchronize",
+        "cudaMemcpy",
+        "hipMemcpy",
+        "hipMemcpyWithStream",
+        "cudaMemcpy2D",
+        "hipMemcpy2D",
+        "cuMemcpyDtoH_v2",
+        "cuMemcpyDtoH",
+        "hipMemcpyDtoH",
+    }
+)
+_ASYNC_COPIES = frozenset({"cudaMemcpyAsync", "hipMemcpyAsync", "cuMemcpyDtoHAsync_v2"})
+#: Ops that read a device value on the host (``.item()``, ``bool(tensor)``, ``print``).
+SYNC_OPS = frozenset({"aten::_local_scalar_dense"})
+
+
+@dataclass
+class SyncPoints:
+    """Host-blocking device synchronisations (outermost only: an ``.item()`` counts once)."""
+
+    ts: npt.NDArray[np.float64]
+    dur: npt.NDArray[np.float64]
+    names: list[str]
+    #: Thread index of each sync.
+    thread: npt.NDArray[np.int64]
+
+
+@dataclass
+class PhaseModel:
+    """Host phase intervals and the launch phase of each device activity."""
+
+    host: dict[str, Intervals]
+    #: Index into LAUNCH_PHASES per device activity.
+    device_phase: npt.NDArray[np.int8]
+    #: Union of activity intervals per launch phase (primary device only).
+    device_union: dict[str, Intervals]
+    syncs: SyncPoints
+    #: True when diagnose::<phase> ranges were present (our own traces).
+    diagnose_labels: bool
+    #: Names of the DataLoader ranges (they name the iterator class), for the evidence.
+    dataloader_names: list[str] = field(default_factory=list)
+
+
+def _name_mask(trace: ParsedTrace, pattern: re.Pattern[str]) -> npt.NDArray[np.bool_]:
+    ids = [i for i in np.unique(trace.host.name).tolist() if pattern.search(trace.names[i])]
+    if not ids:
+        return np.zeros(len(trace.host), dtype=bool)
+    return np.isin(trace.host.name, np.asarray(ids, dtype=np.int32))
+
+
+def _ranges(trace: ParsedTrace, mask: npt.NDArray[np.bool_]) -> Intervals:
+    return union(trace.host.ts[mask], trace.host.ts[mask] + trace.host.dur[mask])
+
+
+def find_syncs(trace: ParsedTrace, structure: Structure) -> SyncPoints:
+    """Blocking sync calls, blocking device-to-host copies and ``_local_scalar_dense`` ops."""
+    host, runtime, device = trace.host, trace.runtime, trace.device
+    names = trace.names
+    if not len(device):
+        empty = np.empty(0)
+        return SyncPoints(empty, empty, [], np.empty(0, dtype=np.int64))
+    sync_op_ids = [i for i, n in enumerate(names) if n in SYNC_OPS]
+    op_mask = (
+        np.isin(host.name, np.asarray(sync_op_ids, dtype=np.int32))
+        if sync_op_ids
+        else (np.zeros(len(host), dtype=bool))
+    )
+    call_ids = [i for i, n in enumerate(names) if n in SYNC_CALLS]
+    call_mask = (
+        np.isin(runtime.name, np.asarray(call_ids, dtype=np.int32))
+        if call_ids
+        else (np.zeros(len(runtime), dtype=bool))
+    )
+    # An async copy blocks when it is device-to-host into pageable memory: the call returns only
+    # after the copy ended on the device.
+    async_ids = [i for i, n in enumerate(names) if n in _ASYNC_COPIES]
+    if async_ids and len(device):
+        is_async = np.isin(runtime.name, np.asarray(async_ids, dtype=np.int32))
+        dtoh_ids = [i for i, n in enumerate(names) if n.startswith("Memcpy DtoH")]
+        copies = np.flatnonzero(
+            (device.kind == MEMCPY)
+            & np.isin(device.name, np.asarray(dtoh_ids or [-1], dtype=np.int32))
+            & (structure.device_runtime >= 0)
+        )
+        calls = structure.device_runtime[copies]
+        blocking = runtime.ts[calls] + runtime.dur[calls] >= device.ts[copies] + device.dur[copies]
+        blocking_calls = calls[blocking & is_async[calls]]
+        call_mask[blocking_calls] = True
+    # Drop calls made inside a sync op (the op already counts them).
+    calls = np.flatnonzero(call_mask)
+    if calls.size and op_mask.any():
+        op = structure.runtime_op[calls]
+        inside = np.zeros(calls.size, dtype=bool)
+        current = op.copy()
+        while True:
+            valid = current >= 0
+            if not valid.any():
+                break
+            inside[valid] |= op_mask[current[valid]]
+            current[valid] = structure.parent[current[valid]]
+            current[~valid] = -1
+        calls = calls[~inside]
+    ops = np.flatnonzero(op_mask)
+    ts = np.concatenate([host.ts[ops], runtime.ts[calls]])
+    dur = np.concatenate([host.dur[ops], runtime.dur[calls]])
+    threads = np.concatenate([host.thread[ops], runtime.thread[calls]]).astype(np.int64)
+    labels = [names[i] for i in host.name[ops].tolist()] + [
+        names[i] for i in runtime.name[calls].tolist()
+    ]
+    order = np.argsort(ts, kind="stable")
+    return SyncPoints(ts[order], dur[order], [labels[i] for i in order.tolist()], threads[order])
+
+
+def build_phases(trace: ParsedTrace, structure: Structure, primary_device: int) -> PhaseModel:
+    host = trace.host
+    main = structure.main_thread
+    on_main = host.thread == main
+    not_ann = ~structure.is_annotation
+
+    diagnose: dict[str, Intervals] = {}
+    diag_mask = _name_mask(trace, _DIAGNOSE)
+    if diag_mask.any():
+        for index in np.flatnonzero(diag_mask).tolist():
+            match = _DIAGNOSE.match(trace.names[int(host.name[index])])
+            phase = match.group(1) if match else ""
+            if phase in _DIAGNOSE_PHASES:
+                diagnose.setdefault(phase, EMPTY)
+        for phase in list(diagnose):
+            ids = [i for i, n in enumerate(trace.names) if n == f"diagnose::{phase}"]
+            diagnose[phase] = _ranges(trace, np.isin(host.name, np.asarray(ids, dtype=np.int32)))
+    covered = union_of(diagnose.values())
+
+    data_mask = _name_mask(trace, _DATALOADER)
+    dataloader_names = sorted({trace.names[int(i)] for i in host.name[data_mask].tolist()})
+    heuristic: dict[str, Intervals] = {
+        "data_wait": _ranges(trace, data_mask),
+        "optimizer": _ranges(trace, _name_mask(trace, _OPTIMIZER)),
+        "backward": _backward_intervals(trace, structure),
+        "forward": _ranges(trace, on_main & not_ann & ~structure.in_backward),
+        "h2d": _h2d_intervals(trace, structure),
+        "encode": EMPTY,
+    }
+    syncs = find_syncs(trace, structure)
+    heuristic["sync"] = union(syncs.ts, syncs.ts + syncs.dur)
+
+    host_phases: dict[str, Intervals] = {}
+    for phase, ranges in heuristic.items():
+        own = diagnose.get(phase, EMPTY)
+        rest = subtract(ranges, covered) if len(covered) else ranges
+        host_phases[phase] = union_of([own, rest]) if len(own) else rest
+
+    device_phase = _launch_phases(trace, structure, diagnose, heuristic)
+    device_union: dict[str, Intervals] = {}
+    if len(trace.device) and primary_device >= 0:
+        on_device = trace.device.device == primary_device
+        for index, phase in enumerate(LAUNCH_PHASES):
+            mask = on_device & (device_phase == index)
+            if mask.any():
+                starts = trace.device.ts[mask]
+                device_union[phase] = union(starts, starts + trace.device.dur[mask])
+    return PhaseModel(
+        host=host_phases,
+        device_phase=device_phase,
+        device_union=device_union,
+        syncs=syncs,
+        diagnose_labels=bool(diagnose),
+        dataloader_names=dataloader_names,
+    )
+
+
+def _backward_intervals(trace: ParsedTrace, structure: Structure) -> Intervals:
+    """Autograd ranges, with the gaps between them closed while the main thread runs nothing else.
+
+    On a GPU the engine runs on its own thread and the main thread waits inside ``backward()``
+    with no op open; small gaps between engine nodes are still backward.
+    """
+    host = trace.host
+    mask = structure.in_backward & ~structure.is_annotation
+    ranges = _ranges(trace, mask)
+    if len(ranges) < 2:
+        return ranges
+    ops = ~structure.is_annotation
+    others = (host.thread == structure.main_thread) & ~structure.in_backward & ops
+    other_starts = np.sort(host.ts[others])
+    gap_lo, gap_hi = ranges.ends[:-1], ranges.starts[1:]
+    busy_in_gap = np.searchsorted(other_starts, gap_hi, side="left") - np.searchsorted(
+        other_starts, gap_lo, side="left"
+    )
+    closable = busy_in_gap == 0
+    fills_s, fills_e = gap_lo[closable], gap_hi[closable]
+    return union(np.concatenate([ranges.starts, fills_s]), np.concatenate([ranges.ends, fills_e]))
+
+
+def _h2d_intervals(trace: ParsedTrace, structure: Structure) -> Intervals:
+    """Top-level ops on the main thread whose device work is only host-to-device copies."""
+    device = trace.device
+    if not len(device):
+        return EMPTY
+    htod_ids = [i for i, n in enumerate(trace.names) if n.startswith("Memcpy HtoD")]
+    launched = np.flatnonzero(structure.device_op >= 0)
+    if not launched.size:
+        return EMPTY
+    roots = structure.root_op[structure.device_op[launched]]
+    valid = roots >= 0
+    launched, roots = launched[valid], roots[valid]
+    is_htod = (device.kind[launched] == MEMCPY) & np.isin(
+        device.name[launched], np.asarray(htod_ids or [-1], dtype=np.int32)
+    )
+    n_host = len(trace.host)
+    htod_count = np.bincount(roots[is_htod], minlength=n_host)
+    other_count = np.bincount(roots[~is_htod], minlength=n_host)
+    candidates = (
+        (htod_count > 0)
+        & (other_count == 0)
+        & (trace.host.thread == structure.main_thread)
+        & ~structure.in_backward
+    )
+    return _ranges(trace, candidates)
+
+
+def _launch_phases(
+    trace: ParsedTrace,
+    structure: Structure,
+    diagnose: dict[str, Intervals],
+    heuristic: dict[str, Intervals],
+) -> npt.NDArray[np.int8]:
+    device = trace.device
+    n = len(device)
+    phase = np.full(n, LAUNCH_PHASES.index("other"), dtype=np.int8)
+    if not n:
+        return phase
+    launch_ts = structure.launch_ts
+    known = ~np.isnan(launch_ts)
+    safe_ts = np.where(known, launch_ts, -1.0)
+    assigned = ~known
+    has_ops = len(trace.host) > 0
+
+    def assign(name: str, mask: npt.NDArray[np.bool_]) -> None:
+        nonlocal assigned
+        take = mask & ~assigned
+        phase[take] = LAUNCH_PHASES.index(name)
+        assigned |= take
+
+    for name, ranges in diagnose.items():
+        assign(name, ranges.contains(safe_ts))
+    assign("data_wait", heuristic["data_wait"].contains(safe_ts))
+    assign("optimizer", heuristic["optimizer"].contains(safe_ts))
+    op = structure.device_op
+    by_op = np.zeros(n, dtype=bool)
+    by_op[op >= 0] = structure.in_backward[op[op >= 0]]
+    backward_thread = (
+        np.isin(structure.launch_thread, np.fromiter(structure.backward_threads, dtype=np.int64))
+        if structure.backward_threads
+        else np.zeros(n, dtype=bool)
+    )
+    assign("backward", by_op | backward_thread | heuristic["backward"].contains(safe_ts))
+    assign("sync", heuristic["sync"].contains(safe_ts))
+    assign("h2d", heuristic["h2d"].contains(safe_ts))
+    if has_ops:
+        assign("forward", (op >= 0) | heuristic["forward"].contains(safe_ts))
+    return phase
+
+
+@dataclass
+class StepBreakdown:
+    """Seconds per phase of one step; ``seconds`` sums to the step's wall time."""
+
+    number: int
+    seconds: dict[str, float]
+    #: The part of ``seconds`` that is device-idle time, by what the host was doing meanwhile
+    #: ("idle" = nothing traced). Empty on CPU traces.
+    device_idle: dict[str, float] = field(default_factory=dict)
+
+
+def _add(into: dict[str, float], phase: str, micros: float) -> None:
+    if micros > 0:
+        into[phase] = into.get(phase, 0.0) + micros / 1e6
+
+
+def step_breakdowns(
+    steps: StepSet, phases: PhaseModel, busy: Intervals, has_device: bool
+) -> list[StepBreakdown]:
+    out: list[StepBreakdown] = []
+    for step in steps.steps:
+        s, e = step.start_us, step.end_us
+        seconds: dict[str, float] = {}
+        idle_seconds: dict[str, float] = {}
+        step_busy = busy.clip(s, e)
+        remaining = step_busy
+        for phase in _DEVICE_ORDER:
+            ranges = phases.device_union.get(phase)
+            if ranges is None or not len(remaining):
+                continue
+            part = intersect(ranges.clip(s, e), remaining)
+            _add(seconds, phase, part.total)
+            remaining = subtract(remaining, part)
+        _add(seconds, "other", remaining.total)
+
+        idle = complement(step_busy, s, e)
+        for phase in _IDLE_ORDER:
+            ranges = phases.host.get(phase, EMPTY)
+            if not len(idle) or not len(ranges):
+                continue
+            part = intersect(ranges.clip(s, e), idle)
+            _add(seconds, phase, part.total)
+            if has_device:
+                _add(idle_seconds, phase, part.total)
+            idle = subtract(idle, part)
+        leftover = "idle" if has_device else "other"
+        _add(seconds, leftover, idle.total)
+        if has_device:
+            _add(idle_seconds, "idle", idle.total)
+        out.append(StepBreakdown(step.number, seconds, idle_seconds))
+    return out
+
+
+def summarize_breakdown(
+    per_step: list[StepBreakdown], kernel_per_step: list[dict[str, float]]
+) -> Breakdown:
+    """Median over steps of each phase and each kernel class (basis "trace")."""
+    phases = sorted({p for b in per_step for p in b.seconds})
+    seconds = (
+        {p: statistics.median(b.seconds.get(p, 0.0) for b in per_step) for p in phases}
+        if per_step
+        else {}
+    )
+    classes = sorted({c for d in kernel_per_step for c in d})
+    by_class = (
+        {c: statistics.median(d.get(c, 0.0) for d in kernel_per_step) for c in classes}
+        if kernel_per_step
+        else {}
+    )
+    return Breakdown(seconds=seconds, basis="trace", device_seconds_by_kernel_class=by_class)
+
+
+def top_ops(
+    trace: ParsedTrace,
+    structure: Structure,
+    steps: StepSet,
+    has_device: bool,
+    limit: int = 25,
+) -> list[OpStat]:
+    """Operators by self time per step: device self time on GPU traces, else CPU self time."""
+    from diagnose.trace.kernels import in_steps_mask
+
+    host = trace.host
+    n_steps = max(len(steps.steps), 1)
+    ops = np.flatnonzero((~structure.is_annotation) & (in_steps_mask(host.ts, steps) >= 0))
+    if not ops.size:
+        return []
+    device_self = np.zeros(len(host), dtype=np.float64)
+    launched = structure.device_op >= 0
+    np.add.at(device_self, structure.device_op[launched], trace.device.dur[launched])
+
+    names = host.name[ops]
+    unique, inverse = np.unique(names, return_inverse=True)
+    calls = np.bincount(inverse)
+    self_cpu = np.bincount(inverse, weights=structure.self_time[ops])
+    total_cpu = np.bincount(inverse, weights=host.dur[ops])
+    self_dev = np.bincount(inverse, weights=device_self[ops])
+    key = self_dev if has_device and self_dev.sum() > 0 else self_cpu
+    order = np.lexsort((-self_cpu, -key))[:limit]
+
+    # The most expensive call signature (shapes + dtypes) per op name: group by
+    # (name, dims, types) with one lexsort, sum the weights per group, keep each name's heaviest.
+    weight = device_self[ops] if has_device else structure.self_time[ops]
+    dims, types = host.input_dims[ops], host.input_types[ops]
+    order_sig = np.lexsort((types, dims, inverse))
+    keys = np.stack([inverse[order_sig], dims[order_sig], types[order_sig]])
+    starts = np.flatnonzero(np.concatenate([[True], np.any(keys[:, 1:] != keys[:, :-1], axis=0)]))
+    sig_weight = np.add.reduceat(weight[order_sig], starts)
+    best_sig: dict[int, tuple[int, int]] = {}
+    for g in np.argsort(-sig_weight, kind="stable").tolist():
+        first = int(starts[g])
+        name_index = int(keys[0, first])
+        if name_index not in best_sig:
+            best_sig[name_index] = (int(keys[1, first]), int(keys[2, first]))
+
+    result: list[OpStat] = []
+    for k in order.tolist():
+        dims_id, types_id = best_sig.get(k, (-1, -1))
+        shapes, dtypes = trace.name_of(dims_id), trace.name_of(types_id)
+        result.append(
+            OpStat(
+                name=trace.names[int(unique[k])],
+                calls_per_step=float(calls[k]) / n_steps,
+                self_cpu_seconds=float(self_cpu[k]) / 1e6 / n_steps,
+                self_device_seconds=float(self_dev[k]) / 1e6 / n_steps,
+                cpu_total_seconds=float(total_cpu[k]) / 1e6 / n_steps,
+                input_shapes=compact_dims(shapes),
+                input_dtypes=dtypes,
+            )
+        )
+    return result
+
+
+def compact_dims(text: str) -> str:
+    """``[[2,77,768],[768]]`` (as recorded) → ``[2, 77, 768], [768]``; empty shapes dropped."""
+    if not text:
+        return ""
+    try:
+        dims = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(dims, list):
+        return text
+    parts = [str(d).replace(" ", "").replace(",", ", ") for d in dims if d not in ([], None, "")]
+    return ", ".join(parts)

@@ -1,0 +1,80 @@
+"""Everything the passive rules read about one trace, computed once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from diagnose.record import Breakdown
+from diagnose.trace.breakdown import PhaseModel, StepBreakdown
+from diagnose.trace.device import DeviceSummary
+from diagnose.trace.intervals import Intervals
+from diagnose.trace.kernels import KernelLabels, KernelTables, in_steps_mask
+from diagnose.trace.reader import ParsedTrace
+from diagnose.trace.steps import StepSet
+from diagnose.trace.structure import Structure
+
+
+@dataclass
+class TraceContext:
+    trace: ParsedTrace
+    structure: Structure
+    device: DeviceSummary
+    steps: StepSet
+    #: Union of activity on the primary device.
+    busy: Intervals
+    has_device: bool
+    kernels: KernelLabels
+    kernel_tables: KernelTables
+    phases: PhaseModel
+    per_step: list[StepBreakdown]
+    breakdown: Breakdown
+    _inclusive: npt.NDArray[np.float64] | None = field(default=None, repr=False)
+
+    @property
+    def n_steps(self) -> int:
+        return max(len(self.steps.steps), 1)
+
+    @property
+    def wall_seconds(self) -> float:
+        """Summed wall time of the analysed steps."""
+        return sum(s.wall_seconds for s in self.steps.steps)
+
+    @property
+    def is_training(self) -> bool:
+        """Whether the trace has autograd (backward) work."""
+        return bool(self.structure.in_backward.any())
+
+    def step_of(self, ts: npt.NDArray[np.float64]) -> npt.NDArray[np.intp]:
+        return in_steps_mask(ts, self.steps)
+
+    def op_name(self, index: int) -> str:
+        return self.trace.names[int(self.trace.host.name[index])]
+
+    def host_ids(self, names: set[str] | frozenset[str]) -> npt.NDArray[np.int32]:
+        """Name-table ids of the given host names that occur in this trace."""
+        ids = [i for i, n in enumerate(self.trace.names) if n in names]
+        return np.asarray(ids, dtype=np.int32)
+
+    def inclusive_device_time(self) -> npt.NDArray[np.float64]:
+        """Per host range: microseconds of device work launched by it or by its descendants."""
+        if self._inclusive is not None:
+            return self._inclusive
+        host = self.trace.host
+        total = np.zeros(len(host), dtype=np.float64)
+        launched = self.structure.device_op >= 0
+        np.add.at(total, self.structure.device_op[launched], self.trace.device.dur[launched])
+        depth = self.structure.depth
+        parent = self.structure.parent
+        if len(host):
+            for level in range(int(depth.max()), 0, -1):
+                at_level = np.flatnonzero(depth == level)
+                np.add.at(total, parent[at_level], total[at_level])
+        self._inclusive = total
+        return total
+
+    def op_cost(self) -> npt.NDArray[np.float64]:
+        """Per host range, the time that matters: device time on GPU traces, CPU time otherwise."""
+        return self.inclusive_device_time() if self.has_device else self.trace.host.dur

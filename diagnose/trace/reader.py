@@ -1,0 +1,827 @@
+"""Read a Chrome/Kineto profiler trace (plain or gzip) into compact columnar tables.
+
+Both trace schemas torch.profiler has written are read: the current one (``cpu_op``, ``kernel``,
+``cuda_runtime``, ``cuda_driver``, ``gpu_memcpy``, ``gpu_memset``, ``user_annotation``) and the
+2021 one (``Operator``, ``Kernel``, ``Runtime``, ``Memcpy``, ``Memset``). Categories the analysis
+does not use (``python_function``, ``gpu_user_annotation``, flows, instant events, ...) and unknown
+fields are skipped.
+
+Memory: traces can be hundreds of MB. The raw event dicts never outlive one batch: a file is read
+in chunks (``chunk_bytes``), each chunk's complete events are parsed with orjson, copied into
+per-batch Python lists of plain numbers, turned into numpy arrays, and dropped. Names are interned
+into one string table, so a kernel name seen 10,000 times is stored once.
+"""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import io
+import re
+import zlib
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from diagnose.errors import DiagnoseError, ExitCode
+
+IntArray = npt.NDArray[np.int32]
+LongArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+#: Bytes of JSON parsed per batch. The parsed dicts of one batch take about ten times this, so
+#: peak memory is roughly the columnar tables plus ten chunks, whatever the file size.
+CHUNK_BYTES = 4 << 20
+
+# Category codes. Values 1-2 are host ranges, 3 runtime/driver calls, 4-6 device activities.
+_OP, _ANNOTATION, _RUNTIME, _KERNEL, _MEMCPY, _MEMSET = 1, 2, 3, 4, 5, 6
+_CATEGORIES: dict[Any, int] = {
+    "cpu_op": _OP,
+    "Operator": _OP,
+    "operator": _OP,
+    "user_annotation": _ANNOTATION,
+    "cuda_runtime": _RUNTIME,
+    "cuda_driver": _RUNTIME,
+    "Runtime": _RUNTIME,
+    "runtime": _RUNTIME,
+    "hip_runtime": _RUNTIME,
+    "kernel": _KERNEL,
+    "Kernel": _KERNEL,
+    "gpu_memcpy": _MEMCPY,
+    "Memcpy": _MEMCPY,
+    "gpu_memset": _MEMSET,
+    "Memset": _MEMSET,
+}
+
+#: Device activity kinds stored in :attr:`DeviceTable.kind`.
+KERNEL, MEMCPY, MEMSET = 0, 1, 2
+
+_EMPTY_ARGS: dict[str, Any] = {}
+_ARRAY_ENDS = "array ends"
+_TRACE_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
+# A "}" then "," then "{": the usual boundary between two events of the traceEvents array. It can
+# also occur inside an event (a list of objects in args), so every split is verified by parsing.
+_EVENT_BOUNDARY = re.compile(rb"\}\s*,\s*\{")
+_STRUCTURE = np.zeros(256, dtype=np.int8)
+_STRUCTURE[ord("{")] = _STRUCTURE[ord("[")] = 1
+_STRUCTURE[ord("}")] = _STRUCTURE[ord("]")] = -1
+
+
+@dataclass(frozen=True)
+class HostTable:
+    """CPU-side ranges: operators (``cpu_op``) and record_function ranges (``user_annotation``)."""
+
+    name: IntArray
+    is_annotation: BoolArray
+    ts: FloatArray  # microseconds since the trace's first event
+    dur: FloatArray
+    thread: IntArray  # index into ParsedTrace.threads
+    ext_id: LongArray  # -1 when absent
+    input_types: IntArray  # index into ParsedTrace.names ("float, c10::BFloat16, ..."), -1
+    input_dims: IntArray  # index into ParsedTrace.names (JSON text of "Input Dims"), -1
+
+    def __len__(self) -> int:
+        return int(self.name.size)
+
+    @property
+    def end(self) -> FloatArray:
+        return self.ts + self.dur
+
+
+@dataclass(frozen=True)
+class RuntimeTable:
+    """CUDA/HIP runtime and driver API calls on the host."""
+
+    name: IntArray
+    ts: FloatArray
+    dur: FloatArray
+    thread: IntArray
+    ext_id: LongArray
+    correlation: LongArray
+
+    def __len__(self) -> int:
+        return int(self.name.size)
+
+
+@dataclass(frozen=True)
+class DeviceTable:
+    """Work on the accelerator: kernels, memcpys, memsets."""
+
+    kind: npt.NDArray[np.int8]  # KERNEL, MEMCPY or MEMSET
+    name: IntArray
+    ts: FloatArray
+    dur: FloatArray
+    device: IntArray  # index into ParsedTrace.devices
+    stream: IntArray  # index into ParsedTrace.streams
+    correlation: LongArray
+    ext_id: LongArray
+
+    def __len__(self) -> int:
+        return int(self.name.size)
+
+
+@dataclass
+class ParsedTrace:
+    """A trace in columnar form; ``names`` is the string table that all ``name`` columns index."""
+
+    path: str
+    names: list[str]
+    host: HostTable
+    runtime: RuntimeTable
+    device: DeviceTable
+    #: (pid, tid) of each thread index, as written in the trace.
+    threads: list[tuple[Any, Any]]
+    thread_names: dict[int, str]
+    #: Raw device ids (``args.device`` or the pid of the device row) of each device index.
+    devices: list[Any]
+    streams: list[Any]
+    #: Top-level JSON fields other than traceEvents (versions, deviceProperties, distributedInfo).
+    top_level: dict[str, Any]
+    #: "process_labels"/"process_name" metadata per pid (e.g. "GPU 0", "CPU").
+    process_labels: dict[Any, str]
+    #: Absolute timestamp (microseconds) that the ``ts`` columns are relative to.
+    base_us: float
+    event_count: int
+    #: True when the file was read in more than one chunk.
+    streamed: bool = False
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def name_of(self, index: int) -> str:
+        return self.names[index] if index >= 0 else ""
+
+
+def read_trace(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> ParsedTrace:
+    """Read ``path`` (``.json`` or gzip, detected by content) into a :class:`ParsedTrace`.
+
+    Raises ``DiagnoseError(BAD_INPUT)`` with a one-line message naming the file for anything that
+    is not a readable profiler trace.
+    """
+    label = str(path)
+    if not path.exists():
+        raise DiagnoseError(f"{label}: no such file", ExitCode.BAD_INPUT)
+    if path.is_dir():
+        raise DiagnoseError(f"{label}: is a directory, not a trace file", ExitCode.BAD_INPUT)
+    builder = _Builder(label)
+    # orjson builds millions of dicts and lists; the cyclic GC would scan them over and over while
+    # they are alive (3x slower) although they hold no cycles. Pause it while reading.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with _open(path) as stream:
+            events_stream = _EventStream(stream, max(chunk_bytes, 1 << 10), label)
+            for batch in events_stream.batches():
+                builder.add(batch)
+                del batch  # free this batch's dicts before the next one is parsed
+            top_level = events_stream.top_level
+            streamed = events_stream.streamed
+    except DiagnoseError:
+        raise
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise DiagnoseError(
+            f"{label}: truncated or corrupt gzip data ({_one_line(exc)})", ExitCode.BAD_INPUT
+        ) from None
+    except OSError as exc:
+        raise DiagnoseError(f"{label}: cannot read: {_one_line(exc)}", ExitCode.BAD_INPUT) from None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return builder.finish(top_level, streamed)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _open(path: Path) -> io.BufferedIOBase:
+    with path.open("rb") as probe:
+        magic = probe.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rb")
+    return path.open("rb")
+
+
+class _EventStream:
+    """Yields the traceEvents array in batches of parsed events, reading ``chunk`` bytes at a time.
+
+    Small files (one chunk) are parsed whole. Larger ones: the text before ``"traceEvents": [`` is
+    parsed as the header object; then each chunk is cut at the last event boundary, the complete
+    events before it are parsed, and the rest is carried over to the next chunk. The end of the
+    array and the fields after it are found with an exact (string-aware) bracket scan.
+    """
+
+    def __init__(self, stream: io.BufferedIOBase, chunk: int, label: str) -> None:
+        self._stream = stream
+        self._chunk = chunk
+        self._label = label
+        self._eof = False
+        self.top_level: dict[str, Any] = {}
+        self.chunks_read = 0
+        self.streamed = False
+
+    def _read(self) -> bytes:
+        """Up to one chunk; shorter only at the end of the stream."""
+        parts: list[bytes] = []
+        wanted = self._chunk
+        while wanted > 0:
+            data = self._stream.read(wanted)
+            if not data:
+                self._eof = True
+                break
+            parts.append(data)
+            wanted -= len(data)
+        self.chunks_read += 1
+        return b"".join(parts) if len(parts) != 1 else parts[0]
+
+    def _fail(self, problem: str) -> DiagnoseError:
+        return DiagnoseError(f"{self._label}: {problem}", ExitCode.BAD_INPUT)
+
+    def _loads(self, data: bytes | bytearray | memoryview) -> Any:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise self._fail(f"invalid JSON: {_one_line(exc)}") from None
+
+    def batches(self) -> Iterator[list[Any]]:
+        first = self._read()
+        if not first:
+            raise self._fail("empty file")
+        buf = bytearray(first)
+        more = b"" if self._eof else self._read()
+        if not more:
+            yield self._whole_document(buf)
+            return
+        buf += more
+        yield from self._streamed(buf)
+
+    def _whole_document(self, buf: bytearray) -> list[Any]:
+        data = self._loads(buf)
+        del buf[:]
+        if isinstance(data, list):  # Chrome's "JSON Array Format": the events alone
+            return data
+        if not isinstance(data, dict):
+            raise self._fail(f"not a profiler trace: the JSON top level is a {_kind(data)}")
+        if "traceEvents" not in data:
+            raise self._fail("not a profiler trace: no traceEvents field")
+        events = data.pop("traceEvents")
+        if not isinstance(events, list):
+            raise self._fail(f"not a profiler trace: traceEvents is a {_kind(events)}, not a list")
+        self.top_level = data
+        return events
+
+    def _read_all(self, buf: bytearray) -> None:
+        while not self._eof:
+            buf += self._read()
+
+    def _streamed(self, buf: bytearray) -> Iterator[list[Any]]:
+        self.streamed = True
+        start = 0
+        while start < len(buf) and buf[start] in b" \t\r\n\xef\xbb\xbf":
+            start += 1
+        if start < len(buf) and buf[start] == ord("["):
+            del buf[:start]  # bare array of events
+        else:
+            match = _TRACE_EVENTS_KEY.search(buf)
+            while match is None and not self._eof:
+                buf += self._read()
+                match = _TRACE_EVENTS_KEY.search(buf)
+            header = _parse_header(bytes(buf[: match.start()])) if match is not None else None
+            if match is None or header is None:
+                # No plain '"traceEvents": [' after a parseable header: parse the whole document,
+                # which also yields the precise error for files that are no trace at all.
+                self._read_all(buf)
+                yield self._whole_document(buf)
+                return
+            self.top_level = header
+            del buf[: match.end() - 1]  # buf now starts with the array's "["
+        yield from self._array_batches(buf)
+
+    def _array_batches(self, buf: bytearray) -> Iterator[list[Any]]:
+        """Parse the events of the array that ``buf`` starts with; then the fields after it."""
+        limit = self._chunk
+        while True:
+            while not self._eof and len(buf) < 2 * limit:
+                buf += self._read()
+            if self._eof:
+                yield from self._finish(buf)
+                return
+            split = self._split(buf, limit)
+            if split is _ARRAY_ENDS:
+                # The fields after the array are in this buffer: read the rest and finish.
+                self._read_all(buf)
+                yield from self._finish(buf)
+                return
+            if split is None:
+                # An event larger than a chunk: look further next time.
+                limit *= 2
+                continue
+            limit = self._chunk
+            assert not isinstance(split, str)
+            next_start, events = split
+            yield events
+            del events, split
+            del buf[: next_start - 1]
+            buf[0] = ord("[")  # the byte before the next "{" is "," or whitespace
+
+    def _split(self, buf: bytearray, limit: int) -> tuple[int, list[Any]] | str | None:
+        """Parse the complete events in about the first ``limit`` bytes of ``buf``.
+
+        Returns (index of the next event's "{", the parsed events); ``_ARRAY_ENDS`` when the
+        array ends inside the buffer; None when no event ends within it.
+        """
+        limit = min(len(buf), limit)
+        window = 1 << 16
+        candidates: list[re.Match[bytes]] = []
+        while not candidates and window < limit * 4:
+            candidates = list(_EVENT_BOUNDARY.finditer(buf, max(1, limit - window), limit))
+            window *= 4
+        for match in reversed(candidates[-3:]):
+            events = self._try_events(buf, match.start())
+            if events is not None:
+                return match.end() - 1, events
+        # The cheap cut failed (objects nested in args, or the array ends in this buffer): scan.
+        positions, depth = _structure(buf)
+        if np.flatnonzero(depth == 0).size:
+            return _ARRAY_ENDS
+        # Element ends: a "}" that brings the depth back to 1 (inside the array, between events).
+        closing = np.frombuffer(buf, np.uint8)[positions] == ord("}")
+        ends = positions[(depth == 1) & closing]
+        for brace in ends[::-1][:2].tolist():
+            nxt = buf.find(b"{", brace + 1)
+            if nxt < 0:
+                continue
+            events = self._try_events(buf, brace)
+            if events is not None:
+                return nxt, events
+        return None
+
+    def _try_events(self, buf: bytearray, brace: int) -> list[Any] | None:
+        saved = buf[brace + 1]
+        buf[brace + 1] = ord("]")
+        try:
+            with memoryview(buf) as view:
+                parsed = orjson.loads(view[: brace + 2])
+        except orjson.JSONDecodeError:
+            parsed = None
+        buf[brace + 1] = saved
+        return parsed if isinstance(parsed, list) else None
+
+    def _finish(self, buf: bytearray) -> Iterator[list[Any]]:
+        positions, depth = _structure(buf)
+        closes = np.flatnonzero(depth == 0)
+        if not closes.size:
+            raise self._fail("invalid JSON: the traceEvents array never ends (truncated file?)")
+        end = int(positions[closes[0]])
+        with memoryview(buf) as view:
+            events = self._loads(view[: end + 1])
+        tail = bytes(buf[end + 1 :]).strip()
+        del buf[:]
+        yield events
+        if tail.startswith(b","):
+            rest = self._loads(b"{" + tail[1:])
+            if isinstance(rest, dict):
+                self.top_level.update(rest)
+        elif tail not in (b"}", b""):
+            raise self._fail("invalid JSON: unexpected text after the traceEvents array")
+
+
+def _parse_header(text: bytes) -> dict[str, Any] | None:
+    """The top-level fields written before traceEvents, or None if the text is not such a prefix."""
+    body = text.strip()
+    if body.startswith(b"\xef\xbb\xbf"):
+        body = body[3:].strip()
+    if not body.startswith(b"{"):
+        return None
+    if body.endswith(b","):
+        body = body[:-1]
+    try:
+        parsed = orjson.loads(body + b"}")
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _structure(buf: bytearray) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int64]]:
+    """Positions of the brackets outside strings, and the nesting depth after each one."""
+    data = np.frombuffer(buf, dtype=np.uint8)
+    quotes = np.flatnonzero(data == ord('"'))
+    if quotes.size and quotes[0] >= 0:
+        escaped_candidates = quotes[(quotes > 0) & (data[np.maximum(quotes - 1, 0)] == ord("\\"))]
+        if escaped_candidates.size:
+            escaped = []
+            for q in escaped_candidates.tolist():
+                run = 0
+                while q - run - 1 >= 0 and data[q - run - 1] == ord("\\"):
+                    run += 1
+                if run % 2:
+                    escaped.append(q)
+            if escaped:
+                quotes = np.setdiff1d(quotes, np.asarray(escaped), assume_unique=True)
+    deltas = _STRUCTURE[data]
+    positions = np.flatnonzero(deltas)
+    outside = (np.searchsorted(quotes, positions) & 1) == 0
+    positions = positions[outside]
+    depth = np.cumsum(deltas[positions], dtype=np.int64)
+    return positions, depth
+
+
+def _kind(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean"}.get(
+        type(value), "number" if isinstance(value, (int, float)) else type(value).__name__
+    )
+
+
+class _Builder:
+    """Accumulates batches of event dicts into numpy chunks; ``finish`` builds the tables."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._name_ids: dict[str, int] = {}
+        self._names: list[str] = []
+        self._thread_ids: dict[tuple[Any, Any], int] = {}
+        self._threads: list[tuple[Any, Any]] = []
+        self._device_ids: dict[Any, int] = {}
+        self._devices: list[Any] = []
+        self._stream_ids: dict[Any, int] = {}
+        self._streams: list[Any] = []
+        self._list_ids: dict[tuple[Any, ...], int] = {}
+        self._dims_ids: dict[bytes, int] = {}
+        self._meta: list[tuple[str, Any, Any, str]] = []
+        self._host: list[dict[str, npt.NDArray[Any]]] = []
+        self._runtime: list[dict[str, npt.NDArray[Any]]] = []
+        self._device: list[dict[str, npt.NDArray[Any]]] = []
+        self._seen = 0
+
+    # -- interning (only on first sight; the hot loop does dict.get)
+
+    def _intern(self, text: Any) -> int:
+        if not isinstance(text, str):
+            raise TypeError("name")
+        index = len(self._names)
+        self._names.append(text)
+        self._name_ids[text] = index
+        return index
+
+    def _thread(self, key: tuple[Any, Any]) -> int:
+        index = len(self._threads)
+        self._threads.append(key)
+        self._thread_ids[key] = index
+        return index
+
+    def _types(self, values: Any) -> int:
+        if type(values) is not list:
+            return -1
+        key = tuple(values)
+        index = self._list_ids.get(key)
+        if index is None:
+            text = ", ".join(v if isinstance(v, str) else str(v) for v in values)
+            index = self._name_ids.get(text)
+            if index is None:
+                index = self._intern(text)
+            self._list_ids[key] = index
+        return index
+
+    def _dims(self, values: Any) -> int:
+        if type(values) is not list:
+            return -1
+        key = orjson.dumps(values)
+        index = self._dims_ids.get(key)
+        if index is None:
+            text = key.decode()
+            index = self._name_ids.get(text)
+            if index is None:
+                index = self._intern(text)
+            self._dims_ids[key] = index
+        return index
+
+    def _small_id(self, table: dict[Any, int], values: list[Any], key: Any) -> int:
+        index = table.get(key)
+        if index is None:
+            index = len(values)
+            values.append(key)
+            table[key] = index
+        return index
+
+    # -- the hot loop
+
+    def add(self, events: list[Any]) -> None:
+        try:
+            self._add(events)
+        except (TypeError, AttributeError, ValueError, KeyError, OverflowError):
+            raise DiagnoseError(
+                f"{self._label}: {_first_bad_event(events, self._seen)}", ExitCode.BAD_INPUT
+            ) from None
+        self._seen += len(events)
+
+    def _add(self, events: list[Any]) -> None:
+        # One tuple per kept event, transposed into columns at the end of the batch: fewer
+        # Python-level calls per event than appending to eight column lists.
+        categories = _CATEGORIES.get
+        name_ids = self._name_ids.get
+        thread_ids = self._thread_ids.get
+        device_ids = self._device_ids.get
+        stream_ids = self._stream_ids.get
+        list_ids = self._list_ids.get
+        dims_ids = self._dims_ids.get
+        dumps = orjson.dumps
+        host_rows: list[tuple[Any, ...]] = []
+        runtime_rows: list[tuple[Any, ...]] = []
+        device_rows: list[tuple[Any, ...]] = []
+        add_host, add_runtime, add_device = (
+            host_rows.append,
+            runtime_rows.append,
+            device_rows.append,
+        )
+        empty = _EMPTY_ARGS
+        for event in events:
+            cat = event.get("cat")
+            code = categories(cat)
+            if code is None:
+                if cat is None and event.get("ph") == "M":
+                    self._metadata(event)
+                continue
+            if event.get("ph") != "X":
+                continue
+            name = event["name"]
+            nid = name_ids(name)
+            if nid is None:
+                nid = self._intern(name)
+            args = event.get("args")
+            if args is None:
+                args = empty
+            ext = args.get("External id")
+            if ext is None:
+                ext = args.get("external id", -1)
+            if code >= _KERNEL:
+                dev = args.get("device")
+                if dev is None:
+                    dev = event.get("pid")
+                dev_id = device_ids(dev)
+                if dev_id is None:
+                    dev_id = self._small_id(self._device_ids, self._devices, dev)
+                stream = args.get("stream")
+                if stream is None:
+                    stream = event.get("tid")
+                stream_id = stream_ids(stream)
+                if stream_id is None:
+                    stream_id = self._small_id(self._stream_ids, self._streams, stream)
+                add_device(
+                    (
+                        code - _KERNEL,
+                        nid,
+                        event["ts"],
+                        event.get("dur", 0),
+                        dev_id,
+                        stream_id,
+                        args.get("correlation", -1),
+                        ext,
+                    )
+                )
+                continue
+            key = (event.get("pid"), event.get("tid"))
+            thread = thread_ids(key)
+            if thread is None:
+                thread = self._thread(key)
+            if code == _RUNTIME:
+                add_runtime(
+                    (
+                        nid,
+                        event["ts"],
+                        event.get("dur", 0),
+                        thread,
+                        ext,
+                        args.get("correlation", -1),
+                    )
+                )
+                continue
+            input_types = args.get("Input type")
+            if input_types is None:
+                types_id = dims_id = -1
+            else:
+                # Cache hits inline; the methods intern first sightings. Non-lists: ignored.
+                types_id = dims_id = -1
+                if type(input_types) is list:
+                    cached = list_ids(tuple(input_types))
+                    types_id = self._types(input_types) if cached is None else cached
+                dims = args.get("Input Dims")
+                if type(dims) is list:
+                    cached = dims_ids(dumps(dims))
+                    dims_id = self._dims(dims) if cached is None else cached
+            add_host(
+                (
+                    nid,
+                    code == _ANNOTATION,
+                    event["ts"],
+                    event.get("dur", 0),
+                    thread,
+                    ext,
+                    types_id,
+                    dims_id,
+                )
+            )
+        if host_rows:
+            name, ann, ts, dur, thread_col, ext_col, types, dims = zip(*host_rows, strict=True)
+            self._host.append(
+                {
+                    "name": _ints(name, "i"),
+                    "is_annotation": np.array(ann, dtype=bool),
+                    "ts": _floats(ts),
+                    "dur": _floats(dur),
+                    "thread": _ints(thread_col, "i"),
+                    "ext_id": _ints(ext_col, "q"),
+                    "input_types": _ints(types, "i"),
+                    "input_dims": _ints(dims, "i"),
+                }
+            )
+        if runtime_rows:
+            name, ts, dur, thread_col, ext_col, corr = zip(*runtime_rows, strict=True)
+            self._runtime.append(
+                {
+                    "name": _ints(name, "i"),
+                    "ts": _floats(ts),
+                    "dur": _floats(dur),
+                    "thread": _ints(thread_col, "i"),
+                    "ext_id": _ints(ext_col, "q"),
+                    "correlation": _ints(corr, "q"),
+                }
+            )
+        if device_rows:
+            kind, name, ts, dur, dev_col, stream_col, corr, ext_col = zip(*device_rows, strict=True)
+            self._device.append(
+                {
+                    "kind": np.array(kind, dtype=np.int8),
+                    "name": _ints(name, "i"),
+                    "ts": _floats(ts),
+                    "dur": _floats(dur),
+                    "device": _ints(dev_col, "i"),
+                    "stream": _ints(stream_col, "i"),
+                    "correlation": _ints(corr, "q"),
+                    "ext_id": _ints(ext_col, "q"),
+                }
+            )
+
+    def _metadata(self, event: dict[str, Any]) -> None:
+        kind = event.get("name")
+        if kind not in ("thread_name", "process_name", "process_labels"):
+            return
+        args = event.get("args")
+        if not isinstance(args, dict):
+            return
+        value = args.get("name", args.get("labels"))
+        if isinstance(value, str):
+            self._meta.append((kind, event.get("pid"), event.get("tid"), value))
+
+    # -- tables
+
+    def finish(self, top_level: dict[str, Any], streamed: bool) -> ParsedTrace:
+        if self._seen == 0:
+            raise DiagnoseError(f"{self._label}: the trace has no events", ExitCode.BAD_INPUT)
+        host = _concat(self._host, _HOST_FIELDS)
+        runtime = _concat(self._runtime, _RUNTIME_FIELDS)
+        device = _concat(self._device, _DEVICE_FIELDS)
+        self._host = self._runtime = self._device = []
+        if not (host["name"].size or runtime["name"].size or device["name"].size):
+            raise DiagnoseError(
+                f"{self._label}: the trace has no profiler events "
+                "(no cpu_op, user_annotation, kernel, memcpy or runtime events)",
+                ExitCode.BAD_INPUT,
+            )
+        base = float(min(float(np.min(t["ts"])) for t in (host, runtime, device) if t["ts"].size))
+        tables = []
+        for columns in (host, runtime, device):
+            columns["ts"] = columns["ts"] - base
+            ts = columns["ts"]
+            if ts.size and not bool(np.all(ts[1:] >= ts[:-1])):
+                order = np.argsort(ts, kind="stable")
+                for key in columns:
+                    columns[key] = columns[key][order]
+            tables.append(columns)
+        thread_names: dict[int, str] = {}
+        process_labels: dict[Any, str] = {}
+        for kind, pid, tid, value in self._meta:
+            if kind == "thread_name":
+                index = self._thread_ids.get((pid, tid))
+                if index is None and isinstance(tid, str) and tid.isdigit():
+                    index = self._thread_ids.get((pid, int(tid)))
+                if index is not None:
+                    thread_names[index] = value
+            elif kind == "process_labels" or pid not in process_labels:
+                process_labels[pid] = value
+        return ParsedTrace(
+            path=self._label,
+            names=self._names,
+            host=HostTable(**tables[0]),
+            runtime=RuntimeTable(**tables[1]),
+            device=DeviceTable(**tables[2]),
+            threads=self._threads,
+            thread_names=thread_names,
+            devices=self._devices,
+            streams=self._streams,
+            top_level=top_level,
+            process_labels=process_labels,
+            base_us=base,
+            event_count=self._seen,
+            streamed=streamed,
+            counts={
+                "host": int(tables[0]["name"].size),
+                "runtime": int(tables[1]["name"].size),
+                "device": int(tables[2]["name"].size),
+                "total": self._seen,
+            },
+        )
+
+
+_HOST_FIELDS: dict[str, Any] = {
+    "name": np.int32,
+    "is_annotation": np.bool_,
+    "ts": np.float64,
+    "dur": np.float64,
+    "thread": np.int32,
+    "ext_id": np.int64,
+    "input_types": np.int32,
+    "input_dims": np.int32,
+}
+_RUNTIME_FIELDS: dict[str, Any] = {
+    "name": np.int32,
+    "ts": np.float64,
+    "dur": np.float64,
+    "thread": np.int32,
+    "ext_id": np.int64,
+    "correlation": np.int64,
+}
+_DEVICE_FIELDS: dict[str, Any] = {
+    "kind": np.int8,
+    "name": np.int32,
+    "ts": np.float64,
+    "dur": np.float64,
+    "device": np.int32,
+    "stream": np.int32,
+    "correlation": np.int64,
+    "ext_id": np.int64,
+}
+
+
+def _concat(chunks: list[dict[str, npt.NDArray[Any]]], fields: dict[str, Any]) -> dict[str, Any]:
+    if not chunks:
+        return {key: np.empty(0, dtype=dtype) for key, dtype in fields.items()}
+    return {key: np.concatenate([c[key] for c in chunks]) for key in fields}
+
+
+def _floats(values: Iterable[float]) -> FloatArray:
+    # array("d") rejects strings, None and containers (TypeError), unlike np.array(dtype=float).
+    return np.frombuffer(array("d", values), dtype=np.float64)
+
+
+def _ints(values: Iterable[int], code: str) -> npt.NDArray[Any]:
+    dtype = np.int32 if code == "i" else np.int64
+    return np.frombuffer(array(code, values), dtype=dtype)
+
+
+def _first_bad_event(events: Any, offset: int) -> str:
+    """A one-line description of the first event whose fields have the wrong types."""
+    if not isinstance(events, list):
+        return f"traceEvents is a {_kind(events)}, not a list"
+    for position, event in enumerate(events):
+        where = f"event {offset + position}"
+        if not isinstance(event, dict):
+            return f"{where} is a {_kind(event)}, not an object"
+        cat = event.get("cat")
+        if isinstance(cat, (list, dict)):
+            return f"{where}: field 'cat' is a {_kind(cat)}, expected a string"
+        code = _CATEGORIES.get(cat)
+        if code is None or event.get("ph") != "X":
+            continue
+        if "name" not in event:
+            return f"{where}: no 'name' field"
+        if not isinstance(event["name"], str):
+            return f"{where}: field 'name' is a {_kind(event['name'])}, expected a string"
+        for key in ("ts", "dur"):
+            if key not in event:
+                if key == "ts":
+                    return f"{where}: no 'ts' field"
+                continue
+            value = event[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return f"{where}: field '{key}' is a {_kind(value)}, expected a number"
+        for key in ("pid", "tid"):
+            value = event.get(key)
+            if isinstance(value, (list, dict)):
+                return f"{where}: field '{key}' is a {_kind(value)}, expected a number or string"
+        args = event.get("args")
+        if args is not None and not isinstance(args, dict):
+            return f"{where}: field 'args' is a {_kind(args)}, expected an object"
+        for key in ("External id", "external id", "correlation"):
+            value = (args or {}).get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                return f"{where}: args field '{key}' is a {_kind(value)}, expected an integer"
+        for key in ("device", "stream"):
+            value = (args or {}).get(key)
+            if isinstance(value, (list, dict)):
+                return f"{where}: args field '{key}' is a {_kind(value)}, expected a number"
+    return "events with fields of the wrong types"

@@ -1,0 +1,65 @@
+"""Passive rules: each reads a :class:`TraceContext` and reports findings and what it checked.
+
+Rules are listed explicitly, in report order. A rule never takes the analysis down: an
+unexpected error becomes a "could not judge" line naming the rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from diagnose.record import Finding
+from diagnose.trace.context import TraceContext
+
+
+@dataclass
+class RuleResult:
+    rule: str
+    findings: list[Finding] = field(default_factory=list)
+    #: Things the rule judged and found fine, one line each.
+    checked_ok: list[str] = field(default_factory=list)
+    #: Things the rule could not judge on this trace, and why.
+    not_judged: list[str] = field(default_factory=list)
+    #: Tables for the report (JSON-serialisable).
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+Rule = Callable[[TraceContext], RuleResult]
+
+
+def _registry() -> list[tuple[str, Rule]]:
+    from diagnose.trace.rules import attention, dataloader, launch, optimizer, precision
+
+    return [
+        ("dataloader", dataloader.check),
+        ("precision", precision.check),
+        ("attention", attention.check),
+        ("optimizer", optimizer.check),
+        ("launch", launch.check),
+    ]
+
+
+def run_rules(ctx: TraceContext) -> list[RuleResult]:
+    results: list[RuleResult] = []
+    for name, rule in _registry():
+        try:
+            result = rule(ctx)
+        except Exception as exc:  # a rule bug must not hide the rest of the analysis
+            result = RuleResult(
+                rule=name,
+                not_judged=[f"{name}: the rule failed on this trace ({type(exc).__name__}: {exc})"],
+            )
+        results.append(result)
+    return results
+
+
+def ms(seconds: float) -> str:
+    """Seconds as a short millisecond string for finding titles."""
+    value = seconds * 1e3
+    return f"{value:.2f} ms" if value < 10 else f"{value:.0f} ms"
+
+
+def pct(share: float) -> str:
+    return f"{share * 100:.0f}%" if share >= 0.01 else f"{share * 100:.1f}%"

@@ -1,0 +1,326 @@
+"""Attention: which implementation ran, and how long it took.
+
+From the ops (``aten::_scaled_dot_product_flash_attention``, ``..._efficient_attention``,
+``..._cudnn_attention``, ``..._attention_math``, xFormers, flash-attn) when the trace has CPU ops;
+from the kernels (FlashAttention, AOTriton ``attn_fwd``, CK ``fmha``, cuDNN SDPA...) otherwise.
+A hand-written ``bmm → softmax → bmm`` (diffusers' legacy AttnProcessor, old kohya code) is found
+as that op sequence outside any SDPA op.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from diagnose.record import Finding
+from diagnose.trace.breakdown import compact_dims
+from diagnose.trace.context import TraceContext
+from diagnose.trace.kernels import KERNEL_CLASSES, short_kernel_name
+from diagnose.trace.rules import RuleResult, ms
+
+RULE = "attention"
+MATH_ID = "attention.math_fallback"
+MANUAL_ID = "attention.unfused_manual"
+#: A fused kernel is about this much faster than the math path or a hand-written bmm/softmax/bmm
+#: (2-4x is usual for diffusion shapes; the conservative end is used for the estimate).
+FUSED_SPEEDUP = 2.0
+#: Without a measured backward, training attention costs about 3x its forward (fwd + 2x bwd).
+TRAINING_FACTOR = 3.0
+
+_PATHS: list[tuple[str, re.Pattern[str]]] = [
+    ("math", re.compile(r"^aten::_scaled_dot_product_attention_math")),
+    (
+        "flash",
+        re.compile(
+            r"^aten::_scaled_dot_product_flash_attention|^aten::_flash_attention_(forward|backward)"
+            r"|^flash_attn|^xformers_flash::"
+        ),
+    ),
+    (
+        "memory-efficient",
+        re.compile(
+            r"^aten::_scaled_dot_product_efficient_attention|^aten::_efficient_attention_"
+            r"|^xformers::efficient_attention|^xformers::"
+        ),
+    ),
+    ("cudnn", re.compile(r"^aten::_scaled_dot_product_cudnn_attention")),
+    (
+        "fused (other)",
+        re.compile(r"^aten::_scaled_dot_product_fused_attention_overrideable|flex_attention"),
+    ),
+]
+_MATMUL = {"aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum"}
+_SOFTMAX = {"aten::softmax", "aten::_softmax", "aten::_safe_softmax"}
+
+
+@dataclass
+class PathStat:
+    path: str
+    calls: int = 0
+    seconds: float = 0.0
+    ops: Counter[str] = field(default_factory=Counter)
+    shapes: Counter[str] = field(default_factory=Counter)
+    dtypes: Counter[str] = field(default_factory=Counter)
+    kernels: Counter[str] = field(default_factory=Counter)
+
+
+def _path_of(name: str) -> str | None:
+    for path, pattern in _PATHS:
+        if pattern.search(name):
+            return path
+    return None
+
+
+def check(ctx: TraceContext) -> RuleResult:
+    result = RuleResult(rule=RULE)
+    trace, structure = ctx.trace, ctx.structure
+    host = trace.host
+    n = ctx.n_steps
+    cost = ctx.op_cost()
+    in_steps = ctx.step_of(host.ts) >= 0
+
+    path_of_name: dict[int, str] = {}
+    for name_id in np.unique(host.name).tolist() if len(host) else []:
+        path = _path_of(trace.names[name_id])
+        if path:
+            path_of_name[name_id] = path
+    is_path = (
+        np.isin(host.name, np.fromiter(path_of_name, dtype=np.int32))
+        if path_of_name
+        else np.zeros(len(host), dtype=bool)
+    )
+    # Outermost path op of each call (its children are the same call).
+    under_path = _has_ancestor(structure.parent, is_path)
+    stats: dict[str, PathStat] = {}
+    kernel_names = _kernels_under(ctx)
+    for i in np.flatnonzero(is_path & ~under_path & in_steps).tolist():
+        path = path_of_name[int(host.name[i])]
+        stat = stats.setdefault(path, PathStat(path))
+        if not structure.in_backward[i]:
+            stat.calls += 1
+            stat.shapes[compact_dims(trace.name_of(int(host.input_dims[i])))] += 1
+            stat.dtypes[trace.name_of(int(host.input_types[i]))] += 1
+        stat.seconds += float(cost[i]) / 1e6
+        stat.ops[ctx.op_name(i)] += 1
+        for kernel in kernel_names.get(i, ()):
+            stat.kernels[kernel] += 1
+
+    manual = _manual_attention(ctx, is_path | under_path, in_steps, cost)
+    if manual.calls:
+        stats["hand-written bmm/softmax/bmm"] = manual
+
+    if not stats and ctx.has_device:
+        fused = _fused_kernels(ctx)
+        if fused.seconds > 0:
+            stats["fused (from kernels)"] = fused
+
+    result.data = {
+        "paths": [
+            {
+                "path": s.path,
+                "calls_per_step": s.calls / n,
+                "seconds_per_step": s.seconds / n,
+                "ops": dict(s.ops.most_common(5)),
+                "kernels": [short_kernel_name(k, 80) for k, _ in s.kernels.most_common(3)],
+                "input_shapes": [k for k, _ in s.shapes.most_common(3) if k],
+                "input_types": [k for k, _ in s.dtypes.most_common(3) if k],
+            }
+            for s in sorted(stats.values(), key=lambda s: -s.seconds)
+        ]
+    }
+    if not stats:
+        result.not_judged.append("attention: no attention ops or attention kernels in the trace")
+        return result
+
+    for path, stat in stats.items():
+        if path == "math":
+            result.findings.append(_math_finding(ctx, stat))
+        elif path.startswith("hand-written"):
+            result.findings.append(_manual_finding(ctx, stat))
+        else:
+            kernel = stat.kernels.most_common(1)[0][0] if stat.kernels else ""
+            via = f" (`{short_kernel_name(kernel, 60)}`)" if kernel else ""
+            calls = f"{stat.calls / n:.0f} calls/step, " if stat.calls else ""
+            result.checked_ok.append(
+                f"attention: the fused {path} path ran{via}: {calls}{ms(stat.seconds / n)}/step"
+            )
+    return result
+
+
+def _has_ancestor(parent: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """For each range, whether some ancestor has ``mask`` set."""
+    out = np.zeros(mask.size, dtype=bool)
+    if not mask.size:
+        return out
+    current = parent.copy()
+    active = current >= 0
+    while active.any():
+        idx = np.flatnonzero(active)
+        out[idx] |= mask[current[idx]]
+        current[idx] = parent[current[idx]]
+        active = (current >= 0) & ~out
+    return out
+
+
+def _kernels_under(ctx: TraceContext) -> dict[int, list[str]]:
+    """Host range index -> names of the attention kernels it (or a descendant) launched."""
+    out: dict[int, list[str]] = {}
+    if not ctx.has_device:
+        return out
+    attn = KERNEL_CLASSES.index("attention_fused")
+    launched = np.flatnonzero((ctx.kernels.classes == attn) & (ctx.structure.device_op >= 0))
+    parent = ctx.structure.parent
+    for k in launched.tolist():
+        name = ctx.trace.names[int(ctx.trace.device.name[k])]
+        op = int(ctx.structure.device_op[k])
+        while op >= 0:
+            out.setdefault(op, []).append(name)
+            op = int(parent[op])
+    return out
+
+
+def _fused_kernels(ctx: TraceContext) -> PathStat:
+    stat = PathStat("fused (from kernels)")
+    attn = KERNEL_CLASSES.index("attention_fused")
+    mask = (ctx.kernels.classes == attn) & (ctx.step_of(ctx.trace.device.ts) >= 0)
+    for k in np.flatnonzero(mask).tolist():
+        stat.seconds += float(ctx.trace.device.dur[k]) / 1e6
+        stat.kernels[ctx.trace.names[int(ctx.trace.device.name[k])]] += 1
+    return stat
+
+
+def _manual_attention(
+    ctx: TraceContext, excluded: np.ndarray, in_steps: np.ndarray, cost: Any
+) -> PathStat:
+    """``matmul → softmax → matmul`` sequences in the forward pass, outside any SDPA op."""
+    trace, structure = ctx.trace, ctx.structure
+    host = trace.host
+    stat = PathStat("hand-written bmm/softmax/bmm")
+    matmul_ids = ctx.host_ids(_MATMUL)
+    softmax_ids = ctx.host_ids(_SOFTMAX)
+    if not matmul_ids.size or not softmax_ids.size:
+        return stat
+    is_mm = np.isin(host.name, matmul_ids)
+    is_sm = np.isin(host.name, softmax_ids)
+    relevant = is_mm | is_sm
+    # Outermost of nested matmul/softmax calls (matmul -> bmm, softmax -> _softmax).
+    nested = _has_ancestor(structure.parent, relevant)
+    chosen = np.flatnonzero(relevant & ~nested & ~excluded & in_steps & ~structure.in_backward)
+    for thread in np.unique(host.thread[chosen]).tolist():
+        seq = chosen[host.thread[chosen] == thread]
+        seq = seq[np.argsort(host.ts[seq], kind="stable")].tolist()
+        k = 0
+        while k + 2 < len(seq):
+            a, b, c = seq[k], seq[k + 1], seq[k + 2]
+            if is_mm[a] and is_sm[b] and is_mm[c]:
+                stat.calls += 1
+                stat.seconds += float(cost[a] + cost[b] + cost[c]) / 1e6
+                stat.ops[ctx.op_name(a)] += 1
+                stat.ops[ctx.op_name(c)] += 1
+                stat.ops[ctx.op_name(b)] += 1
+                stat.shapes[compact_dims(trace.name_of(int(host.input_dims[a])))] += 1
+                stat.dtypes[trace.name_of(int(host.input_types[a]))] += 1
+                k += 3
+            else:
+                k += 1
+    return stat
+
+
+def _fix_for(ctx: TraceContext) -> str:
+    kind = ctx.device.info.kind
+    common = (
+        "Remove any forced math backend (torch.nn.attention.sdpa_kernel(SDPBackend.MATH), "
+        "torch.backends.cuda.enable_flash_sdp(False)/enable_mem_efficient_sdp(False)) and give "
+        "SDPA bf16/fp16 inputs (flash needs them; head dim <= 256)."
+    )
+    if kind == "rocm":
+        return (
+            common + " On ROCm consumer GPUs (RDNA3/RDNA4) the AOTriton flash and memory-efficient "
+            "kernels are behind TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 (kohya: --sdpa)."
+        )
+    return common + " kohya: --sdpa (or --xformers); diffusers uses SDPA by default."
+
+
+def _estimate(ctx: TraceContext, forward_seconds: float) -> float:
+    factor = TRAINING_FACTOR if ctx.is_training else 1.0
+    return forward_seconds * factor * (1 - 1 / FUSED_SPEEDUP)
+
+
+def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
+    n = ctx.n_steps
+    seconds = stat.seconds / n
+    dtypes = [d for d, _ in stat.dtypes.most_common(2) if d]
+    why = ""
+    if any("float" in d.split(", ")[0] for d in dtypes):
+        why = " The inputs are fp32: the flash kernel needs fp16/bf16."
+    saving = _estimate(ctx, seconds)
+    return Finding(
+        id=MATH_ID,
+        category="attention",
+        severity="warn",
+        title=(
+            f"Attention ran on the unfused math path ({stat.calls / n:.0f} calls/step, "
+            f"{ms(seconds)}/step)"
+        ),
+        evidence={
+            "calls_per_step": stat.calls / n,
+            "seconds_per_step": seconds,
+            "ops": dict(stat.ops.most_common(5)),
+            "input_shapes": [s for s, _ in stat.shapes.most_common(3) if s],
+            "input_types": dtypes,
+            "device": ctx.device.info.name,
+        },
+        est_seconds_saved_per_it=saving,
+        saving_basis="estimated",
+        fix=_fix_for(ctx),
+        detail=(
+            "scaled_dot_product_attention dispatched to _scaled_dot_product_attention_math, which "
+            "materialises the full attention matrix (bmm, softmax, bmm) instead of a fused "
+            f"kernel.{why} At about {FUSED_SPEEDUP:.0f}x for a fused kernel"
+            + (" (backward assumed 2x forward)" if ctx.is_training else "")
+            + f" the estimate is {ms(saving)} per step."
+        ),
+        source=f"trace:{RULE}",
+    )
+
+
+def _manual_finding(ctx: TraceContext, stat: PathStat) -> Finding:
+    n = ctx.n_steps
+    seconds = stat.seconds / n
+    saving = _estimate(ctx, seconds)
+    return Finding(
+        id=MANUAL_ID,
+        category="attention",
+        severity="warn",
+        title=(
+            f"Attention is computed by hand with bmm → softmax → bmm ({stat.calls / n:.0f} "
+            f"calls/step, {ms(seconds)}/step forward)"
+        ),
+        evidence={
+            "calls_per_step": stat.calls / n,
+            "forward_seconds_per_step": seconds,
+            "ops": dict(stat.ops.most_common(5)),
+            "input_shapes": [s for s, _ in stat.shapes.most_common(3) if s],
+            "input_types": [d for d, _ in stat.dtypes.most_common(2) if d],
+        },
+        est_seconds_saved_per_it=saving,
+        saving_basis="estimated",
+        fix=(
+            "Use torch.nn.functional.scaled_dot_product_attention: in diffusers set the default "
+            "processor (model.set_attn_processor(AttnProcessor2_0()) or "
+            "model.set_default_attn_processor() on torch 2), in kohya pass --sdpa or --xformers "
+            "(not --mem_eff_attn)."
+        ),
+        detail=(
+            "The forward pass multiplies queries and keys, takes a softmax and multiplies by the "
+            "values as separate ops outside scaled_dot_product_attention, so no fused attention "
+            f"kernel can run. At about {FUSED_SPEEDUP:.0f}x for a fused kernel"
+            + (" (backward assumed 2x forward)" if ctx.is_training else "")
+            + f" the estimate is {ms(saving)} per step."
+        ),
+        source=f"trace:{RULE}",
+    )

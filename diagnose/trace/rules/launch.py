@@ -1,0 +1,222 @@
+"""Compute: the device idles because the host cannot feed it fast enough.
+
+Device idle time inside the steps that is neither waiting for data nor blocked in a sync is time
+the device waited for the host. Its gaps tell two phenomena apart:
+
+* many short gaps (under :data:`LONG_GAP_US`) between short kernels: launch overhead, the host
+  cannot issue kernels as fast as the device runs them (small batch, many tiny ops, Python
+  dispatch cost);
+* a few long gaps: host stalls, the host ran something else (Python preprocessing, logging,
+  checkpointing, compilation) while nothing was queued.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diagnose.record import Finding, Severity
+from diagnose.trace.context import TraceContext
+from diagnose.trace.intervals import EMPTY, Intervals, subtract, union_of
+from diagnose.trace.reader import KERNEL
+from diagnose.trace.rules import RuleResult, ms, pct
+
+RULE = "launch"
+FINDING_ID = "compute.launch_bound"
+#: Share of step time with the device idle and the host busy (not data, not sync).
+WARN_SHARE = 0.25
+CRITICAL_SHARE = 0.5
+#: A gap at least this long (µs) is a host stall, not the cost of launching the next kernel.
+LONG_GAP_US = 1000.0
+#: Removing launch overhead (CUDA/HIP graphs, compile, bigger batches) recovers about half of it.
+RECOVERABLE = 0.5
+
+
+def check(ctx: TraceContext) -> RuleResult:
+    result = RuleResult(rule=RULE)
+    if not ctx.has_device:
+        result.not_judged.append("launch overhead: no device activity in the trace")
+        return result
+    n = ctx.n_steps
+    host_gaps = _host_bound_gaps(ctx)
+    explained = union_of(
+        [ctx.phases.host.get("data_wait", EMPTY), ctx.phases.host.get("sync", EMPTY)]
+    )
+    waiting_all = subtract(host_gaps, explained) if len(explained) else host_gaps
+    gaps: list[float] = []
+    largest_at = 0.0
+    for step in ctx.steps.steps:
+        waiting = waiting_all.clip(step.start_us, step.end_us)
+        lengths = (waiting.ends - waiting.starts).tolist()
+        if lengths and max(lengths) > max(gaps, default=0.0):
+            k = int(np.argmax(waiting.ends - waiting.starts))
+            largest_at = float(waiting.starts[k] + waiting.ends[k]) / 2
+        gaps.extend(lengths)
+    gap_array = np.asarray(gaps, dtype=np.float64)
+    total = float(gap_array.sum()) / 1e6
+    wall = ctx.wall_seconds or 1.0
+    share = total / wall
+    short = gap_array[gap_array < LONG_GAP_US]
+    long = gap_array[gap_array >= LONG_GAP_US]
+
+    by_phase: dict[str, float] = {}
+    for b in ctx.per_step:
+        for phase, seconds in b.device_idle.items():
+            if phase not in ("data_wait", "sync"):
+                by_phase[phase] = by_phase.get(phase, 0.0) + seconds / n
+    device = ctx.trace.device
+    in_steps = (ctx.step_of(device.ts) >= 0) & (device.device == ctx.device.primary_device)
+    kernels = np.flatnonzero(in_steps & (device.kind == KERNEL))
+    durations = device.dur[kernels]
+    busy_share = sum(s.device_busy_seconds for s in ctx.steps.steps) / wall
+    evidence = {
+        "device_waiting_for_host_seconds_per_step": total / n,
+        "share_of_step": share,
+        "device_busy_share": busy_share,
+        "short_gaps_per_step": short.size / n,
+        "short_gap_seconds_per_step": float(short.sum()) / 1e6 / n,
+        "median_short_gap_us": float(np.median(short)) if short.size else None,
+        "long_gaps_per_step": long.size / n,
+        "long_gap_seconds_per_step": float(long.sum()) / 1e6 / n,
+        "largest_gap_ms": float(gap_array.max()) / 1e3 if gap_array.size else None,
+        "largest_gap_host_activity": _host_activity_at(ctx, largest_at) if gap_array.size else "",
+        "idle_while_host_in": {p: v for p, v in sorted(by_phase.items()) if v > 0},
+        "kernels_per_step": kernels.size / n,
+        "median_kernel_us": float(np.median(durations)) if durations.size else None,
+        "whole_trace_window": ctx.steps.whole_trace,
+    }
+    result.data = evidence
+    if share < WARN_SHARE:
+        result.checked_ok.append(
+            f"host overhead: the device is busy {pct(busy_share)} of step time and waits for the "
+            f"host (not for data or syncs) {pct(share)} of it"
+        )
+        return result
+
+    severity: Severity = "critical" if share >= CRITICAL_SHARE else "warn"
+    saving: float | None = total / n * RECOVERABLE
+    caveat = ""
+    launch_bound = float(short.sum()) >= float(long.sum())
+    if not launch_bound and len(ctx.steps.steps) < 2:
+        # One step cannot tell a stall that repeats every step from one-off warm-up.
+        saving = None
+        caveat = (
+            " With a single profiled step a per-step stall cannot be told from warm-up; "
+            "profile several steady-state steps."
+        )
+    if ctx.steps.whole_trace:
+        # Without step markers the window includes setup (CUDA init, compile, autotune): the
+        # per-iteration saving cannot be said and the result is only indicative.
+        severity = "warn"
+        saving = None
+        caveat += (
+            " The trace has no step markers, so the window may include setup (context "
+            "creation, compilation, autotuning); profile a few steady-state steps with "
+            "torch.profiler.schedule and prof.step() for a per-step number."
+        )
+    median_kernel = evidence["median_kernel_us"]
+    if launch_bound:
+        median_gap = evidence["median_short_gap_us"]
+        title = (
+            f"The GPU waits for kernel launches {pct(share)} of each step "
+            f"({short.size / n:.0f} gaps/step, median {median_gap:.0f} µs; "
+            f"{kernels.size / n:.0f} kernels/step"
+            + (f", median {median_kernel:.0f} µs" if isinstance(median_kernel, float) else "")
+            + ")"
+        )
+        detail = (
+            f"The device ran out of queued work {short.size / n:.0f} times per step for a short "
+            f"while ({ms(float(short.sum()) / 1e6 / n)} per step): the host issues kernels more "
+            "slowly than the device runs them (small batch, many tiny ops, Python dispatch). "
+            f"About {RECOVERABLE:.0%} of the waiting is usually recovered (estimate)."
+        )
+        fix = (
+            "Cut launch overhead: torch.compile the model (fuses small kernels; "
+            'mode="reduce-overhead" adds CUDA/HIP graphs), raise the batch size, use fused or '
+            "foreach optimizers (torch.optim.AdamW(fused=True)), keep .item()/logging out of the "
+            "step."
+        )
+    else:
+        activity = evidence["largest_gap_host_activity"] or "no op (Python code)"
+        title = (
+            f"The GPU waits for the host {pct(share)} of each step ({long.size / n:.0f} long "
+            f"gap(s)/step, the largest {evidence['largest_gap_ms']:.1f} ms while the host ran "
+            f"{activity})"
+        )
+        detail = (
+            f"The device sat idle in gaps of 1 ms or more for {ms(float(long.sum()) / 1e6 / n)} "
+            "per step while the host was neither waiting for data nor synchronising: it was "
+            "running code that queues no device work."
+        )
+        fix = (
+            "Move host work out of the step: precompute or cache inputs (kohya: --cache_latents "
+            "--cache_text_encoder_outputs), log and save checkpoints less often, avoid per-step "
+            "Python preprocessing; torch.compile warm-up belongs before the profiled steps. "
+            "Profile the host side with py-spy to see the Python in the gaps."
+        )
+    result.findings.append(
+        Finding(
+            id=FINDING_ID,
+            category="compute",
+            severity=severity,
+            title=title,
+            evidence=evidence,
+            est_seconds_saved_per_it=saving,
+            saving_basis="estimated" if saving is not None else "none",
+            fix=fix,
+            detail=detail + caveat,
+            source=f"trace:{RULE}",
+        )
+    )
+    return result
+
+
+def _host_bound_gaps(ctx: TraceContext) -> Intervals:
+    """Device idle gaps that end with work the host launched only after the device went idle.
+
+    A gap whose next kernel was already queued (its launch call returned before the gap began)
+    is the device's own latency between kernels or a wait on another stream, not the host.
+    """
+    device, structure = ctx.trace.device, ctx.structure
+    busy = ctx.busy
+    if not len(busy):
+        return EMPTY
+    on_device = np.flatnonzero(device.device == ctx.device.primary_device)
+    runtime = ctx.trace.runtime
+    launch_end = np.full(len(device), np.nan)
+    rt = structure.device_runtime
+    has_rt = rt >= 0
+    launch_end[has_rt] = runtime.ts[rt[has_rt]] + runtime.dur[rt[has_rt]]
+    by_op = ~has_rt & ~np.isnan(structure.launch_ts)
+    launch_end[by_op] = structure.launch_ts[by_op]
+    starts = device.ts[on_device]
+    first_step = ctx.steps.steps[0].start_us if ctx.steps.steps else float(busy.starts[0])
+    gap_starts = np.concatenate([[min(first_step, float(busy.starts[0]))], busy.ends[:-1]])
+    gap_ends = busy.starts
+    nxt = np.searchsorted(starts, gap_ends, side="left")
+    nxt = np.minimum(nxt, starts.size - 1)
+    next_launch = launch_end[on_device[nxt]]
+    host_bound = (gap_ends > gap_starts) & ~np.isnan(next_launch) & (next_launch > gap_starts)
+    starts_out, ends_out = gap_starts[host_bound], gap_ends[host_bound]
+    # After the last activity nothing else was queued before the trace ends: the device waits for
+    # whatever the host does next.
+    last_end = ctx.steps.steps[-1].end_us if ctx.steps.steps else float(busy.ends[-1])
+    if last_end > float(busy.ends[-1]):
+        starts_out = np.append(starts_out, float(busy.ends[-1]))
+        ends_out = np.append(ends_out, last_end)
+    return Intervals(starts_out, ends_out)
+
+
+def _host_activity_at(ctx: TraceContext, ts: float) -> str:
+    """The outermost op the main thread was running at ``ts`` (or an empty string)."""
+    host = ctx.trace.host
+    main = ctx.structure.main_thread
+    candidates = np.flatnonzero(
+        (host.thread == main)
+        & ~ctx.structure.is_annotation
+        & (host.ts <= ts)
+        & (host.ts + host.dur > ts)
+    )
+    if not candidates.size:
+        return ""
+    outer = candidates[np.argmin(ctx.structure.depth[candidates])]
+    return ctx.op_name(int(outer))

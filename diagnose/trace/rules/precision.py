@@ -1,0 +1,331 @@
+"""Precision: matmuls, convolutions and attention that ran in fp32 inside a bf16/fp16 run.
+
+Needs the ``Input type`` of each op (torch.profiler ``record_shapes=True``). Only the lowest-level
+compute op of each call is judged: under autocast ``aten::linear`` appears twice, the outer call
+with the fp32 inputs the user passed and an inner call with the bf16 copies autocast made; the
+inner one (and its ``aten::addmm``) is what ran, so children decide.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from typing import Any
+
+import numpy as np
+
+from diagnose.record import Finding
+from diagnose.trace.breakdown import compact_dims
+from diagnose.trace.context import TraceContext
+from diagnose.trace.rules import RuleResult, ms, pct
+
+RULE = "precision"
+UPCAST_ID = "precision.fp32_compute_in_low_precision_run"
+FP32_TRAINING_ID = "precision.fp32_training"
+#: A bf16/fp16 matmul runs at least about twice as fast as fp32/tf32 on tensor cores / matrix
+#: cores; the estimates below assume that factor (conservative: on most GPUs it is 2-8x).
+LOW_PRECISION_SPEEDUP = 2.0
+#: The run counts as low-precision when this share of its compute calls ran in bf16/fp16/fp8.
+LOW_PRECISION_RUN_SHARE = 0.5
+#: Without per-op backward attribution, training compute is about 3x its forward (fwd + 2x bwd).
+TRAINING_FACTOR = 3.0
+
+COMPUTE_OP = re.compile(
+    r"^aten::("
+    r"mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_addmm_activation|_scaled_mm|einsum"
+    r"|conv[123]d|conv_transpose[123]d|_?convolution|convolution_overrideable|_convolution_mode"
+    r"|convolution_backward\w*|_conv_depthwise2d\w*|slow_conv\w*|thnn_conv\w*"
+    r"|cudnn_convolution\w*|miopen_convolution\w*|mkldnn_convolution\w*"
+    r"|scaled_dot_product_attention|_scaled_dot_product_\w+|_flash_attention_\w+"
+    r"|_efficient_attention_\w+"
+    r")$"
+)
+_ATTENTION_OP = re.compile(
+    r"^aten::(scaled_dot_product_attention|_scaled_dot_product_\w+|_flash_attention_\w+"
+    r"|_efficient_attention_\w+)$"
+)
+_DTYPES = {
+    "float": "fp32",
+    "float32": "fp32",
+    "c10::bfloat16": "bf16",
+    "bfloat16": "bf16",
+    "c10::half": "fp16",
+    "half": "fp16",
+    "float16": "fp16",
+    "double": "fp64",
+    "float64": "fp64",
+}
+_LOW = {"bf16", "fp16", "fp8"}
+
+
+def tensor_dtype(text: str) -> str | None:
+    """Normalised dtype of one ``Input type`` entry, or None for non-float entries."""
+    lowered = text.strip().lower()
+    if lowered in _DTYPES:
+        return _DTYPES[lowered]
+    if "float8" in lowered:
+        return "fp8"
+    return None
+
+
+def op_dtype(types: str) -> str | None:
+    """The compute dtype of an op from its ``Input type`` list: the majority float input, ties to
+    the lower precision (``_scaled_mm(fp8, fp8, fp32 scale, fp32 scale)`` is an fp8 op)."""
+    found = [d for d in (tensor_dtype(t) for t in types.split(", ")) if d]
+    if not found:
+        return None
+    counts = Counter(found)
+    rank = {"fp8": 0, "fp16": 1, "bf16": 1, "fp32": 2, "fp64": 3}
+    return min(counts, key=lambda d: (-counts[d], rank.get(d, 9)))
+
+
+def check(ctx: TraceContext) -> RuleResult:
+    result = RuleResult(rule=RULE)
+    trace, structure = ctx.trace, ctx.structure
+    host = trace.host
+    compute_ids = (
+        [i for i in np.unique(host.name).tolist() if COMPUTE_OP.match(trace.names[i])]
+        if len(host)
+        else []
+    )
+    if not compute_ids:
+        result.not_judged.append(
+            "precision: no matmul, convolution or attention ops in the trace to judge"
+        )
+        return result
+    is_compute = np.isin(host.name, np.asarray(compute_ids, dtype=np.int32))
+    in_steps = ctx.step_of(host.ts) >= 0
+    compute = np.flatnonzero(is_compute & in_steps)
+    if not compute.size:
+        result.not_judged.append("precision: no matmul/convolution ops inside the profiled steps")
+        return result
+
+    # Lowest-level compute ops: no compute op below them. An attention op is judged as a whole
+    # (the math path upcasts internally; that is the attention rule's finding), so the compute
+    # ops inside it are not judged separately.
+    attention_ids = [i for i in compute_ids if _ATTENTION_OP.match(trace.names[i])]
+    is_attention = (
+        np.isin(host.name, np.asarray(attention_ids, dtype=np.int32))
+        if attention_ids
+        else np.zeros(len(host), dtype=bool)
+    )
+    has_compute_child = np.zeros(len(host), dtype=bool)
+    inside_attention = np.zeros(len(host), dtype=bool)
+    parent = structure.parent
+    for i in compute.tolist():
+        p = int(parent[i])
+        first = -1
+        while p >= 0:
+            if is_compute[p] and first < 0:
+                first = p
+            if is_attention[p]:
+                inside_attention[i] = True
+                break
+            p = int(parent[p])
+        if first >= 0 and not inside_attention[i]:
+            has_compute_child[first] = True
+    leaves = compute[~has_compute_child[compute] & ~inside_attention[compute]]
+    # Judge the forward pass: every fp32 backward matmul mirrors an fp32 forward one (or an op
+    # whose backward is generic autograd, such as the math attention path), so the forward says
+    # what the code does; the backward cost is estimated from it.
+    forward = leaves[~structure.in_backward[leaves]]
+    if forward.size:
+        leaves = forward
+    typed = leaves[host.input_types[leaves] >= 0]
+    if not typed.size:
+        result.not_judged.append(
+            "precision: the trace records no input dtypes; capture it with "
+            "torch.profiler.profile(record_shapes=True) to check for fp32 compute"
+        )
+        return result
+
+    cost = ctx.op_cost()
+    dtypes: list[str | None] = [
+        op_dtype(trace.names[int(host.input_types[i])]) for i in typed.tolist()
+    ]
+    time_by_dtype: dict[str, float] = defaultdict(float)
+    count_by_dtype: Counter[str] = Counter()
+    for i, dtype in zip(typed.tolist(), dtypes, strict=True):
+        if dtype:
+            time_by_dtype[dtype] += float(cost[i]) / 1e6
+            count_by_dtype[dtype] += 1
+    judged_time = sum(time_by_dtype.values())
+    judged_count = sum(count_by_dtype.values())
+    if not judged_count:
+        result.not_judged.append("precision: compute ops have no floating-point inputs recorded")
+        return result
+    low_count = sum(c for d, c in count_by_dtype.items() if d in _LOW)
+    # Judged by calls, not time: the question is how the code is configured, and one slow fp32
+    # matmul must not make a bf16 run look like an fp32 one.
+    low_share = low_count / judged_count
+    fp32 = [i for i, d in zip(typed.tolist(), dtypes, strict=True) if d == "fp32"]
+    n = ctx.n_steps
+    result.data = {
+        "compute_ops_judged": judged_count,
+        "seconds_by_dtype_per_step": {d: t / n for d, t in time_by_dtype.items()},
+        "calls_by_dtype_per_step": {d: c / n for d, c in count_by_dtype.items()},
+        "low_precision_share": low_share,
+    }
+    low_names = "/".join(sorted(d for d in count_by_dtype if d in _LOW)) or "bf16"
+
+    if low_count and low_share >= LOW_PRECISION_RUN_SHARE:
+        if not fp32:
+            result.checked_ok.append(
+                f"precision: all {judged_count} matmul/convolution/attention calls ran in "
+                f"{low_names}; no fp32 upcasts"
+            )
+            return result
+        result.findings.append(_upcast_finding(ctx, fp32, cost, low_names, judged_time))
+        return result
+
+    if not ctx.is_training:
+        result.not_judged.append(
+            f"precision: an inference trace computing in fp32 ({pct(1 - low_share)} of compute "
+            "calls); the training precision cannot be judged from it"
+        )
+        return result
+    fp32_time = time_by_dtype.get("fp32", 0.0)
+    if not fp32_time and not count_by_dtype.get("fp32"):
+        result.not_judged.append("precision: compute ran in neither fp32 nor bf16/fp16")
+        return result
+    result.findings.append(_fp32_training_finding(ctx, fp32, cost, fp32_time, judged_time))
+    return result
+
+
+def _offender_table(ctx: TraceContext, ops: list[int], cost: Any) -> list[dict[str, Any]]:
+    trace, host = ctx.trace, ctx.trace.host
+    groups: dict[tuple[str, str, bool], list[int]] = defaultdict(list)
+    for i in ops:
+        shapes = compact_dims(trace.name_of(int(host.input_dims[i])))
+        groups[(ctx.op_name(i), shapes, bool(ctx.structure.in_backward[i]))].append(i)
+    rows = []
+    for (name, shapes, backward), members in groups.items():
+        seconds = float(sum(float(cost[i]) for i in members)) / 1e6
+        caller = _caller(ctx, members[0])
+        rows.append(
+            {
+                "op": name,
+                "input_shapes": shapes,
+                "pass": "backward" if backward else "forward",
+                "calls_per_step": len(members) / ctx.n_steps,
+                "seconds_per_step": seconds / ctx.n_steps,
+                "called_from": caller,
+            }
+        )
+    rows.sort(key=lambda r: -float(r["seconds_per_step"]))
+    return rows[:10]
+
+
+def _caller(ctx: TraceContext, index: int) -> str:
+    """The nearest enclosing range that is not an aten op (a module or record_function label)."""
+    p = int(ctx.structure.parent[index])
+    while p >= 0:
+        name = ctx.op_name(p)
+        if not name.startswith("aten::") and not name.startswith("ProfilerStep#"):
+            return name
+        p = int(ctx.structure.parent[p])
+    return ""
+
+
+def _with_backward(ctx: TraceContext, forward_seconds: float) -> float:
+    """Forward compute time → forward + backward (backward about twice the forward)."""
+    return forward_seconds * (TRAINING_FACTOR if ctx.is_training else 1.0)
+
+
+def _upcast_finding(
+    ctx: TraceContext, fp32: list[int], cost: Any, low_names: str, judged_time: float
+) -> Finding:
+    n = ctx.n_steps
+    forward_seconds = sum(float(cost[i]) for i in fp32) / 1e6 / n
+    seconds = _with_backward(ctx, forward_seconds)
+    step = ctx.wall_seconds / n if ctx.wall_seconds else 0.0
+    table = _offender_table(ctx, fp32, cost)
+    names = sorted({row["op"] for row in table})
+    saving = seconds * (1 - 1 / LOW_PRECISION_SPEEDUP)
+    top = table[0] if table else {}
+    return Finding(
+        id=UPCAST_ID,
+        category="precision",
+        severity="warn",
+        title=(
+            f"{len(fp32) / n:.0f} matmul/conv call(s) per step ran in fp32 in a {low_names} run "
+            f"({', '.join(names[:3])}; {ms(forward_seconds)}/step forward)"
+        ),
+        evidence={
+            "fp32_forward_calls_per_step": len(fp32) / n,
+            "fp32_forward_seconds_per_step": forward_seconds,
+            "fp32_seconds_per_step_with_backward": seconds,
+            "share_of_forward_compute_time": (forward_seconds * n) / judged_time
+            if judged_time
+            else None,
+            "share_of_step": seconds / step if step else None,
+            "ops": table,
+            "largest": top,
+        },
+        est_seconds_saved_per_it=saving,
+        saving_basis="estimated",
+        fix=(
+            "Let autocast run these ops in bf16: find the code that calls .float() on their "
+            "inputs or wraps them in torch.autocast(enabled=False) (attention or norm upcasts, "
+            "custom layers, a LoRA/adapter that keeps fp32 weights) and drop the upcast, or cast "
+            "the weights to bf16 (kohya: --mixed_precision bf16 --save_precision bf16; diffusers: "
+            "--mixed_precision bf16 and no --upcast_attention)."
+        ),
+        detail=(
+            f"These are the lowest-level compute ops of their calls, so autocast did not lower "
+            f"them: their inputs really were fp32. At about {LOW_PRECISION_SPEEDUP:.0f}x for "
+            f"{low_names} over fp32"
+            + (" (backward assumed 2x forward)" if ctx.is_training else "")
+            + f" the estimate is {ms(saving)} per step."
+        ),
+        source=f"trace:{RULE}",
+    )
+
+
+def _fp32_training_finding(
+    ctx: TraceContext, fp32: list[int], cost: Any, fp32_time: float, judged_time: float
+) -> Finding:
+    n = ctx.n_steps
+    forward_seconds = fp32_time / n
+    seconds = _with_backward(ctx, forward_seconds)
+    saving = seconds * (1 - 1 / LOW_PRECISION_SPEEDUP)
+    arch = ctx.device.info.arch
+    pre_ampere = ctx.device.info.kind == "cuda" and arch.startswith("sm_") and arch < "sm_80"
+    dtype = "fp16 (this GPU has no fast bf16)" if pre_ampere else "bf16"
+    on_cpu = ctx.device.info.kind == "cpu"
+    return Finding(
+        id=FP32_TRAINING_ID,
+        category="precision",
+        severity="info",
+        title=(
+            f"Training computes in fp32 ({len(fp32) / n:.0f} matmul/conv calls per step in the "
+            f"forward pass, {ms(forward_seconds)}/step)"
+        ),
+        evidence={
+            "fp32_forward_calls_per_step": len(fp32) / n,
+            "fp32_forward_seconds_per_step": forward_seconds,
+            "fp32_seconds_per_step_with_backward": seconds,
+            "share_of_forward_compute_time": fp32_time / judged_time if judged_time else None,
+            "ops": _offender_table(ctx, fp32, cost),
+        },
+        est_seconds_saved_per_it=None if on_cpu else saving,
+        saving_basis="none" if on_cpu else "estimated",
+        fix=(
+            f"Train with {dtype} mixed precision: kohya --mixed_precision "
+            f"{'fp16' if pre_ampere else 'bf16'}; diffusers: accelerate launch --mixed_precision "
+            f"{'fp16' if pre_ampere else 'bf16'}; Lightning: Trainer(precision="
+            f'"{"16" if pre_ampere else "bf16"}-mixed").'
+        ),
+        detail=(
+            "Every judged matmul and convolution ran on fp32 inputs. Mixed precision runs them "
+            f"on the {'matrix' if ctx.device.info.kind == 'rocm' else 'tensor'} cores; at about "
+            f"{LOW_PRECISION_SPEEDUP:.0f}x (backward assumed 2x forward) the estimate is "
+            f"{ms(saving)} per step"
+            + (
+                " (on a CPU the gain depends on AMX/AVX-512 bf16 support, so none is estimated)."
+                if on_cpu
+                else "."
+            )
+        ),
+        source=f"trace:{RULE}",
+    )

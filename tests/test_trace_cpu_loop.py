@@ -1,0 +1,224 @@
+"""CPU traces captured here by a plain user training loop (DataLoader, autocast, AdamW,
+torch.profiler with a schedule), each with one planted fault and a clean twin."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile, schedule
+from torch.utils.data import DataLoader, TensorDataset
+
+from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
+
+SEQ, DIM, HEADS = 16, 64, 4
+
+
+class TinyAttentionModel(torch.nn.Module):
+    """A projection, self-attention and an output projection; ``mode`` plants one fault."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
+        self.out = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        q, k, v = self.qkv(x).view(b, SEQ, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        if self.mode == "manual":  # the legacy hand-written attention
+            weights = torch.softmax(q @ k.transpose(-1, -2) * (DIM // HEADS) ** -0.5, dim=-1)
+            attended = weights @ v
+        else:
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        h = attended.transpose(1, 2).reshape(b, SEQ, DIM)
+        out: torch.Tensor
+        if self.mode == "upcast":  # an fp32 island inside the bf16 autocast region
+            with torch.autocast("cpu", enabled=False):
+                out = h.float() @ self.out.weight.float().T + self.out.bias.float()
+        elif self.mode == "float_under_autocast":  # autocast lowers this matmul back to bf16
+            out = h.float() @ self.out.weight.float().T
+        else:
+            out = self.out(h)
+        return out
+
+
+def capture(path: Path, mode: str = "clean", loader_sleep: float = 0.0) -> Path:
+    """Profile 3 steps of a user loop (after 1 profiler warm-up step) and save the trace."""
+    torch.manual_seed(0)
+    model = TinyAttentionModel(mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = TensorDataset(torch.randn(48, SEQ, DIM))
+
+    def collate(batch: list[tuple[torch.Tensor]]) -> torch.Tensor:
+        time.sleep(loader_sleep)  # a slow decode/augment in the main process
+        return torch.stack([b[0] for b in batch])
+
+    loader = DataLoader(data, batch_size=8, collate_fn=collate)
+    forced = sdpa_kernel(SDPBackend.MATH) if mode == "math" else contextlib.nullcontext()
+    with (
+        forced,
+        profile(
+            activities=[ProfilerActivity.CPU],
+            record_shapes=True,
+            schedule=schedule(wait=0, warmup=1, active=3, repeat=1),
+        ) as prof,
+    ):
+        for i, x in enumerate(loader):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            prof.step()
+            if i == 3:
+                break
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TraceAnalysis]]:
+    folder = tmp_path_factory.mktemp("cpu_traces")
+    modes = {
+        "clean": {},
+        "math": {"mode": "math"},
+        "manual": {"mode": "manual"},
+        "upcast": {"mode": "upcast"},
+        "float_under_autocast": {"mode": "float_under_autocast"},
+        "slow_loader": {"loader_sleep": 0.03},
+    }
+    yield {
+        name: analyze_trace(capture(folder / f"{name}.json", **kwargs))  # type: ignore[arg-type]
+        for name, kwargs in modes.items()
+    }
+
+
+def finding_ids(a: TraceAnalysis) -> set[str]:
+    return {f.id for f in a.findings}
+
+
+def test_steps_and_phases_of_a_user_loop(analysed: dict[str, TraceAnalysis]) -> None:
+    a = analysed["clean"]
+    assert a.device.kind == "cpu"
+    assert [s.number for s in a.steps] == [1, 2, 3]
+    for phase in ("data_wait", "forward", "backward", "optimizer"):
+        assert a.breakdown.seconds.get(phase, 0) > 0, phase
+    for step in a.steps:
+        assert sum(step.phases.values()) == pytest.approx(step.wall_seconds)
+    assert a.top_ops and a.top_ops[0].self_cpu_seconds > 0
+    assert any(o.input_dtypes for o in a.top_ops)
+    record = analysis_to_record(a, Path(a.path))
+    assert record.timing.profiled.n == 3 and record.timing.unprofiled.n == 0
+    assert record.breakdown.basis == "trace"
+
+
+def test_clean_loop_has_no_findings(analysed: dict[str, TraceAnalysis]) -> None:
+    a = analysed["clean"]
+    assert not finding_ids(a)
+    ok = " | ".join(a.checked_ok)
+    assert "attention: the fused flash path ran" in ok
+    assert "precision: all" in ok and "bf16" in ok
+    assert "data loading:" in ok
+
+
+def test_forced_math_attention_is_found(analysed: dict[str, TraceAnalysis]) -> None:
+    a = analysed["math"]
+    assert "attention.math_fallback" in finding_ids(a)
+    finding = next(f for f in a.findings if f.id == "attention.math_fallback")
+    assert finding.evidence["calls_per_step"] == 1
+    assert any("_scaled_dot_product_attention_math" in op for op in finding.evidence["ops"])
+    assert finding.evidence["input_shapes"] and finding.saving_basis == "estimated"
+    # The math path's internal fp32 bmm belongs to this finding, not to the precision rule.
+    assert "precision.fp32_compute_in_low_precision_run" not in finding_ids(a)
+
+
+def test_hand_written_attention_is_found(analysed: dict[str, TraceAnalysis]) -> None:
+    a = analysed["manual"]
+    assert "attention.unfused_manual" in finding_ids(a)
+    assert "attention.math_fallback" not in finding_ids(a)
+    finding = next(f for f in a.findings if f.id == "attention.unfused_manual")
+    assert finding.evidence["calls_per_step"] == 1
+    assert "AttnProcessor2_0" in finding.fix
+
+
+def test_fp32_island_in_bf16_run_is_found(analysed: dict[str, TraceAnalysis]) -> None:
+    a = analysed["upcast"]
+    finding = next(f for f in a.findings if f.id == "precision.fp32_compute_in_low_precision_run")
+    assert finding.severity == "warn"
+    ops = finding.evidence["ops"]
+    assert ops[0]["op"] in ("aten::mm", "aten::addmm") and ops[0]["op"] in finding.title
+    assert ops[0]["input_shapes"]  # the shapes are in the evidence
+    assert ops[0]["pass"] == "forward"
+    assert "precision.fp32_training" not in finding_ids(a)
+
+
+def test_float_under_autocast_is_lowered_and_not_flagged(
+    analysed: dict[str, TraceAnalysis],
+) -> None:
+    """`x.float() @ w.float().T` inside autocast: the outer aten::matmul has fp32 inputs, but
+    autocast casts them and the aten::mm that runs is bf16; children decide, so no finding."""
+    a = analysed["float_under_autocast"]
+    assert not any(f.category == "precision" for f in a.findings)
+    assert any(line.startswith("precision: all") for line in a.checked_ok)
+
+
+def test_slow_loader_is_found(analysed: dict[str, TraceAnalysis]) -> None:
+    slow = analysed["slow_loader"]
+    finding = next(f for f in slow.findings if f.id == "dataloader.gpu_starved")
+    assert finding.evidence["num_workers_zero"] is True
+    assert finding.evidence["data_wait_seconds_per_step"] >= 0.025
+    assert "num_workers" in finding.fix
+    assert "dataloader.gpu_starved" not in finding_ids(analysed["clean"])
+
+
+def test_gpu_rules_say_they_could_not_judge(analysed: dict[str, TraceAnalysis]) -> None:
+    a = analysed["clean"]
+    assert any(line.startswith("optimizer:") for line in a.not_judged)
+    assert any(line.startswith("launch overhead") for line in a.not_judged)
+
+
+def test_diagnose_phase_labels_take_precedence(tmp_path: Path) -> None:
+    """The trace `diagnose run` writes carries diagnose::<phase> ranges; they decide the phases
+    (an h2d phase exists on a CPU only through its label; a sleep in forward is forward)."""
+    from diagnose.capture import measure
+    from diagnose.timing import PhaseTimer
+
+    class Workload:
+        device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 1))
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+            self.loader = DataLoader(TensorDataset(torch.randn(32, 16)), batch_size=4)
+
+        def batches(self) -> Iterator[tuple[torch.Tensor]]:
+            while True:
+                yield from self.loader
+
+        def step(self, batch: tuple[torch.Tensor], timer: PhaseTimer) -> float:
+            with timer.phase("h2d"):
+                x = batch[0].to(self.device, copy=True)
+            with timer.phase("forward"):
+                time.sleep(0.01)
+                loss = self.model(x).pow(2).mean()
+            with timer.phase("backward"):
+                loss.backward()
+            with timer.phase("optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+            return float(loss.detach())
+
+    trace = tmp_path / "trace.json.gz"
+    measure(Workload(), steps=1, warmup=1, profiled_steps=2, trace_path=trace)
+    a = analyze_trace(trace)
+    assert a.metadata["diagnose_phase_labels"] is True
+    assert len(a.steps) == 2
+    assert a.breakdown.seconds["h2d"] > 0
+    assert a.breakdown.seconds["forward"] >= 0.009
+    assert a.breakdown.seconds["backward"] > 0 and a.breakdown.seconds["optimizer"] > 0

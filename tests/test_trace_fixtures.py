@@ -1,0 +1,27 @@
+"""The small traces kept in fixtures/traces (always present, unlike ../shared/gpu-traces): the
+inputs CLI and report tests can rely on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diagnose.trace import analysis_to_record, analyze_trace
+
+TRACES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"
+EXPECTED = {
+    "cpu_train_loop.json.gz": set(),
+    "cpu_train_loop_math_attention.json.gz": {"attention.math_fallback"},
+    "gpu_synthetic_optimizer_sync.json.gz": {"optimizer.sync_in_step"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fixture_trace(name: str) -> None:
+    analysis = analyze_trace(TRACES / name)
+    assert {f.id for f in analysis.findings} == EXPECTED[name]
+    assert len(analysis.steps) == 3
+    record = analysis_to_record(analysis, TRACES / name)
+    assert record.mode == "trace" and record.timing.profiled.n == 3
+    assert record.probes[0].checked_ok
