@@ -162,8 +162,11 @@ def count_step_syncs(events: Sequence[ProfiledEvent]) -> StepSyncs:
         is_sync = event.name in HOST_SYNC_CALLS
         if not is_sync and event.name not in reads:
             continue
+        # Runtime calls carry the OS thread id, torch ops the profiler's own thread numbering,
+        # so runtime calls are matched by time alone (nothing else launches work meanwhile).
         inside = any(
-            m.thread == event.thread and m.start_us <= event.start_us < m.end_us for m in merged
+            m.start_us <= event.start_us < m.end_us and (is_sync or m.thread == event.thread)
+            for m in merged
         )
         if not inside:
             continue
@@ -705,9 +708,8 @@ def bitsandbytes_inventory(printed_at_import: str | None = None) -> dict[str, An
     """
     info: dict[str, Any] = {"installed": False, "imports": False}
     try:
-        present = "bitsandbytes" in sys.modules or (
-            importlib.util.find_spec("bitsandbytes") is not None
-        )
+        # find_spec answers from sys.modules when it is imported (None there: blocked).
+        present = importlib.util.find_spec("bitsandbytes") is not None
     except (ImportError, ValueError):
         present = False
     if not present:
@@ -1021,6 +1023,8 @@ def _adafactor(params: list[torch.nn.Parameter], lr: float) -> Any:
 
 @dataclass(frozen=True)
 class Candidate:
+    """An optimizer the A/B tries: ``make(params, lr)`` builds it the way trainers do."""
+
     key: str
     label: str
     make: Callable[[list[torch.nn.Parameter], float], Any]
@@ -1197,12 +1201,16 @@ class OptimizerProbe:
             "configured_optimizer": describe_optimizer(optimizer, device),
         }
         available: dict[str, str] = {}
+        not_checked: list[str] = data.setdefault("not_checked", [])
         if not bnb.get("imports"):
-            available["bitsandbytes"] = "skipped: " + str(bnb.get("reason", "no bitsandbytes"))
+            reason = str(bnb.get("reason", "no bitsandbytes"))
+            available["bitsandbytes"] = "skipped: " + reason
+            not_checked.append(f"AdamW8bit A/B, 8-bit state split and numerics: {reason}")
         try:
             importlib.import_module("transformers.optimization")
         except Exception as exc:
             available["transformers"] = f"skipped: transformers: {_first_line(str(exc))}"
+            not_checked.append(f"Adafactor A/B: {available['transformers']}")
 
         # Real gradients for everything below.
         say("optimizer: gradients from one real backward")
@@ -1370,7 +1378,7 @@ class OptimizerProbe:
                 data["numerics"] = {
                     "error": f"{type(exc).__name__}: {_first_line(str(exc))}",
                 }
-                result.findings.append(_numerics_failed(exc))
+                result.findings.append(_numerics_failed(exc, configured_8bit=split is not None))
             else:
                 data["numerics"] = report.to_dict()
                 finding = numerics_rule(report.stats)
@@ -1385,11 +1393,12 @@ class OptimizerProbe:
         return result
 
 
-def _numerics_failed(exc: BaseException) -> Finding:
+def _numerics_failed(exc: BaseException, *, configured_8bit: bool) -> Finding:
+    """AdamW8bit raised instead of stepping: fatal for a run that uses it, a warning otherwise."""
     return Finding(
         id="optimizer.8bit_numerics",
         category="optimizer",
-        severity="critical",
+        severity="critical" if configured_8bit else "warn",
         title=f"AdamW8bit cannot step on this build: {type(exc).__name__}",
         evidence={"error": _first_line(str(exc))},
         fix=(

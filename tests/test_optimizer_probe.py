@@ -1,0 +1,607 @@
+"""The optimizer probe: step time and syncs, the A/B table, the 8-bit split and 8-bit numerics.
+
+Real torch optimizers, real bitsandbytes (its CPU build), a real tiny SD1.5 LoRA workload. The GPU
+sync rule is fed constructed profiler events, since no GPU is here. Timings are never asserted
+on; only structure, counts and planted effects.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diagnose.capture import measure
+from diagnose.config import RunConfig
+from diagnose.probes.base import ProbeContext, run_probe
+from diagnose.probes.optimizer import (
+    CANDIDATES,
+    ABRow,
+    Candidate,
+    OptimizerProbe,
+    ProfiledEvent,
+    bitsandbytes_inventory,
+    count_step_syncs,
+    eight_bit_rule,
+    eight_bit_split,
+    host_sync_rule,
+    implied_s_per_it,
+    optimizer_key,
+    profile_steps,
+    slower_than_alternative_rule,
+    state_bytes_by_dtype,
+)
+from diagnose.probes.optimizer_numerics import (
+    BNB_BLOCKSIZE,
+    AdamHyper,
+    compare_updates,
+    moment_rounding_bound,
+    numerics_rule,
+    run_numerics,
+)
+from diagnose.record import DeviceInfo, RunRecord, new_record
+from diagnose.workload import build_workload
+from diagnose.workload.data import generate_images
+from diagnose.workload.step import Workload, build_optimizer
+
+CPU = torch.device("cpu")
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "optimizer"
+PAIR = FIXTURE / "adamw8bit_update_pair.pt"
+#: LoRA matrix shapes of a rank-16 adapter on 32/64-wide projections (the tiny preset's).
+LORA_SHAPES = [(16, 32), (32, 16), (16, 64), (64, 16)]
+
+needs_bnb = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed"
+)
+
+
+def _fast_probe(**overrides: Any) -> OptimizerProbe:
+    """The probe with few timed calls: these tests check what it reports, not the timings."""
+    settings: dict[str, Any] = {
+        "min_calls": 3,
+        "max_calls": 4,
+        "budget_s": 0.0,
+        "profiled_calls": 1,
+        "numerics_tensors": 2,
+    }
+    settings.update(overrides)
+    return OptimizerProbe(**settings)
+
+
+def _lora_tensors(seed: int = 0) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """Small LoRA-shaped parameters and gradients spanning a few decades, like real ones."""
+    generator = torch.Generator().manual_seed(seed)
+    params, grads = [], []
+    for shape in LORA_SHAPES:
+        param = torch.nn.Parameter(torch.randn(shape, generator=generator) * 0.05)
+        magnitude = torch.exp(torch.randn(shape, generator=generator) * 1.5)
+        grads.append(torch.randn(shape, generator=generator) * magnitude * 1e-3)
+        params.append(param)
+    return params, grads
+
+
+# --------------------------------------------------------------------------------------------
+# The tiny workload, shared by the module (built once: ~10 s)
+
+
+class ItemOptimizer(torch.optim.Optimizer):
+    """Plain SGD that reads one value per parameter into Python, as careless code does."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 1e-4) -> None:
+        super().__init__(params, {"lr": lr})
+        self.read: list[float] = []
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                self.read.append(param.grad.abs().max().item())
+                param.add_(param.grad, alpha=-group["lr"])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Workload, RunRecord]]:
+    """A stepped tiny SD1.5 LoRA workload on the CPU and a record of its measured timing."""
+    folder = tmp_path_factory.mktemp("images")
+    generate_images(folder, count=3, seed=1, size=(96, 80))
+    config = RunConfig(
+        preset="sd15", size="tiny", resolution=[64], data_dir=str(folder), steps=3, warmup=1
+    )
+    workload = build_workload(config, CPU)
+    try:
+        measured = measure(workload, steps=3, warmup=1, profiled_steps=0, trace_path=None)
+        record = new_record("run")
+        record.timing = measured.timing
+        record.breakdown = measured.breakdown
+        yield workload, record
+    finally:
+        workload.close()
+
+
+def _ctx(workload: Workload, record: RunRecord) -> ProbeContext:
+    return ProbeContext(
+        config=workload.config,
+        device=CPU,
+        device_info=DeviceInfo(kind="cpu"),
+        record=record,
+        workload=workload,
+    )
+
+
+def _workload_state(workload: Workload) -> dict[str, Any]:
+    optimizer = workload.optimizer
+    return {
+        "params": [p.detach().clone() for p in workload.lora_parameters()],
+        "grads": [p.grad for p in workload.lora_parameters()],
+        "state": {
+            i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+            for i, s in enumerate(optimizer.state[p] for p in workload.lora_parameters())
+        },
+        "optimizer": optimizer,
+    }
+
+
+def _assert_unchanged(before: dict[str, Any], workload: Workload) -> None:
+    after = _workload_state(workload)
+    assert after["optimizer"] is before["optimizer"]
+    assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"], strict=True))
+    assert all(g is None for g in after["grads"])
+    assert before["state"].keys() == after["state"].keys()
+    for index, saved in before["state"].items():
+        now = after["state"][index]
+        assert saved.keys() == now.keys()
+        for key, value in saved.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, now[key]), (index, key)
+            else:
+                assert value == now[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Syncs inside the step: .item() on the CPU is counted, never a stall
+
+
+@pytest.mark.slow
+def test_item_reads_on_cpu_are_counted_not_called_stalls(
+    tiny: tuple[Workload, RunRecord],
+) -> None:
+    workload, record = tiny
+    configured = workload.optimizer
+    params = workload.lora_parameters()
+    workload.optimizer = ItemOptimizer(params)
+    try:
+        before = _workload_state(workload)
+        result = run_probe(_fast_probe(candidates=(), numerics=False), _ctx(workload, record))
+        _assert_unchanged(before, workload)
+    finally:
+        workload.optimizer = configured
+
+    assert result.status == "ok", result.traceback
+    syncs = result.data["configured"]["syncs"]
+    assert syncs["scalar_reads_per_step"] == len(params)  # one .item() per parameter
+    assert syncs["host_syncs"] == 0
+    assert result.data["configured"]["key"] == "custom:ItemOptimizer"
+    assert not [f for f in result.findings if f.id == "optimizer.host_sync_in_step"]
+    assert any("not stalls" in line for line in result.checked_ok)
+
+
+def test_real_profiler_counts_item_reads_inside_the_step() -> None:
+    params, grads = _lora_tensors()
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    optimizer = ItemOptimizer(params)
+    events = profile_steps(optimizer.step, lambda: None, CPU, calls=2)
+    syncs = count_step_syncs(events)
+    assert syncs.steps == 2
+    assert syncs.scalar_reads == 2 * len(params)
+    assert syncs.host_syncs == 0 and not syncs.runtime_events_seen
+
+
+def _gpu_step_events(*, with_syncs: bool, steps: int = 3) -> list[ProfiledEvent]:
+    """What the profiler records around bitsandbytes' 8-bit step on a GPU: per parameter a
+    kernel launch and (bitsandbytes.utils.sync_gpu) a device synchronisation."""
+    # Runtime calls carry the OS thread id, torch's spans the profiler's own thread number.
+    os_thread, torch_thread = 48151, 1
+    events: list[ProfiledEvent] = []
+    t = 0.0
+    for _ in range(steps):
+        begin = t
+        t += 5
+        for _ in range(4):
+            events.append(ProfiledEvent("cudaLaunchKernel", t, t + 4, os_thread))
+            t += 5
+            if with_syncs:
+                events.append(ProfiledEvent("cudaDeviceSynchronize", t, t + 40, os_thread))
+                t += 45
+        events.append(ProfiledEvent("Optimizer.step#AdamW8bit.step", begin, t + 1, torch_thread))
+        # The probe's own span around the call, with torch's span nested in it.
+        events.append(
+            ProfiledEvent("diagnose::optimizer_probe.step", begin - 1, t + 2, torch_thread)
+        )
+        t += 10
+        # A synchronisation after the step (the timer's) is not the step's.
+        events.append(ProfiledEvent("cudaDeviceSynchronize", t, t + 3, os_thread))
+        t += 10
+    return events
+
+
+def test_sync_inside_the_gpu_step_is_a_finding_and_the_clean_twin_is_quiet() -> None:
+    planted = count_step_syncs(_gpu_step_events(with_syncs=True))
+    assert planted.steps == 3
+    assert planted.host_syncs == 12
+    assert planted.by_name == {"cudaDeviceSynchronize": 12}
+    assert planted.host_sync_seconds == pytest.approx(12 * 40e-6)
+    finding = host_sync_rule(
+        planted,
+        device_kind="cuda",
+        optimizer_label="bitsandbytes AdamW8bit",
+        step_seconds=0.02,
+        s_per_it=0.2,
+    )
+    assert finding is not None
+    assert finding.id == "optimizer.host_sync_in_step"
+    assert finding.category == "optimizer"
+    assert finding.severity == "warn"  # the step is 10 % of s/it
+    assert finding.evidence["host_syncs_per_step"] == 4
+    assert "AdamW" in finding.fix
+
+    clean = count_step_syncs(_gpu_step_events(with_syncs=False))
+    assert clean.steps == 3 and clean.host_syncs == 0 and clean.runtime_events_seen
+    assert (
+        host_sync_rule(
+            clean, device_kind="cuda", optimizer_label="x", step_seconds=0.02, s_per_it=0.2
+        )
+        is None
+    )
+    # The same events from a CPU run would be no stall at all.
+    assert (
+        host_sync_rule(
+            planted, device_kind="cpu", optimizer_label="x", step_seconds=0.02, s_per_it=0.2
+        )
+        is None
+    )
+
+
+def test_rocm_blocking_copy_counts_and_item_reads_stand_in_without_runtime_events() -> None:
+    rocm = [
+        ProfiledEvent("Optimizer.step#AdamW.step", 0, 100),
+        ProfiledEvent("aten::item", 10, 30),
+        ProfiledEvent("aten::_local_scalar_dense", 11, 29),
+        ProfiledEvent("hipMemcpyWithStream", 12, 28),
+    ]
+    syncs = count_step_syncs(rocm)
+    assert (syncs.host_syncs, syncs.scalar_reads) == (1, 1)
+    assert host_sync_rule(
+        syncs, device_kind="rocm", optimizer_label="x", step_seconds=None, s_per_it=None
+    )
+    # A device tracer that recorded no runtime call: the .item() reads stand in.
+    no_runtime = [e for e in rocm if not e.name.startswith("hip")]
+    found = host_sync_rule(
+        count_step_syncs(no_runtime),
+        device_kind="rocm",
+        optimizer_label="x",
+        step_seconds=None,
+        s_per_it=None,
+    )
+    assert found is not None and found.severity == "info"
+    assert "item" in found.evidence["counted_from"]
+
+
+# --------------------------------------------------------------------------------------------
+# The A/B rule
+
+
+def _row(name: str, median_ms: float, spread_ms: float, *, configured: bool = False) -> ABRow:
+    samples = [(median_ms + d * spread_ms) * 1e-3 for d in (-1.0, -0.5, 0.0, 0.5, 1.0)]
+    key = {"AdamW8bit": "adamw8bit", "AdamW": "adamw-foreach"}.get(name, name)
+    return ABRow(optimizer=name, key=key, configured=configured, step_seconds=samples)
+
+
+def test_a_clearly_faster_alternative_is_a_measured_finding() -> None:
+    rows = [
+        _row("AdamW8bit", 40.0, 1.0, configured=True),
+        _row("AdamW", 8.0, 0.5),
+        _row("Adafactor", 30.0, 1.0),
+    ]
+    finding = slower_than_alternative_rule(rows, s_per_it=0.5)
+    assert finding is not None
+    assert finding.id == "optimizer.slower_than_alternative"
+    assert finding.saving_basis == "measured"
+    assert finding.est_seconds_saved_per_it == pytest.approx(0.032)
+    assert finding.evidence["fastest"] == "AdamW"
+    assert finding.severity == "warn"  # 6.4 % of s/it
+    assert "--optimizer_type AdamW" in finding.fix
+    assert slower_than_alternative_rule(rows, s_per_it=0.1).severity == "critical"  # type: ignore[union-attr]
+
+
+def test_no_finding_when_configured_is_fastest_or_within_noise_or_negligible() -> None:
+    fastest = [_row("AdamW", 8.0, 0.5, configured=True), _row("AdamW8bit", 40.0, 1.0)]
+    assert slower_than_alternative_rule(fastest, s_per_it=0.5) is None
+    # 20 % faster by the median, but the spreads overlap: noise, not a result.
+    noisy = [_row("AdamW8bit", 10.0, 8.0, configured=True), _row("AdamW", 8.0, 8.0)]
+    assert slower_than_alternative_rule(noisy, s_per_it=0.5) is None
+    # Clearly faster but a sliver of s/it.
+    sliver = [_row("AdamW8bit", 4.0, 0.1, configured=True), _row("AdamW", 2.0, 0.1)]
+    assert slower_than_alternative_rule(sliver, s_per_it=10.0) is None
+
+
+def test_implied_s_per_it_swaps_the_step() -> None:
+    assert implied_s_per_it(1.0, 0.2, 0.05) == pytest.approx(0.85)
+    assert implied_s_per_it(None, 0.2, 0.05) is None
+    assert implied_s_per_it(1.0, 0.2, math.nan) is None
+
+
+# --------------------------------------------------------------------------------------------
+# Is 8-bit really 8-bit?
+
+
+def _stepped_8bit(**options: Any) -> torch.optim.Optimizer:
+    params, grads = _lora_tensors()
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    import bitsandbytes
+
+    adamw8bit: Any = getattr(bitsandbytes.optim, "AdamW8bit")  # noqa: B009 - untyped package
+    optimizer: torch.optim.Optimizer = adamw8bit(params, lr=1e-4, **options)
+    optimizer.step()
+    return optimizer
+
+
+@needs_bnb
+def test_small_lora_tensors_keep_fp32_state_in_adamw8bit() -> None:
+    optimizer = _stepped_8bit()
+    split = eight_bit_split(optimizer)
+    assert split is not None
+    elements = sum(a * b for a, b in LORA_SHAPES)
+    assert (split.tensors_8bit, split.tensors_fp32) == (0, len(LORA_SHAPES))
+    assert split.bytes_fp32 == 2 * 4 * elements  # two fp32 moments
+    assert split.fp32_share == 1.0
+    assert split.saved_bytes == 0  # the same as fp32 AdamW
+    assert state_bytes_by_dtype(optimizer) == {"float32": 2 * 4 * elements}
+    finding = eight_bit_rule(split)
+    assert finding is not None
+    assert finding.id == "optimizer.8bit_state_mostly_fp32"
+    assert finding.severity == "warn"
+    assert (
+        finding.evidence["bytes_by_kind"]["fp32 moments (below min_8bit_size)"] == 2 * 4 * elements
+    )
+    assert "min_8bit_size=512" in finding.fix  # the smallest LoRA tensor
+
+
+@needs_bnb
+def test_lowered_min_8bit_size_makes_the_state_8bit_and_the_finding_goes() -> None:
+    optimizer = _stepped_8bit(min_8bit_size=256)
+    split = eight_bit_split(optimizer)
+    assert split is not None
+    elements = sum(a * b for a, b in LORA_SHAPES)
+    assert (split.tensors_8bit, split.tensors_fp32) == (len(LORA_SHAPES), 0)
+    assert split.bytes_8bit == 2 * elements  # two uint8 moments
+    assert split.fp32_share == 0.0
+    assert split.saved_share > 0.6
+    assert state_bytes_by_dtype(optimizer)["uint8"] == 2 * elements
+    assert eight_bit_rule(split) is None
+    # Not a bitsandbytes 8-bit optimizer: nothing to split.
+    assert eight_bit_split(torch.optim.AdamW(_lora_tensors()[0])) is None
+
+
+# --------------------------------------------------------------------------------------------
+# Numerics
+
+
+@needs_bnb
+def test_the_bound_covers_the_real_blockwise_quantiser() -> None:
+    """Store moments with bitsandbytes' own blockwise quantiser: every error within the bound,
+    and the bound not loose (some element uses most of it)."""
+    import bitsandbytes.functional as functional
+
+    _, grads = _lora_tensors(seed=3)
+    for signed in (True, False):
+        code = getattr(functional, "create_dynamic_map")(signed=signed)  # noqa: B009
+        for grad in grads:
+            moment = 0.1 * grad if signed else 1e-3 * grad * grad
+            stored, absmax = torch.ops.bitsandbytes.quantize_blockwise(
+                moment.contiguous(), code.clone(), BNB_BLOCKSIZE
+            )
+            back = torch.ops.bitsandbytes.dequantize_blockwise(
+                stored, absmax, code, BNB_BLOCKSIZE, torch.float32
+            )
+            bound = moment_rounding_bound(moment, code, BNB_BLOCKSIZE)
+            error = (back - moment).abs()
+            assert bool((error <= bound * (1 + 1e-5)).all())
+            assert float((error / bound).max()) > 0.3
+
+
+@needs_bnb
+def test_real_adamw8bit_update_lies_within_the_bound() -> None:
+    pair = torch.load(PAIR, weights_only=True)
+    report = run_numerics(pair["params"], pair["grads"], hyper=AdamHyper(), device=CPU)
+    assert report.quantised_tensors == len(pair["params"])
+    stats = report.stats
+    assert stats.elements == sum(p.numel() for p in pair["params"])
+    assert stats.nonfinite == 0
+    assert stats.share_outside_bound <= 0.01
+    assert 0 < stats.rel_error_mean < stats.rel_bound_mean
+    assert numerics_rule(stats) is None
+
+
+def test_recorded_update_pair_clean_is_quiet_and_perturbed_fires() -> None:
+    pair = torch.load(PAIR, weights_only=True)
+    clean = compare_updates(pair["update_8bit"], pair["update_fp32"], pair["bound"])
+    assert clean.outside_bound == 0
+    assert numerics_rule(clean) is None
+
+    broken = compare_updates(pair["update_8bit_perturbed"], pair["update_fp32"], pair["bound"])
+    assert broken.share_outside_bound > 0.5
+    finding = numerics_rule(broken)
+    assert finding is not None
+    assert finding.id == "optimizer.8bit_numerics"
+    assert finding.severity == "critical"
+    assert finding.evidence["outside_bound"] == broken.outside_bound
+
+
+def test_compare_updates_is_pure_and_catches_gross_errors() -> None:
+    reference = torch.linspace(-1e-4, 1e-4, 1001)
+    reference[500] = 0.0
+    same = compare_updates(reference.clone(), reference, 1e-9)
+    assert same.outside_bound == 0 and same.rel_error_max == 0.0
+    assert same.zero_reference == 1  # left out of the relative statistics
+    assert numerics_rule(compare_updates(reference * 1.5, reference, 1e-6)) is not None
+    with_nan = reference.clone()
+    with_nan[3] = math.nan
+    nan_stats = compare_updates(with_nan, reference, 1.0)
+    assert nan_stats.nonfinite == 1
+    assert numerics_rule(nan_stats) is not None
+    with pytest.raises(ValueError):
+        compare_updates(reference[:10], reference, 1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# The whole probe on the real tiny workload
+
+
+@needs_bnb
+@pytest.mark.slow
+def test_ab_table_on_the_tiny_workload_and_the_workload_is_put_back(
+    tiny: tuple[Workload, RunRecord],
+) -> None:
+    workload, record = tiny
+    chosen = [c for c in CANDIDATES if c.key in ("adamw-foreach", "adamw8bit")]
+    before = _workload_state(workload)
+    result = run_probe(_fast_probe(candidates=chosen), _ctx(workload, record))
+    _assert_unchanged(before, workload)
+
+    assert result.status == "ok", result.traceback
+    rows = {row["optimizer"]: row for row in result.data["ab"]["rows"]}
+    assert list(rows) == [
+        "torch AdamW (for-loop)",
+        "torch AdamW (foreach)",
+        "bitsandbytes AdamW8bit",
+    ]
+    assert rows["torch AdamW (for-loop)"]["configured"]
+    elements = sum(p.numel() for p in workload.lora_parameters())
+    for row in rows.values():
+        assert not row["error"]
+        assert row["samples"] >= 3 and row["step_ms_median"] > 0
+        assert row["implied_s_per_it"] is not None
+        assert row["state_bytes"]["float32"] >= 2 * 4 * elements
+        assert row["host_syncs_per_step"] == 0
+    # torch AdamW reads its CPU step counters with .item(); bitsandbytes does not.
+    assert rows["torch AdamW (for-loop)"]["scalar_reads_per_step"] >= len(before["params"])
+    assert result.data["inventory"]["bitsandbytes"]["version"]
+    assert result.data["inventory"]["configured_optimizer"]["key"] == "adamw-single"
+    # 8-bit split of the A/B's AdamW8bit: data only, the configured optimizer is not 8-bit.
+    assert result.data["eight_bit"]["fp32_share"] == 1.0
+    assert not [f for f in result.findings if f.id == "optimizer.8bit_state_mostly_fp32"]
+    numerics = result.data["numerics"]
+    assert numerics["quantised_tensors"] == 2
+    assert numerics["stats"]["share_outside_bound"] <= 0.01
+    assert not [f for f in result.findings if f.id == "optimizer.8bit_numerics"]
+    # The data is JSON a record can carry.
+    saved = new_record("run")
+    saved.probes.append(result)
+    assert json.loads(saved.to_json())["probes"][0]["data"]["ab"]["rows"]
+
+
+@needs_bnb
+@pytest.mark.slow
+def test_configured_adamw8bit_on_small_lora_reports_the_fp32_state(
+    tiny: tuple[Workload, RunRecord],
+) -> None:
+    workload, record = tiny
+    configured = workload.optimizer
+    workload.optimizer = build_optimizer(
+        "adamw8bit", workload.lora_parameters(), workload.config.learning_rate, CPU
+    )
+    try:
+        assert optimizer_key(workload.optimizer, CPU) == "adamw8bit"
+        before = _workload_state(workload)
+        result = run_probe(_fast_probe(candidates=(), numerics=False), _ctx(workload, record))
+        _assert_unchanged(before, workload)
+    finally:
+        workload.optimizer = configured
+    assert result.status == "ok", result.traceback
+    split = result.data["eight_bit"]
+    assert split["of"] == "the configured optimizer"
+    assert split["tensors_8bit"] == 0 and split["fp32_share"] == 1.0
+    finding = next(f for f in result.findings if f.id == "optimizer.8bit_state_mostly_fp32")
+    assert finding.evidence["bytes_fp32"] == split["bytes_fp32"] > 0
+    assert result.data["numerics"] == {"skipped": "turned off"}
+
+
+@pytest.mark.slow
+def test_without_bitsandbytes_the_other_optimizers_still_run(
+    tiny: tuple[Workload, RunRecord], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workload, record = tiny
+    # A None entry makes `import bitsandbytes` fail and find_spec report it absent.
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    inventory = bitsandbytes_inventory()
+    assert inventory["installed"] is False and "not installed" in inventory["reason"]
+
+    chosen = [c for c in CANDIDATES if c.key in ("adamw-foreach", "adamw8bit")]
+    result = run_probe(_fast_probe(candidates=chosen), _ctx(workload, record))
+    assert result.status == "ok", result.traceback
+    rows = {row["key"]: row for row in result.data["ab"]["rows"]}
+    assert rows["adamw-foreach"]["samples"] >= 3 and not rows["adamw-foreach"]["error"]
+    assert rows["adamw8bit"]["error"].startswith("skipped: bitsandbytes is not installed")
+    assert "not installed" in result.data["eight_bit"]["skipped"]
+    assert "not installed" in result.data["numerics"]["skipped"]
+    assert any("bitsandbytes is not installed" in line for line in result.data["not_checked"])
+
+
+@needs_bnb
+@pytest.mark.slow
+def test_warnings_at_construction_and_first_step_are_kept(
+    tiny: tuple[Workload, RunRecord],
+) -> None:
+    """bitsandbytes warns that paged optimizers fall back on the CPU: the row keeps it."""
+    import bitsandbytes
+
+    def paged(params: list[torch.nn.Parameter], lr: float) -> Any:
+        return getattr(bitsandbytes.optim, "PagedAdamW8bit")(params, lr=lr)  # noqa: B009
+
+    candidate = Candidate("adamw8bit-paged", "bitsandbytes PagedAdamW8bit", paged, "bitsandbytes")
+    workload, record = tiny
+    result = run_probe(_fast_probe(candidates=(candidate,), numerics=False), _ctx(workload, record))
+    assert result.status == "ok", result.traceback
+    row = next(r for r in result.data["ab"]["rows"] if r["key"] == "adamw8bit-paged")
+    expected = "Paged optimizers are not supported on CPU"
+    assert any(expected in line for line in row["warnings"])
+    assert any(
+        expected in line
+        for line in result.data["inventory"]["bitsandbytes"]["construction_warnings"]
+    )
+
+
+def test_optimizer_keys_name_what_trainers_configure() -> None:
+    params = _lora_tensors()[0]
+    assert optimizer_key(torch.optim.AdamW(params), CPU) == "adamw-single"
+    assert optimizer_key(torch.optim.AdamW(params), torch.device("cuda")) == "adamw-foreach"
+    assert optimizer_key(torch.optim.AdamW(params, foreach=True), CPU) == "adamw-foreach"
+    assert optimizer_key(torch.optim.AdamW(params, fused=True), CPU) == "adamw-fused"
+    assert optimizer_key(build_optimizer("adafactor", params, 1e-4, CPU), CPU) == "adafactor"
+    assert optimizer_key(torch.optim.SGD(params, lr=0.1), CPU) == "custom:SGD"
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        eight = build_optimizer("adamw8bit", params, 1e-4, CPU)
+        assert optimizer_key(eight, CPU) == "adamw8bit"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_sync_debug_mode_is_restored_on_a_gpu() -> None:  # pragma: no cover - GPU only
+    from diagnose.probes.optimizer import sync_debug_warnings
+
+    value = torch.ones(4, device="cuda")
+    before = torch.cuda.get_sync_debug_mode()
+    caught = sync_debug_warnings(lambda: value.sum().item(), calls=2)
+    assert torch.cuda.get_sync_debug_mode() == before
+    assert len(caught) >= 2 and caught[0]["stack"]
