@@ -22,6 +22,7 @@ import torch
 
 from diagnose.quiet import native_stderr_filtered
 from diagnose.record import PHASES, Breakdown, StepSample, Timing
+from diagnose.telemetry import TelemetrySampler, TelemetrySummary
 from diagnose.timing import PhaseTimer, device_synchronizer
 
 
@@ -41,6 +42,8 @@ class Measurement:
     breakdown: Breakdown
     #: The saved trace, or None when no step was profiled.
     trace_path: Path | None
+    #: Device telemetry sampled during the timed steps, when a sampler was given.
+    telemetry: TelemetrySummary | None = None
 
 
 ProgressCallback = Callable[[str], None]
@@ -98,6 +101,7 @@ def measure(
     profiled_steps: int,
     trace_path: Path | None,
     progress: ProgressCallback | None = None,
+    telemetry: TelemetrySampler | None = None,
 ) -> Measurement:
     """Time the steps; profile ``profiled_steps`` more and save their trace to ``trace_path``."""
     say = progress or (lambda message: None)
@@ -109,10 +113,18 @@ def measure(
         timing.warmup_seconds.append(runner.run_one(i, profiled=False).seconds)
 
     index = warmup
-    for i in range(steps):
-        say(f"timed step {i + 1}/{steps}")
-        timing.samples.append(runner.run_one(index, profiled=False))
-        index += 1
+    summary: TelemetrySummary | None = None
+    # Telemetry covers the timed steps only: those are the ones the headline number comes from.
+    if telemetry is not None:
+        telemetry.start()
+    try:
+        for i in range(steps):
+            say(f"timed step {i + 1}/{steps}")
+            timing.samples.append(runner.run_one(index, profiled=False))
+            index += 1
+    finally:
+        if telemetry is not None:
+            summary = telemetry.stop()
     # The first batch of a fresh iterator pays for starting workers and filling their queues.
     timing.first_batch_seconds = runner.first_batch_seconds
 
@@ -126,7 +138,12 @@ def measure(
     reserved = [s.peak_reserved_bytes for s in timing.samples if s.peak_reserved_bytes]
     timing.peak_allocated_bytes = max(allocated) if allocated else None
     timing.peak_reserved_bytes = max(reserved) if reserved else None
-    return Measurement(timing=timing, breakdown=phase_breakdown(timing), trace_path=saved_trace)
+    return Measurement(
+        timing=timing,
+        breakdown=phase_breakdown(timing),
+        trace_path=saved_trace,
+        telemetry=summary,
+    )
 
 
 def _profile(

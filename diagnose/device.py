@@ -298,6 +298,50 @@ class GpuProperties:
     #: What torch.cuda.is_bf16_supported() said (recorded, not trusted: see bf16_native).
     torch_bf16_supported: bool | None = None
     hsa_override_gfx_version: str | None = None
+    #: Whether the GPU shares system memory with the CPU (an APU or laptop iGPU); None if unknown.
+    is_integrated: bool | None = None
+    #: PCI address "0000:03:00.0", used to find the same GPU in NVML/amdsmi; "" if unknown.
+    pci_bus_id: str = ""
+
+
+#: AMD gfx targets of integrated GPUs (APUs), from LLVM's AMDGPUUsage processor table: used when
+#: torch does not report ``is_integrated``. gfx1151 (Strix Halo) is integrated but often the only
+#: and intended GPU of its machine.
+AMD_APU_TARGETS: frozenset[str] = frozenset(
+    {
+        "gfx801",  # Carrizo
+        "gfx902",  # Raven Ridge
+        "gfx909",  # Raven2
+        "gfx90c",  # Renoir, Cezanne, Lucienne
+        "gfx1013",  # Cyan Skillfish
+        "gfx1033",  # Van Gogh (Steam Deck)
+        "gfx1035",  # Rembrandt (680M)
+        "gfx1036",  # Raphael, Granite Ridge (desktop Ryzen iGPU)
+        "gfx1037",  # Mendocino
+        "gfx1103",  # Phoenix, Hawk Point (780M)
+        "gfx1150",  # Strix Point (890M)
+        "gfx1151",  # Strix Halo (8060S)
+        "gfx1152",  # Krackan Point
+        "gfx1153",
+    }
+)
+
+
+def is_integrated_gpu(info: DeviceInfo) -> bool | None:
+    """Whether the device is an integrated GPU: what torch said, else the AMD APU target list."""
+    said = info.extra.get("is_integrated")
+    if isinstance(said, bool):
+        return said
+    if info.kind == "rocm" and info.arch:
+        return info.arch.lower() in AMD_APU_TARGETS
+    return None
+
+
+def format_pci_bus_id(domain: int | None, bus: int | None, device: int | None) -> str:
+    """The PCI address ("0000:03:00.0") from the numbers torch reports; function 0 is the GPU."""
+    if bus is None or device is None:
+        return ""
+    return f"{domain or 0:04x}:{bus:02x}:{device:02x}.0"
 
 
 def gpu_info(props: GpuProperties, *, driver: str = "") -> DeviceInfo:
@@ -321,6 +365,10 @@ def gpu_info(props: GpuProperties, *, driver: str = "") -> DeviceInfo:
     extra["dnn"] = dnn_label(props.dnn_version, hip=kind == "rocm")
     extra["dnn_version"] = props.dnn_version
     extra["torch_is_bf16_supported"] = props.torch_bf16_supported
+    if props.is_integrated is not None:
+        extra["is_integrated"] = props.is_integrated
+    if props.pci_bus_id:
+        extra["pci_bus_id"] = props.pci_bus_id
     info = DeviceInfo(
         kind=kind,
         vendor=gpu_vendor(kind),
@@ -507,6 +555,12 @@ def read_gpu_properties(device: torch.device) -> GpuProperties:
         bf16 = bool(torch.cuda.is_bf16_supported())
     l2 = getattr(props, "L2_cache_size", None)
     warp = getattr(props, "warp_size", None)
+    integrated = getattr(props, "is_integrated", None)
+
+    def pci_number(name: str) -> int | None:
+        value = getattr(props, name, None)
+        return int(value) if isinstance(value, int) else None
+
     return GpuProperties(
         index=index,
         name=str(props.name),
@@ -522,6 +576,10 @@ def read_gpu_properties(device: torch.device) -> GpuProperties:
         dnn_version=dnn_version,
         torch_bf16_supported=bf16,
         hsa_override_gfx_version=os.environ.get("HSA_OVERRIDE_GFX_VERSION"),
+        is_integrated=bool(integrated) if integrated is not None else None,
+        pci_bus_id=format_pci_bus_id(
+            pci_number("pci_domain_id"), pci_number("pci_bus_id"), pci_number("pci_device_id")
+        ),
     )
 
 
@@ -543,9 +601,15 @@ def nvidia_driver_version() -> str:
             pynvml.nvmlShutdown()
         version = raw.decode() if isinstance(raw, bytes) else str(raw)
     if not version:
-        match = re.search(r"Kernel Module\s+(\S+)", _read_first_line("/proc/driver/nvidia/version"))
-        version = match.group(1) if match else ""
+        version = parse_nvidia_proc_version(_read_first_line("/proc/driver/nvidia/version"))
     return version
+
+
+def parse_nvidia_proc_version(text: str) -> str:
+    """The driver version from /proc/driver/nvidia/version; both the proprietary ("Kernel Module
+    550.54.14") and the open ("Open Kernel Module for x86_64  570.133.07") spellings."""
+    match = re.search(r"Kernel Module(?:\s+for\s+\S+)?\s+(\d+(?:\.\d+)+)", text)
+    return match.group(1) if match else ""
 
 
 def amd_driver_version() -> str:
@@ -580,6 +644,7 @@ def describe_device(device: torch.device) -> DeviceInfo:
 
 
 __all__ = [
+    "AMD_APU_TARGETS",
     "CpuFacts",
     "GpuProperties",
     "amd_bf16_native",
@@ -590,15 +655,18 @@ __all__ = [
     "cpu_info",
     "describe_device",
     "dnn_label",
+    "format_pci_bus_id",
     "gpu_info",
     "gpu_kind",
     "gpu_vendor",
+    "is_integrated_gpu",
     "isa_of_interest",
     "nvidia_arch",
     "nvidia_bf16_native",
     "nvidia_driver_version",
     "parse_cpuinfo",
     "parse_gcn_arch",
+    "parse_nvidia_proc_version",
     "physical_cores",
     "read_cpu_facts",
     "read_gpu_properties",

@@ -22,11 +22,16 @@ What is masked (:func:`redact_text`):
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from diagnose.record import RunRecord
 
 #: Secret values shorter than this are not masked literally: "1", "true" or "on" would otherwise
 #: be masked everywhere in the text.
@@ -244,17 +249,29 @@ class Redactor:
             text = self._user.sub("<user>", text)
         return text
 
-    def obj(self, obj: Any) -> Any:
+    def obj(self, obj: Any, *, mask_secret_keys: bool = False) -> Any:
+        """A copy of a JSON-like structure with every string (keys too) redacted.
+
+        Entries whose key is a secret name are dropped, or with ``mask_secret_keys`` kept with
+        the value replaced by :data:`MASK` (so a record keeps its shape and the reader sees that
+        something was hidden).
+        """
         if isinstance(obj, str):
             return self.text(obj)
         if isinstance(obj, Mapping):
-            return {
-                (self.text(k) if isinstance(k, str) else k): self.obj(v)
-                for k, v in obj.items()
-                if not (isinstance(k, str) and is_secret_name(k))
-            }
+            out: dict[Any, Any] = {}
+            for key, value in obj.items():
+                secret = isinstance(key, str) and is_secret_name(key)
+                if secret and not mask_secret_keys:
+                    continue
+                new_key = self.text(key) if isinstance(key, str) else key
+                if secret and value not in (None, "", [], {}):
+                    out[new_key] = MASK
+                else:
+                    out[new_key] = self.obj(value, mask_secret_keys=mask_secret_keys)
+            return out
         if isinstance(obj, (list, tuple)):
-            return [self.obj(v) for v in obj]
+            return [self.obj(v, mask_secret_keys=mask_secret_keys) for v in obj]
         return obj
 
 
@@ -288,6 +305,66 @@ def redact_obj(
     return make_redactor(secrets=secrets, home=home, user=user).obj(obj)
 
 
+def redactor_for(redact_paths: bool, *, secrets: Iterable[str] = ()) -> Redactor:
+    """The redactor a saved record or report uses: secrets always; with ``redact_paths`` (the
+    ``--redact-paths`` option) also the home folder (-> ``~``) and the user name (-> ``<user>``)."""
+    if not redact_paths:
+        return make_redactor(secrets=secrets)
+    user: str | None = None
+    with contextlib.suppress(Exception):
+        import getpass
+
+        user = getpass.getuser()
+    return make_redactor(secrets=secrets, home=os.path.expanduser("~"), user=user)
+
+
+_D = TypeVar("_D")
+
+
+def _redact_dataclass(obj: _D, redactor: Redactor) -> _D:
+    """A copy of dataclass ``obj`` with every string inside it redacted (fields keep their names:
+    a schema field is never dropped, whatever it is called)."""
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        changes[f.name] = _redact_value(value, redactor)
+    return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+
+
+def _redact_value(value: Any, redactor: Redactor) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _redact_dataclass(value, redactor)
+    if isinstance(value, str):
+        return redactor.text(value)
+    if isinstance(value, list):
+        return [_redact_value(v, redactor) for v in value]
+    if isinstance(value, (dict, Mapping)):
+        return {
+            (redactor.text(k) if isinstance(k, str) else k): (
+                MASK
+                if isinstance(k, str) and is_secret_name(k) and v not in (None, "", [], {})
+                else _redact_value(v, redactor)
+            )
+            for k, v in value.items()
+        }
+    return value
+
+
+def redact_record(
+    record: RunRecord, *, redact_paths: bool, secrets: Iterable[str] = ()
+) -> RunRecord:
+    """A copy of ``record`` that is safe to attach to a public ticket.
+
+    Every string anywhere in it (command line, config paths, inventory, probe reasons and
+    tracebacks, finding titles, evidence, fixes, notes, trace path) goes through the redactor:
+    hub tokens and other token shapes, credentials in URLs, secret-named arguments, the values of
+    the secret-named environment variables set now, and ``secrets``. A dict entry whose key is a
+    secret name keeps its key with the value masked. With ``redact_paths`` the home folder becomes
+    ``~`` and the user name ``<user>``. Numbers are untouched. The input is not modified.
+    """
+    return _redact_dataclass(record, redactor_for(redact_paths, secrets=secrets))
+
+
 __all__ = [
     "MASK",
     "MIN_SECRET_LENGTH",
@@ -295,6 +372,8 @@ __all__ = [
     "is_secret_name",
     "make_redactor",
     "redact_obj",
+    "redact_record",
     "redact_text",
+    "redactor_for",
     "secret_env_values",
 ]

@@ -24,7 +24,8 @@ from diagnose.inventory import collect_inventory
 from diagnose.output import RECORD_NAME, REPORT_NAME, TRACE_NAME
 from diagnose.probes import REGISTRY, Probe, ProbeContext, run_probes
 from diagnose.record import Finding, ProbeResult, RunRecord, new_record
-from diagnose.redact import redact_text
+from diagnose.redact import redact_record
+from diagnose.telemetry import TelemetrySampler
 
 Progress = Callable[[str], None]
 
@@ -125,6 +126,7 @@ def execute_run(
     out_dir: Path,
     *,
     force: bool = False,
+    redact_paths: bool = False,
     probes: Sequence[Probe] | None = None,
     progress: Progress | None = None,
 ) -> RunOutputs:
@@ -142,8 +144,8 @@ def execute_run(
     say("collecting the inventory")
     record = new_record("run")
     record.device = device_info
-    record.inventory = collect_inventory(device_info.kind)
-    record.command = redact_text(config.command_line())
+    record.inventory = collect_inventory(device_info.kind, redact_paths=redact_paths)
+    record.command = config.command_line()
     torch.manual_seed(config.seed)
 
     say("building the model")
@@ -163,9 +165,14 @@ def execute_run(
             profiled_steps=config.profiled_steps,
             trace_path=trace_path,
             progress=say,
+            telemetry=TelemetrySampler(device_info),
         )
         record.timing = measurement.timing
         record.breakdown = measurement.breakdown
+        if measurement.telemetry is not None:
+            record.inventory.setdefault("telemetry", {})["during_steps"] = (
+                measurement.telemetry.to_dict()
+            )
         if measurement.trace_path is not None:
             record.trace_path = measurement.trace_path.name
             say("analysing the trace")
@@ -202,6 +209,8 @@ def execute_run(
     record.findings = _merge_findings([p.findings for p in record.probes])
     for result in record.probes:
         result.findings = []
+    # Records and reports get attached to public tickets: no secret leaves this process.
+    record = redact_record(record, redact_paths=redact_paths)
     record_path = out_dir / RECORD_NAME
     report_path = out_dir / REPORT_NAME
     say("writing the record and the report")

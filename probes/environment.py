@@ -25,7 +25,7 @@ from typing import Any
 
 from diagnose.device import bf16_native, is_integrated_gpu
 from diagnose.probes.base import ProbeContext
-from diagnose.record import DeviceInfo, Finding, ProbeResult, Severity, Timing
+from diagnose.record import Category, DeviceInfo, Finding, ProbeResult, Severity, Timing
 from diagnose.telemetry import TelemetrySummary
 
 GIB = 1024**3
@@ -109,13 +109,13 @@ def _finding(
     evidence: dict[str, Any],
     fix: str,
     detail: str = "",
-    category: str = "environment",
+    category: Category = "environment",
 ) -> RuleResult:
     return RuleResult(
         findings=[
             Finding(
                 id=id,
-                category=category,  # type: ignore[arg-type]
+                category=category,
                 severity=severity,
                 title=title,
                 evidence=evidence,
@@ -785,22 +785,28 @@ def rule_hipblaslt(facts: EnvironmentFacts) -> RuleResult:
     hip = facts.section("torch").get("hip")
     supported = hipblaslt_supported(facts.device.arch, hip)
     prefer = facts.env.get("TORCH_BLAS_PREFER_HIPBLASLT")
-    preferred = facts.section("torch", "flags").get("preferred_blas_library")
+    flags = facts.section("torch", "flags")
+    preferred = flags.get("preferred_blas_library")
+    # The inventory keeps the warning torch gives when it falls back (see collect_torch).
+    warning = str(flags.get("preferred_blas_library_warning") or "")
+    torch_fell_back = "unsupported architecture" in warning
     evidence = {
         "arch": facts.device.arch,
         "hip": hip,
         "TORCH_BLAS_PREFER_HIPBLASLT": prefer,
         "preferred_blas_library": preferred,
         "hipblaslt_supported": supported,
+        "torch_warning": warning or None,
     }
-    if supported is None:
+    if supported is None and not torch_fell_back:
         return _unknown("hipBLASLt support: unknown HIP version or arch")
-    if not supported and _truthy(prefer):
+    if torch_fell_back or (supported is False and _truthy(prefer)):
+        asked = f"TORCH_BLAS_PREFER_HIPBLASLT={prefer}" if prefer else "hipBLASLt requested"
         return _finding(
             "environment.hipblaslt_unsupported",
             "info",
-            f"TORCH_BLAS_PREFER_HIPBLASLT={prefer} on {facts.device.arch}, which torch's "
-            f"hipBLASLt path does not support (HIP {hip}): GEMMs fall back to hipBLAS/rocBLAS",
+            f"{asked} on {facts.device.arch}, which torch's hipBLASLt path does not support "
+            f"(HIP {hip}): GEMMs fall back to hipBLAS/rocBLAS",
             evidence=evidence,
             fix="unset TORCH_BLAS_PREFER_HIPBLASLT (it only adds the 'Attempting to use "
             "hipBLASLt on an unsupported architecture' warning here)",

@@ -21,11 +21,14 @@ from diagnose.device import (
     cpu_bf16_native,
     describe_device,
     dnn_label,
+    format_pci_bus_id,
     gpu_info,
+    is_integrated_gpu,
     nvidia_arch,
     nvidia_bf16_native,
     parse_cpuinfo,
     parse_gcn_arch,
+    parse_nvidia_proc_version,
     runtime_label,
     select_device,
 )
@@ -349,3 +352,49 @@ def test_capture_output_restores_on_error(capfd: pytest.CaptureFixture[str]) -> 
     assert sys.stdout is stdout
     assert "before the error" in captured.text
     assert capfd.readouterr().out == ""
+
+
+# --- integrated GPUs, PCI addresses, driver version files ----------------------------------------
+
+
+def test_integrated_and_pci_bus_id_go_to_extra() -> None:
+    #: A Ryzen 7 7840HS laptop's 780M under a ROCm build: gcnArchName='gfx1103', is_integrated=1.
+    apu = GpuProperties(
+        name="AMD Radeon 780M",
+        gcn_arch_name="gfx1103",
+        hip_version="6.4.43482",
+        is_integrated=True,
+        pci_bus_id=format_pci_bus_id(0, 0xC4, 0),
+    )
+    info = gpu_info(apu)
+    assert info.extra["is_integrated"] is True
+    assert info.extra["pci_bus_id"] == "0000:c4:00.0"
+    assert is_integrated_gpu(info) is True
+    discrete = gpu_info(RX_7900_XTX)
+    assert "is_integrated" not in discrete.extra  # torch did not say
+    assert is_integrated_gpu(discrete) is False  # gfx1100 is no APU target
+    assert is_integrated_gpu(DeviceInfo(kind="rocm", arch="gfx1151")) is True
+    assert is_integrated_gpu(DeviceInfo(kind="cuda", arch="sm_89")) is None
+    assert is_integrated_gpu(DeviceInfo(kind="cuda", extra={"is_integrated": False})) is False
+
+
+def test_format_pci_bus_id() -> None:
+    assert format_pci_bus_id(0, 1, 0) == "0000:01:00.0"
+    assert format_pci_bus_id(None, 0x3D, 0x1F) == "0000:3d:1f.0"
+    assert format_pci_bus_id(0, None, 0) == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "version"),
+    [
+        ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 01:44:30 UTC 2024",
+         "550.54.14"),
+        ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.07  Release Build",
+         "570.133.07"),
+        ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  575.51.03  Release Build",
+         "575.51.03"),
+        ("", ""),
+    ],
+)  # fmt: skip
+def test_parse_nvidia_proc_version(text: str, version: str) -> None:
+    assert parse_nvidia_proc_version(text) == version

@@ -6,11 +6,13 @@ from typing import Any
 
 import pytest
 
+from diagnose.record import Finding, ProbeResult, RunRecord, StepSample
 from diagnose.redact import (
     MASK,
     Redactor,
     is_secret_name,
     redact_obj,
+    redact_record,
     redact_text,
     secret_env_values,
 )
@@ -156,3 +158,41 @@ def test_redactor_is_reusable() -> None:
     redactor = Redactor(secrets=["s3cr3t-value"])
     assert redactor.text("a s3cr3t-value b") == f"a {MASK} b"
     assert redactor.obj({"x": ["s3cr3t-value"]}) == {"x": [MASK]}
+
+
+def test_redact_record_reaches_every_string_and_keeps_the_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-0123456789")
+    record = RunRecord(
+        command=f"diagnose run --data /data/{HF}",
+        config={"data_dir": f"/data/{HF}", "nested": [{"url": "https://u:pw123456@h/x"}]},
+        notes=["logged in with wandb-secret-0123456789"],
+        probes=[
+            ProbeResult(name="p", status="error", reason=f"401 for {HF}", traceback=f"  {HF}\n")
+        ],
+        findings=[
+            Finding(
+                id="x.y",
+                title=f"token {HF}",
+                evidence={"num_keys": 3, "auth": {"user": "a"}, "shapes": [[1, 2]]},
+                fix="--token abcdef123456",
+            )
+        ],
+        trace_path=f"{HF}/trace.json.gz",
+    )
+    record.timing.samples = [StepSample(index=0, seconds=1.25)]
+    redacted = redact_record(record, redact_paths=False)
+    text = redacted.to_json()
+    for secret in (HF, "wandb-secret-0123456789", "pw123456", "abcdef123456"):
+        assert secret not in text
+    assert redacted.config["data_dir"] == f"/data/hf_{MASK}"
+    assert redacted.config["nested"] == [{"url": f"https://{MASK}@h/x"}]
+    assert redacted.probes[0].traceback == f"  hf_{MASK}\n"
+    # A secret-named key keeps its place with the value masked (dropping it would silently
+    # lose evidence such as "num_keys"); numbers and lists of numbers are untouched.
+    assert redacted.findings[0].evidence == {"num_keys": MASK, "auth": MASK, "shapes": [[1, 2]]}
+    assert redacted.timing.samples[0].seconds == 1.25
+    assert redacted.findings[0].fix == f"--token {MASK}"
+    assert record.command.endswith(HF)  # the input is left alone
+    assert RunRecord.from_dict(redacted.to_dict()).trace_path == f"hf_{MASK}/trace.json.gz"

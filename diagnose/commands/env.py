@@ -22,11 +22,13 @@ class EnvCommand:
 
         from diagnose.device import describe_device, select_device
         from diagnose.inventory import collect_inventory
+        from diagnose.telemetry import read_telemetry_once
 
         device_info = describe_device(select_device(args.device))
         document = {
             "device": dataclasses.asdict(device_info),
             "inventory": collect_inventory(device_info.kind),
+            "telemetry_now": read_telemetry_once(device_info).to_dict(),
         }
         print(json.dumps(document, indent=2, sort_keys=True, default=str))
         return int(ExitCode.OK)

@@ -104,6 +104,11 @@ class RunCommand:
             action="store_true",
             help="write into a non-empty --out folder; run a full-size model on a CPU",
         )
+        output.add_argument(
+            "--redact-paths",
+            action="store_true",
+            help="also replace your home folder and user name in the outputs (secrets always are)",
+        )
         output.add_argument("--no-progress", action="store_true", help="no progress line")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -156,7 +161,13 @@ class RunCommand:
 
         try:
             with ProgressLine(enabled=False if args.no_progress else None) as progress:
-                outputs = execute_run(config, out_dir, force=args.force, progress=progress)
+                outputs = execute_run(
+                    config,
+                    out_dir,
+                    force=args.force,
+                    redact_paths=args.redact_paths,
+                    progress=progress,
+                )
         except BaseException:
             # A run that failed before writing anything leaves no empty folder behind.
             if created and out_dir.is_dir() and not any(out_dir.iterdir()):

@@ -1,0 +1,285 @@
+"""The environment rules on recorded inventories and telemetry, and the probe in a real context.
+
+Every case in ``fixtures/inventory/cases.json`` plants one fault (or none, for the clean twins)
+on a base inventory and must produce exactly the listed finding ids. The bases and the telemetry
+are constructed (no GPU was available), except ``captured_cpu_vm``, captured on the CI VM; each
+file says which.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from diagnose.config import RunConfig
+from diagnose.device import cpu_info
+from diagnose.inventory import collect_inventory
+from diagnose.probes.base import ProbeContext, run_probe
+from diagnose.probes.environment import (
+    RULES,
+    EnvironmentFacts,
+    EnvironmentProbe,
+    RuleResult,
+    evaluate,
+    hipblaslt_supported,
+    hsa_override_target,
+    telemetry_from_record,
+)
+from diagnose.record import (
+    CATEGORIES,
+    SEVERITIES,
+    DeviceInfo,
+    RunRecord,
+    StepSample,
+    Timing,
+    new_record,
+)
+from diagnose.telemetry import TelemetrySummary, summary_from_raw
+from tests.conftest import FIXTURES
+
+INVENTORIES = FIXTURES / "inventory"
+TELEMETRY = FIXTURES / "telemetry"
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    """Deep merge: dicts merge, None deletes, anything else replaces."""
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_telemetry(name: str) -> TelemetrySummary:
+    doc = json.loads((TELEMETRY / f"{name}.json").read_text(encoding="utf-8"))
+    return summary_from_raw(
+        doc["backend"], doc["static"], [(s["t"], s["raw"]) for s in doc["samples"]]
+    )
+
+
+def make_timing(spec: dict[str, Any]) -> Timing:
+    warmup = list(spec.get("warmup_seconds", []))
+    timing = Timing(
+        warmup_steps=len(warmup),
+        warmup_seconds=warmup,
+        samples=[
+            StepSample(index=len(warmup) + i, seconds=s) for i, s in enumerate(spec["samples"])
+        ],
+        peak_reserved_bytes=spec.get("peak_reserved_bytes"),
+        peak_allocated_bytes=spec.get("peak_allocated_bytes"),
+    )
+    timing.summarize()
+    return timing
+
+
+def facts_for(case: dict[str, Any]) -> EnvironmentFacts:
+    base = json.loads((INVENTORIES / f"{case['base']}.json").read_text(encoding="utf-8"))
+    device = case.get("device") or _merge(base["device"], case.get("device_patch") or {})
+    inventory = _merge(base["inventory"], case.get("inventory_patch") or {})
+    return EnvironmentFacts(
+        device=DeviceInfo(**device),
+        inventory=inventory,
+        telemetry=load_telemetry(case["telemetry"]) if case.get("telemetry") else None,
+        timing=make_timing(case["timing"]) if case.get("timing") else None,
+        precision=case.get("precision"),
+        allocator=case.get("allocator") or {},
+        allocator_scope=case.get("allocator_scope", ""),
+        resolutions=case.get("resolutions") or [],
+    )
+
+
+CASES: list[dict[str, Any]] = json.loads((INVENTORIES / "cases.json").read_text("utf-8"))["cases"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_rules_on_recorded_cases(case: dict[str, Any]) -> None:
+    result = evaluate(facts_for(case))
+    assert not [n for n in result.not_checked if " failed: " in n], result.not_checked
+    ids = sorted(f.id for f in result.findings)
+    assert ids == sorted(case["expect"]), [f.title for f in result.findings]
+    by_id = {f.id: f for f in result.findings}
+    for finding_id, severity in (case.get("severity") or {}).items():
+        assert by_id[finding_id].severity == severity
+    for finding_id, text in (case.get("fix_contains") or {}).items():
+        assert text in by_id[finding_id].fix, by_id[finding_id].fix
+    for finding in result.findings:
+        # What the report needs from every finding.
+        assert finding.category in CATEGORIES and finding.severity in SEVERITIES
+        assert finding.title and finding.fix and finding.evidence
+        assert finding.source == "environment"
+        json.dumps(finding.evidence, allow_nan=False)
+
+
+def test_every_rule_has_a_planted_fault_and_the_clean_twins_cover_all_rules() -> None:
+    fired = {i for c in CASES for i in c["expect"]}
+    expected_ids = {
+        "environment.cpu_with_gpu_present",
+        "environment.integrated_gpu",
+        "memory.vram_spill",
+        "memory.vram_near_capacity",
+        "memory.allocator_retries",
+        "memory.allocator_conf_conflict",
+        "memory.caching_allocator_off",
+        "precision.bf16_not_native",
+        "environment.rocm_kernel_search_warmup",
+        "environment.tunableop_tuning",
+        "environment.hsa_override",
+        "environment.hipblaslt_unsupported",
+        "environment.hipblaslt_off",
+        "environment.launch_blocking",
+        "environment.amd_log_level",
+        "environment.gpu_throttled",
+        "environment.power_limited",
+        "environment.clocks_low",
+        "environment.pcie_link_degraded",
+        "environment.driver_old",
+        "environment.cpu_one_thread",
+        "environment.cpu_few_cores",
+    }
+    assert expected_ids <= fired
+    # On a healthy GPU machine every rule judged something: it either passed or said why not.
+    for name in ("healthy_nvidia", "healthy_amd"):
+        case = next(c for c in CASES if c["name"] == name)
+        result = evaluate(facts_for(case))
+        assert not result.findings
+        assert len(result.ok) >= 8, result.ok
+
+
+def test_healthy_cases_say_what_was_checked() -> None:
+    case = next(c for c in CASES if c["name"] == "healthy_nvidia")
+    ok = " | ".join(evaluate(facts_for(case)).ok)
+    for expected in ("peak VRAM", "no allocator retries", "no throttling", "PCIe link x16 Gen4"):
+        assert expected in ok
+
+
+def test_spill_evidence_has_the_numbers() -> None:
+    case = next(c for c in CASES if c["name"] == "vram_spill_on_windows")
+    finding = evaluate(facts_for(case)).findings[0]
+    assert finding.evidence["torch_peak_reserved"] == "29.2 GiB"
+    assert finding.evidence["vram_total"] == "24.0 GiB"
+    assert finding.evidence["seconds_per_it"] == pytest.approx(89.1, abs=0.1)
+    assert finding.evidence["pcie_rx_median_bytes_per_s"] > 9e9
+
+
+def test_warmup_evidence_has_the_numbers() -> None:
+    case = next(c for c in CASES if c["name"] == "rocm_first_step_miopen_search")
+    finding = evaluate(facts_for(case)).findings[0]
+    assert finding.evidence["first_step_seconds"] == 112.4
+    assert finding.evidence["median_seconds_per_it"] == pytest.approx(1.615)
+    assert finding.evidence["ratio"] == pytest.approx(69.6)
+    assert "unset" in finding.evidence["MIOPEN_FIND_MODE"]
+    assert "112.4 s against 1.62 s/it" in finding.title
+    assert "2 resolution buckets" in finding.fix
+
+
+def test_a_broken_rule_is_reported_not_fatal() -> None:
+    def broken(facts: EnvironmentFacts) -> RuleResult:
+        raise KeyError("gpu")
+
+    case = next(c for c in CASES if c["name"] == "cuda_launch_blocking_left_set")
+    result = evaluate(facts_for(case), (broken, *RULES))
+    assert any(n.startswith("broken failed: KeyError") for n in result.not_checked)
+    assert [f.id for f in result.findings] == ["environment.launch_blocking"]
+
+
+def test_missing_inventory_keys_mean_unknown_not_a_crash() -> None:
+    for device in (
+        DeviceInfo(kind="cuda", torch_device="cuda:0"),
+        DeviceInfo(kind="rocm", torch_device="cuda:0"),
+        DeviceInfo(kind="cpu", torch_device="cpu"),
+        DeviceInfo(),
+    ):
+        result = evaluate(EnvironmentFacts(device=device, precision="bf16-mixed"))
+        assert not [n for n in result.not_checked if " failed: " in n], result.not_checked
+        assert not result.findings
+
+
+def test_hsa_override_target() -> None:
+    assert hsa_override_target("11.0.0") == "gfx1100"
+    assert hsa_override_target("10.3.0") == "gfx1030"
+    assert hsa_override_target("9.4.2") == "gfx942"
+    assert hsa_override_target("9.0.10") == "gfx90a"
+    assert hsa_override_target("gfx1100") is None
+    assert hsa_override_target("11") is None
+
+
+def test_hipblaslt_supported_follows_torch_and_the_rocm_version() -> None:
+    assert hipblaslt_supported("gfx942", "6.2.41133") is True
+    assert hipblaslt_supported("gfx1100", "6.2.41133") is False
+    assert hipblaslt_supported("gfx1100", "6.4.43482-0f2d60242") is True
+    assert hipblaslt_supported("gfx1151", "6.4.43482") is False
+    assert hipblaslt_supported("gfx1151", "7.0.51831") is True
+    assert hipblaslt_supported("gfx1030", "7.1.0") is False
+    assert hipblaslt_supported("gfx90a:sramecc+:xnack-", "6.0") is True
+    assert hipblaslt_supported("gfx1100", None) is None
+
+
+def test_telemetry_is_read_from_where_the_run_stores_it() -> None:
+    summary = load_telemetry("nvml_rtx4090_healthy")
+    inventory = {"telemetry": {"available": True, "during_steps": summary.to_dict()}}
+    restored = telemetry_from_record(inventory)
+    assert restored is not None
+    assert restored.stats == summary.stats and restored.limits == summary.limits
+    assert len(restored.samples) == len(summary.samples)
+    assert telemetry_from_record({"telemetry": {"available": False}}) is None
+    assert telemetry_from_record({}) is None
+
+
+# --- the probe in a real context ------------------------------------------------------------------
+
+
+def _context(record: RunRecord) -> ProbeContext:
+    return ProbeContext(
+        config=RunConfig(precision="bf16-mixed"),
+        device=torch.device("cpu"),
+        device_info=record.device,
+        record=record,
+    )
+
+
+def test_probe_on_this_machine(capfd: pytest.CaptureFixture[str]) -> None:
+    record = new_record("run")
+    record.device = cpu_info()
+    # packages=(): the rules read no package entry, and importing diffusers & co. costs seconds.
+    record.inventory = collect_inventory("cpu", packages=())
+    record.timing = make_timing({"warmup_seconds": [2.1], "samples": [1.8, 1.7, 1.9]})
+    probe = EnvironmentProbe()
+    assert probe.requires_packages == () and probe.device_kinds == ()
+    result = run_probe(probe, _context(record))
+    assert result.status == "ok", result.traceback
+    assert result.name == "environment"
+    assert result.data["telemetry"] == "not sampled"
+    ids = {f.id for f in result.findings}
+    assert "environment.cpu_with_gpu_present" not in ids  # no GPU on this VM's PCI bus
+    if (record.inventory["cpu"]["usable_cores"] or 0) <= 4:
+        assert "environment.cpu_few_cores" in ids
+    assert result.checked_ok
+    json.dumps(result.data, allow_nan=False)
+    assert capfd.readouterr() == ("", "")
+
+
+def test_probe_reads_telemetry_and_allocator_counters_stored_by_the_run() -> None:
+    base = json.loads((INVENTORIES / "nvidia_rtx4090_linux.json").read_text("utf-8"))
+    summary = load_telemetry("nvml_pcie_x4")
+    summary.allocator = {"num_alloc_retries": 2, "num_ooms": 0}
+    record = new_record("run")
+    record.device = DeviceInfo(**base["device"])
+    record.inventory = dict(base["inventory"], telemetry={"during_steps": summary.to_dict()})
+    record.timing = make_timing({"samples": [1.2, 1.21, 1.19]})
+    result = EnvironmentProbe().run(_context(record))
+    assert {f.id for f in result.findings} == {
+        "environment.pcie_link_degraded",
+        "memory.allocator_retries",
+    }
+    assert result.data["allocator_scope"] == "timed steps"
+    assert result.data["telemetry"] == "nvml: 11 samples"
