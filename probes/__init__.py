@@ -7,6 +7,8 @@ NAME`` turns one off. The contract (Probe, ProbeContext, the isolating runner) i
 from __future__ import annotations
 
 from diagnose.probes.base import Probe, ProbeContext, ProbeSkipped, run_probe, run_probes
+from diagnose.probes.attention import AttentionProbe
+from diagnose.probes.dataloader import DataLoaderProbe
 from diagnose.probes.environment import EnvironmentProbe
 from diagnose.probes.optimizer import OptimizerProbe
 from diagnose.probes.triton_probe import TritonProbe
@@ -14,6 +16,8 @@ from diagnose.probes.triton_probe import TritonProbe
 #: Probes in run order. Each entry is an instance of a class that satisfies ``Probe``.
 REGISTRY: tuple[Probe, ...] = (
     EnvironmentProbe(),
+    AttentionProbe(),
+    DataLoaderProbe(),
     OptimizerProbe(),
     # In a run, only on a GPU: a CPU training step runs no Triton kernel, so the interpreter's
     # verdict would not explain the measured s/it (`diagnose triton` runs it on demand).

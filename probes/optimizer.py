@@ -838,59 +838,6 @@ def real_gradients(
     return catcher.caught, "one forward+backward on the next batch"
 
 
-@dataclass
-class _Snapshot:
-    """The configured optimizer's state, parameters and gradients, to put back after timing."""
-
-    optimizer: torch.optim.Optimizer
-    params: list[torch.nn.Parameter]
-    data: list[torch.Tensor]
-    grads: list[torch.Tensor | None]
-    state: dict[torch.Tensor, dict[str, Any]]
-
-    @classmethod
-    def take(cls, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> _Snapshot:
-        state: dict[torch.Tensor, dict[str, Any]] = {}
-        for param, entries in optimizer.state.items():
-            state[param] = {
-                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                for k, v in entries.items()
-            }
-        return cls(
-            optimizer=optimizer,
-            params=params,
-            data=[p.detach().clone() for p in params],
-            grads=[None if p.grad is None else p.grad.detach().clone() for p in params],
-            state=state,
-        )
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for param, data, grad in zip(self.params, self.data, self.grads, strict=True):
-            param.data.copy_(data)
-            param.grad = grad
-        live = self.optimizer.state
-        for stepped in list(live.keys()):
-            if stepped not in self.state:
-                del live[stepped]
-        for tensor, saved in self.state.items():
-            entries = live[tensor]
-            for key in list(entries.keys()):
-                if key not in saved:
-                    del entries[key]
-            for key, value in saved.items():
-                current = entries.get(key)
-                if (
-                    isinstance(value, torch.Tensor)
-                    and isinstance(current, torch.Tensor)
-                    and current.shape == value.shape
-                    and current.dtype == value.dtype
-                ):
-                    current.copy_(value)  # in place: keeps tensors shared with the optimizer
-                else:
-                    entries[key] = value
-
-
 # --------------------------------------------------------------------------------------------
 # Measuring one optimizer
 
@@ -1226,7 +1173,7 @@ class OptimizerProbe:
         # 2. The configured optimizer's step, on the real parameters (put back afterwards).
         say(f"optimizer: timing {configured_label}")
         split: EightBitSplit | None = None
-        snapshot = _Snapshot.take(optimizer, params)
+        snapshot = workload.snapshot()
         try:
             with torch.no_grad():
                 for param, grad in zip(params, grads, strict=True):

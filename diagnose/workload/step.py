@@ -20,6 +20,7 @@ model's diffusers training script and pipeline.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -557,6 +558,10 @@ class Workload:
     def text_encoders(self) -> list[torch.nn.Module]:
         return self.components.text_encoders
 
+    def snapshot(self) -> WorkloadSnapshot:
+        """The state a probe's extra steps would change; ``.restore()`` puts it back."""
+        return WorkloadSnapshot.take(self)
+
     def lora_parameters(self) -> list[torch.nn.Parameter]:
         return trainable_parameters(self.components.denoiser)
 
@@ -726,6 +731,59 @@ class Workload:
         self.close()
 
 
+@dataclass
+class WorkloadSnapshot:
+    """What probes' extra steps change in a workload, to put back afterwards: LoRA weights and
+    gradients, optimizer and grad-scaler state, the noise generator, the config and the loader.
+    Probes run after the measured steps, and each must leave the workload as it found it."""
+
+    workload: Workload
+
+    params: list[torch.nn.Parameter]
+    data: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    optimizer_state: dict[str, Any]
+    scaler_state: dict[str, Any] | None
+    generator_state: torch.Tensor | None
+    config: Any
+    loader: Any
+
+    @classmethod
+    def take(cls, workload: Workload) -> WorkloadSnapshot:
+        params = list(workload.lora_parameters())
+        scaler = workload.scaler
+        # Restoring the noise generator keeps later probes seeing the same noise as without
+        # this one.
+        generator = workload._generator
+        return cls(
+            workload=workload,
+            params=params,
+            data=[p.detach().clone() for p in params],
+            grads=[None if p.grad is None else p.grad.detach().clone() for p in params],
+            optimizer_state=copy.deepcopy(workload.optimizer.state_dict()),
+            scaler_state=copy.deepcopy(scaler.state_dict()) if scaler.is_enabled() else None,
+            generator_state=generator.get_state() if generator is not None else None,
+            config=workload.config,
+            loader=workload.loader,
+        )
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        workload = self.workload
+        workload.config = self.config
+        workload.loader = self.loader
+        for param, data, grad in zip(self.params, self.data, self.grads, strict=True):
+            param.data.copy_(data)
+            # Copies: backward accumulates into .grad in place, and load_state_dict keeps some
+            # tensors (AdamW's "step") as given, which the next optimizer.step() increments.
+            param.grad = None if grad is None else grad.clone()
+        workload.optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
+        if self.scaler_state is not None:
+            workload.scaler.load_state_dict(self.scaler_state)
+        if self.generator_state is not None:
+            workload._generator.set_state(self.generator_state)
+
+
 def build_workload(config: RunConfig, device: torch.device) -> Workload:
     """Models, LoRA adapter, optimizer, data and caches for ``config`` on ``device``.
 
@@ -781,6 +839,7 @@ __all__ = [
     "Family",
     "Noised",
     "Workload",
+    "WorkloadSnapshot",
     "build_optimizer",
     "build_workload",
     "merge_conditioning",

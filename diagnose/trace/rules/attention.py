@@ -9,13 +9,14 @@ as that op sequence outside any SDPA op.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from diagnose import attention_paths
+from diagnose.attention_paths import classify_op, kernel_family
 from diagnose.record import Finding
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
@@ -23,38 +24,13 @@ from diagnose.trace.kernels import KERNEL_CLASSES, short_kernel_name
 from diagnose.trace.rules import RuleResult, ms
 
 RULE = "attention"
-MATH_ID = "attention.math_fallback"
-MANUAL_ID = "attention.unfused_manual"
+MATH_ID = attention_paths.MATH_ID
+MANUAL_ID = attention_paths.MANUAL_ID
 #: A fused kernel is about this much faster than the math path or a hand-written bmm/softmax/bmm
 #: (2-4x is usual for diffusion shapes; the conservative end is used for the estimate).
 FUSED_SPEEDUP = 2.0
 #: Without a measured backward, training attention costs about 3x its forward (fwd + 2x bwd).
 TRAINING_FACTOR = 3.0
-
-_PATHS: list[tuple[str, re.Pattern[str]]] = [
-    ("math", re.compile(r"^aten::_scaled_dot_product_attention_math")),
-    (
-        "flash",
-        re.compile(
-            r"^aten::_scaled_dot_product_flash_attention|^aten::_flash_attention_(forward|backward)"
-            r"|^flash_attn|^xformers_flash::"
-        ),
-    ),
-    (
-        "memory-efficient",
-        re.compile(
-            r"^aten::_scaled_dot_product_efficient_attention|^aten::_efficient_attention_"
-            r"|^xformers::efficient_attention|^xformers::"
-        ),
-    ),
-    ("cudnn", re.compile(r"^aten::_scaled_dot_product_cudnn_attention")),
-    (
-        "fused (other)",
-        re.compile(r"^aten::_scaled_dot_product_fused_attention_overrideable|flex_attention"),
-    ),
-]
-_MATMUL = {"aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum"}
-_SOFTMAX = {"aten::softmax", "aten::_softmax", "aten::_safe_softmax"}
 
 
 @dataclass
@@ -69,10 +45,8 @@ class PathStat:
 
 
 def _path_of(name: str) -> str | None:
-    for path, pattern in _PATHS:
-        if pattern.search(name):
-            return path
-    return None
+    kind = classify_op(name)
+    return kind.path if kind else None
 
 
 def check(ctx: TraceContext) -> RuleResult:
@@ -111,7 +85,7 @@ def check(ctx: TraceContext) -> RuleResult:
 
     manual = _manual_attention(ctx, is_path | under_path, in_steps, cost)
     if manual.calls:
-        stats["hand-written bmm/softmax/bmm"] = manual
+        stats[attention_paths.MANUAL] = manual
 
     if not stats and ctx.has_device:
         fused = _fused_kernels(ctx)
@@ -126,6 +100,9 @@ def check(ctx: TraceContext) -> RuleResult:
                 "seconds_per_step": s.seconds / n,
                 "ops": dict(s.ops.most_common(5)),
                 "kernels": [short_kernel_name(k, 80) for k, _ in s.kernels.most_common(3)],
+                "kernel_families": sorted(
+                    {f.label for k in s.kernels if (f := kernel_family(k)) is not None}
+                ),
                 "input_shapes": [k for k, _ in s.shapes.most_common(3) if k],
                 "input_types": [k for k, _ in s.dtypes.most_common(3) if k],
             }
@@ -137,9 +114,9 @@ def check(ctx: TraceContext) -> RuleResult:
         return result
 
     for path, stat in stats.items():
-        if path == "math":
+        if path == attention_paths.MATH:
             result.findings.append(_math_finding(ctx, stat))
-        elif path.startswith("hand-written"):
+        elif path == attention_paths.MANUAL:
             result.findings.append(_manual_finding(ctx, stat))
         else:
             kernel = stat.kernels.most_common(1)[0][0] if stat.kernels else ""
@@ -184,7 +161,7 @@ def _kernels_under(ctx: TraceContext) -> dict[int, list[str]]:
 
 
 def _fused_kernels(ctx: TraceContext) -> PathStat:
-    stat = PathStat("fused (from kernels)")
+    stat = PathStat(attention_paths.FROM_KERNELS)
     attn = KERNEL_CLASSES.index("attention_fused")
     mask = (ctx.kernels.classes == attn) & (ctx.step_of(ctx.trace.device.ts) >= 0)
     for k in np.flatnonzero(mask).tolist():
@@ -199,9 +176,9 @@ def _manual_attention(
     """``matmul → softmax → matmul`` sequences in the forward pass, outside any SDPA op."""
     trace, structure = ctx.trace, ctx.structure
     host = trace.host
-    stat = PathStat("hand-written bmm/softmax/bmm")
-    matmul_ids = ctx.host_ids(_MATMUL)
-    softmax_ids = ctx.host_ids(_SOFTMAX)
+    stat = PathStat(attention_paths.MANUAL)
+    matmul_ids = ctx.host_ids(attention_paths.MATMUL_OPS)
+    softmax_ids = ctx.host_ids(attention_paths.SOFTMAX_OPS)
     if not matmul_ids.size or not softmax_ids.size:
         return stat
     is_mm = np.isin(host.name, matmul_ids)
@@ -230,19 +207,9 @@ def _manual_attention(
     return stat
 
 
-def _fix_for(ctx: TraceContext) -> str:
-    kind = ctx.device.info.kind
-    common = (
-        "Remove any forced math backend (torch.nn.attention.sdpa_kernel(SDPBackend.MATH), "
-        "torch.backends.cuda.enable_flash_sdp(False)/enable_mem_efficient_sdp(False)) and give "
-        "SDPA bf16/fp16 inputs (flash needs them; head dim <= 256)."
-    )
-    if kind == "rocm":
-        return (
-            common + " On ROCm consumer GPUs (RDNA3/RDNA4) the AOTriton flash and memory-efficient "
-            "kernels are behind TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 (kohya: --sdpa)."
-        )
-    return common + " kohya: --sdpa (or --xformers); diffusers uses SDPA by default."
+def _fix_for(ctx: TraceContext, fp32_inputs: bool) -> str:
+    info = ctx.device.info
+    return attention_paths.math_fix(info.kind, info.arch, forced=True, fp32_inputs=fp32_inputs)
 
 
 def _estimate(ctx: TraceContext, forward_seconds: float) -> float:
@@ -255,8 +222,16 @@ def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
     seconds = stat.seconds / n
     dtypes = [d for d, _ in stat.dtypes.most_common(2) if d]
     why = ""
-    if any("float" in d.split(", ")[0] for d in dtypes):
+    fp32_inputs = any(d.split(", ")[0] == "float" for d in dtypes)
+    if fp32_inputs and ctx.device.info.kind != "cpu":
         why = " The inputs are fp32: the flash kernel needs fp16/bf16."
+    if ctx.device.info.kind == "rocm" and attention_paths.rocm_needs_experimental(
+        ctx.device.info.arch
+    ):
+        why += (
+            f" On {ctx.device.info.arch} the fused kernels are off unless "
+            f"{attention_paths.ROCM_EXPERIMENTAL_ENV}=1."
+        )
     saving = _estimate(ctx, seconds)
     return Finding(
         id=MATH_ID,
@@ -276,7 +251,7 @@ def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
         },
         est_seconds_saved_per_it=saving,
         saving_basis="estimated",
-        fix=_fix_for(ctx),
+        fix=_fix_for(ctx, fp32_inputs),
         detail=(
             "scaled_dot_product_attention dispatched to _scaled_dot_product_attention_math, which "
             "materialises the full attention matrix (bmm, softmax, bmm) instead of a fused "
@@ -309,12 +284,7 @@ def _manual_finding(ctx: TraceContext, stat: PathStat) -> Finding:
         },
         est_seconds_saved_per_it=saving,
         saving_basis="estimated",
-        fix=(
-            "Use torch.nn.functional.scaled_dot_product_attention: in diffusers set the default "
-            "processor (model.set_attn_processor(AttnProcessor2_0()) or "
-            "model.set_default_attn_processor() on torch 2), in kohya pass --sdpa or --xformers "
-            "(not --mem_eff_attn)."
-        ),
+        fix=attention_paths.MANUAL_FIX,
         detail=(
             "The forward pass multiplies queries and keys, takes a softmax and multiplies by the "
             "values as separate ops outside scaled_dot_product_attention, so no fused attention "

@@ -4,20 +4,121 @@ Reads the ``enumerate(DataLoader)#...__next__`` ranges torch.profiler records ar
 ``next()`` on a DataLoader iterator. On a GPU trace the cost is the device idle time while the
 host waits (a prefetched batch costs nothing even if ``next()`` is slow to return); on a CPU trace
 the compute device is the host itself, so the whole wait counts.
+
+This module is also the one place for the thresholds and the wording that the ``dataloader`` probe
+(``diagnose.probes.dataloader``) shares with this rule: both raise ``dataloader.gpu_starved`` at
+the same share of the step, with the same title and the same trainer flags in the fix.
 """
 
 from __future__ import annotations
 
-from diagnose.record import Finding
+from collections.abc import Sequence
+
+from diagnose.record import Finding, Severity
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import complement, intersect
 from diagnose.trace.rules import RuleResult, ms, pct
 
 RULE = "dataloader"
+#: The loop waits for batches while the device has nothing to do (trace rule and probe).
 FINDING_ID = "dataloader.gpu_starved"
+#: The loop hardly waits, yet a loader change (cached latents, pre-decoded images, workers) was
+#: measured clearly faster: the per-step image work is paid inside the step (VAE encode of freshly
+#: decoded pixels) rather than as a wait. Probe only: a trace cannot run the A/B.
+SLOW_LOADER_ID = "dataloader.slow_loader"
+#: Files of the data folder that could not be decoded (probe only).
+CORRUPT_IMAGES_ID = "dataloader.corrupt_images"
 #: Share of step time starved for data above which the finding is raised, and made critical.
 WARN_SHARE = 0.10
 CRITICAL_SHARE = 0.30
+#: A loader change counts as measurably faster when it saves at least this share of the s/it
+#: (and its steps clear the configured loader's spread: see the probe's ``clearly_faster``).
+MIN_MEASURED_GAIN = 0.05
+#: Workers recommended when the trace cannot tell how many cores the machine has.
+DEFAULT_WORKERS = 4
+
+
+# --------------------------------------------------------------------------------------------
+# Wording shared with the probe
+
+
+def severity_for_share(share: float) -> Severity:
+    """Severity of a starved share (at or above :data:`WARN_SHARE`)."""
+    return "critical" if share >= CRITICAL_SHARE else "warn"
+
+
+def device_word(has_device: bool) -> str:
+    """What computes the step: the GPU, or on a CPU run the CPU itself."""
+    return "GPU" if has_device else "CPU"
+
+
+def starved_title(share: float, seconds_per_step: float, has_device: bool) -> str:
+    """``The training loop waits for data 35% of each step (310 ms/step) while the GPU idles``."""
+    idle = "the GPU idles" if has_device else "compute stops"
+    return (
+        f"The training loop waits for data {pct(share)} of each step "
+        f"({ms(seconds_per_step)}/step) while {idle}"
+    )
+
+
+def not_waiting_line(
+    wait_share: float, has_device: bool, starved_share: float | None = None
+) -> str:
+    """The checked-fine line: ``data loading: 2% of the step; the GPU is not waiting``.
+
+    ``starved_share`` (from a trace: device idle while the host waits) is added when known.
+    """
+    who = "the GPU is" if has_device else "compute is"
+    line = f"data loading: {pct(wait_share)} of the step; {who} not waiting"
+    if starved_share is not None:
+        line += (
+            f" ({device_word(has_device)} idle while waiting: {pct(starved_share)}, "
+            f"below {pct(WARN_SHARE)})"
+        )
+    return line
+
+
+def workers_advice(workers: int, pin_memory: bool) -> str:
+    """Background workers, in torch's and the trainers' words."""
+    pin = ", pin_memory=True" if pin_memory else ""
+    return (
+        f"load batches in background workers: DataLoader(num_workers={workers}{pin}, "
+        f"persistent_workers=True) (kohya: --max_data_loader_n_workers {workers} "
+        f"--persistent_data_loader_workers; diffusers examples: --dataloader_num_workers "
+        f"{workers})"
+    )
+
+
+#: Cached latents, in the trainers' words.
+CACHE_LATENTS_ADVICE = (
+    "cache the latents so no image is decoded or VAE-encoded per step (kohya: --cache_latents, "
+    "or --cache_latents_to_disk to keep them between runs; it cannot be combined with "
+    "--random_crop or --color_aug; diffusers DreamBooth LoRA scripts: --cache_latents)"
+)
+
+
+def predecode_advice(pixel_ratio: float | None, bucket: int | None) -> str:
+    """Decode (and shrink) the images once instead of every step."""
+    why = ""
+    if pixel_ratio is not None and pixel_ratio > 1.5 and bucket:
+        why = f" (each step now decodes {pixel_ratio:.1f}x the pixels of the {bucket} px bucket)"
+    return (
+        "decode the images once: resize a copy of the folder to the training resolution, or "
+        f"keep the decoded tensors in memory{why}"
+    )
+
+
+def loader_fix(advice: Sequence[str]) -> str:
+    """Join advice clauses, best first, into the finding's one ``fix`` string."""
+    clauses = [a for a in advice if a]
+    if not clauses:
+        return ""
+    text = "; or ".join(clauses)
+    return text[0].upper() + text[1:] + "."
+
+
+# --------------------------------------------------------------------------------------------
+# The rule
 
 
 def _robust_share(per_step: list[dict[str, float]]) -> float:
@@ -70,12 +171,9 @@ def check(ctx: TraceContext) -> RuleResult:
         "per_step": per_step,
         "iterators": iterators,
     }
-    device_word = "GPU" if ctx.has_device else "CPU"
+    word = device_word(ctx.has_device)
     if starved_share < WARN_SHARE:
-        result.checked_ok.append(
-            f"data loading: the loop waited {pct(wait_share)} of step time for batches "
-            f"({device_word} starved {pct(starved_share)}), below {pct(WARN_SHARE)}"
-        )
+        result.checked_ok.append(not_waiting_line(wait_share, ctx.has_device, starved_share))
         return result
 
     workers_hint = (
@@ -84,15 +182,11 @@ def check(ctx: TraceContext) -> RuleResult:
         if single_process
         else ""
     )
-    title_device = "the GPU idles" if ctx.has_device else "compute stops"
     finding = Finding(
         id=FINDING_ID,
         category="dataloader",
-        severity="critical" if starved_share >= CRITICAL_SHARE else "warn",
-        title=(
-            f"The training loop waits for data {pct(starved_share)} of each step "
-            f"({ms(starved_per_step)}/step) while {title_device}"
-        ),
+        severity=severity_for_share(starved_share),
+        title=starved_title(starved_share, starved_per_step, ctx.has_device),
         evidence={
             "data_wait_seconds_per_step": total_wait / ctx.n_steps,
             "starved_seconds_per_step": starved_per_step,
@@ -105,18 +199,16 @@ def check(ctx: TraceContext) -> RuleResult:
         },
         est_seconds_saved_per_it=starved_per_step,
         saving_basis="trace",
-        fix=(
-            "Load batches in background workers so the next batch is ready: "
-            "DataLoader(num_workers=4 or more, pin_memory=True, persistent_workers=True) "
-            "(kohya: --max_data_loader_n_workers 4 --persistent_data_loader_workers; diffusers "
-            "examples: --dataloader_num_workers 4); cache latents and text embeddings so no VAE "
-            "or image decode runs per step (kohya: --cache_latents --cache_text_encoder_outputs)."
+        # A trace does not say how many cores or which trainer: the usual advice, both halves.
+        fix=loader_fix(
+            [workers_advice(DEFAULT_WORKERS, pin_memory=ctx.has_device), CACHE_LATENTS_ADVICE]
         ),
         detail=(
             f"{workers_hint}The profiled steps spent {ms(total_wait / ctx.n_steps)} per step "
-            f"inside next(dataloader); the {device_word} had no work for "
+            f"inside next(dataloader); the {word} had no work for "
             f"{ms(starved_per_step)} of it. With the batch prepared ahead of time that wait "
-            "disappears (the saving is the idle time read off the trace)."
+            "disappears (the saving is the idle time read off the trace). `diagnose run` "
+            "measures the fixes on your data with an A/B (the dataloader probe)."
         ),
         source=f"trace:{RULE}",
     )

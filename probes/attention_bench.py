@@ -1,0 +1,483 @@
+"""Can each attention backend run at the model's exact inputs, why not, and what does each cost?
+
+For one :class:`~diagnose.probes.attention_capture.Signature` (B, heads, Lq, Lk, D, dtype, mask,
+dropout, causal, training or not) every backend gets a :class:`Trial`:
+
+1. **Can it run, and if not why** — one forced call (``sdpa_kernel([backend])``) with torch's
+   warnings captured: torch explains a refused kernel in warnings ("Flash attention requires ...",
+   "Both fused kernels do not support non-zero dropout."), then raises "No available kernel".
+   On GPU builds ``torch.backends.cuda.can_use_flash_attention`` / ``can_use_efficient_attention``
+   / ``can_use_cudnn_attention`` with ``SDPAParams`` and ``debug=True`` add their reasons (they
+   log through c10, so native stderr is captured as well as Python warnings).
+2. **What it costs** — device-synchronised medians of forward (+ backward for a training call),
+   per call; peak memory from ``max_memory_allocated`` on a GPU, estimated from the shapes on the
+   CPU (whose allocator keeps no peak), and the trial says which.
+
+Backends: SDPA ``flash`` (on the CPU: its fused CPU kernel), ``efficient``, ``cudnn``, ``math``;
+``manual`` (the hand-written softmax(QKᵀ)V a custom processor computes); ``xformers`` and
+``flash_attn`` when those packages import (GPU only). On ROCm GPUs that need
+``TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL`` and run without it, the fused SDPA trials are repeated
+with the variable set for that measurement only, so the finding can say what it would buy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+import re
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from diagnose.attention_paths import ROCM_EXPERIMENTAL_ENV
+from diagnose.probes.attention_capture import Signature
+from diagnose.quiet import capture_output
+from diagnose.record import Stats
+
+SDPA_BACKENDS: dict[str, SDPBackend] = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+#: Kernels that exist only in GPU builds: on the CPU they are reported, not tried.
+GPU_ONLY: frozenset[str] = frozenset({"efficient", "cudnn", "xformers", "flash_attn"})
+#: A timed sample covers at least this many seconds (several calls of a short kernel).
+MIN_SAMPLE_S = 2e-3
+MAX_INNER_CALLS = 200
+
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)\.?\s*$")
+_C10_PREFIX = re.compile(r"^\[W[^\]]*\]\s*(Warning:\s*)?")
+_C10_SUFFIX = re.compile(r"\s*\(function .*\)\s*$")
+
+
+@dataclass
+class Trial:
+    """One backend at one signature."""
+
+    backend: str
+    runs: bool = False
+    #: Why it cannot run, in torch's words (one line each), or the error it raised.
+    reasons: list[str] = field(default_factory=list)
+    #: Seconds per call (forward, or forward+backward for a training call).
+    samples: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+    #: "measured" (max_memory_allocated) or "estimated" (from the shapes).
+    memory_basis: str = ""
+    note: str = ""
+
+    @property
+    def stats(self) -> Stats:
+        return Stats.of(self.samples)
+
+    @property
+    def median(self) -> float | None:
+        return self.stats.median if self.samples else None
+
+    def to_dict(self) -> dict[str, Any]:
+        stats = self.stats
+        return {
+            "backend": self.backend,
+            "runs": self.runs,
+            "reasons": list(self.reasons),
+            "ms_median": _ms(stats.median),
+            "ms_q1": _ms(stats.q1),
+            "ms_q3": _ms(stats.q3),
+            "samples": stats.n,
+            "peak_bytes": self.peak_bytes,
+            "memory_basis": self.memory_basis,
+            "note": self.note,
+        }
+
+
+def _ms(seconds: float) -> float | None:
+    return round(seconds * 1e3, 5) if math.isfinite(seconds) else None
+
+
+def clean_reason(text: str) -> str:
+    """One readable line from a torch warning or c10 log line."""
+    line = _C10_PREFIX.sub("", text.strip().splitlines()[0] if text.strip() else "")
+    line = _TRIGGERED.sub("", line)
+    return _C10_SUFFIX.sub("", line).strip()
+
+
+def _reasons(texts: Sequence[str]) -> list[str]:
+    kept: list[str] = []
+    for text in texts:
+        line = clean_reason(text)
+        # Headers that announce the reasons without being one.
+        if not line or line.endswith("because:") or line in kept:
+            continue
+        kept.append(line)
+    return kept
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs and the call under test
+
+
+@dataclass
+class Inputs:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    grad_out: torch.Tensor | None
+
+
+def make_inputs(signature: Signature, device: torch.device, seed: int = 0) -> Inputs:
+    """Random q/k/v (and mask) with the signature's shapes, dtype, layout and grad mode."""
+    dtype = getattr(torch, signature.dtype)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    s = signature
+
+    def tensor(heads: int, length: int, dim: int) -> torch.Tensor:
+        if s.transposed:
+            raw = torch.randn(s.batch, length, heads, dim, generator=generator)
+            t = raw.to(device=device, dtype=dtype).transpose(1, 2)
+        else:
+            t = torch.randn(s.batch, heads, length, dim, generator=generator)
+            t = t.to(device=device, dtype=dtype)
+        return t.requires_grad_(s.backward)
+
+    query = tensor(s.heads, s.q_len, s.head_dim)
+    key = tensor(s.kv_heads, s.kv_len, s.head_dim)
+    value = tensor(s.kv_heads, s.kv_len, s.value_dim)
+    mask: torch.Tensor | None = None
+    if s.has_mask:
+        if s.mask_dtype == "bool":
+            mask = torch.ones(s.mask_shape, dtype=torch.bool, device=device)
+        else:
+            mask = torch.zeros(s.mask_shape, dtype=getattr(torch, s.mask_dtype), device=device)
+    grad_out = None
+    if s.backward:
+        grad_out = torch.randn(s.batch, s.heads, s.q_len, s.value_dim, generator=generator).to(
+            device=device, dtype=dtype
+        )
+    return Inputs(query, key, value, mask, grad_out)
+
+
+def _manual_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """softmax(QKᵀ·scale)V written out, as a hand-written processor computes it."""
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    if is_causal:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = (
+            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        )
+    weights = scores.softmax(dim=-1)
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
+    out: torch.Tensor = weights @ v
+    return out
+
+
+def attention_call(backend: str, inputs: Inputs, signature: Signature) -> Callable[[], None]:
+    """One forward (+ backward) of ``backend`` on ``inputs``; raises when it cannot run."""
+    s = signature
+    q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
+    gqa = s.kv_heads != s.heads
+
+    def forward() -> torch.Tensor:
+        if backend in SDPA_BACKENDS:
+            with sdpa_kernel([SDPA_BACKENDS[backend]]):
+                return F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    dropout_p=s.dropout_p,
+                    is_causal=s.is_causal,
+                    enable_gqa=gqa,
+                )
+        if backend == "manual":
+            return _manual_attention(q, k, v, mask, s.dropout_p, s.is_causal)
+        if backend == "xformers":
+            if mask is not None or s.is_causal or gqa:
+                raise RuntimeError(
+                    "not measured: this mask/causal/GQA layout is not mapped to xFormers"
+                )
+            ops: Any = importlib.import_module("xformers.ops")
+            out: torch.Tensor = ops.memory_efficient_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p=s.dropout_p
+            )
+            return out.transpose(1, 2)
+        if backend == "flash_attn":
+            if mask is not None:
+                raise RuntimeError("flash-attn takes no attention mask")
+            flash: Any = importlib.import_module("flash_attn")
+            out = flash.flash_attn_func(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                s.dropout_p,
+                causal=s.is_causal,
+            )
+            return out.transpose(1, 2)
+        raise ValueError(f"unknown attention backend {backend!r}")
+
+    def call() -> None:
+        out = forward()
+        if inputs.grad_out is not None:
+            torch.autograd.grad(out, (q, k, v), inputs.grad_out)
+
+    return call
+
+
+# --------------------------------------------------------------------------------------------
+# Can it run?
+
+
+def can_use_reasons(signature: Signature, device: torch.device) -> dict[str, list[str]]:
+    """torch's own verdict per fused SDPA backend, with ``debug=True`` reasons (GPU builds).
+
+    Empty on a CPU device or a torch built without CUDA/HIP, where these functions return False
+    for every input and say nothing.
+    """
+    if device.type != "cuda" or not (torch.version.cuda or torch.version.hip):
+        return {}
+    from torch.backends.cuda import (
+        SDPAParams,
+        can_use_cudnn_attention,
+        can_use_efficient_attention,
+        can_use_flash_attention,
+    )
+
+    inputs = make_inputs(signature, device)
+    params = SDPAParams(
+        inputs.query,
+        inputs.key,
+        inputs.value,
+        inputs.mask,
+        signature.dropout_p,
+        signature.is_causal,
+        signature.kv_heads != signature.heads,
+    )
+    verdicts: dict[str, list[str]] = {}
+    for name, check in (
+        ("flash", can_use_flash_attention),
+        ("efficient", can_use_efficient_attention),
+        ("cudnn", can_use_cudnn_attention),
+    ):
+        with warnings.catch_warnings(record=True) as caught, capture_output() as printed:
+            warnings.simplefilter("always")
+            ok = bool(check(params, True))
+        if ok:
+            verdicts[name] = []
+        else:
+            texts = [str(w.message) for w in caught] + printed.text.splitlines()
+            verdicts[name] = _reasons(texts) or ["torch.backends.cuda.can_use_*: False"]
+    return verdicts
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str) -> Iterator[None]:
+    """``name=value`` in the process environment for the block, then put back."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def try_backend(backend: str, signature: Signature, device: torch.device) -> tuple[Trial, Inputs]:
+    """One call of ``backend``; the trial says whether it ran and, if not, torch's reasons."""
+    trial = Trial(backend)
+    inputs = make_inputs(signature, device)
+    if device.type != "cuda" and backend in GPU_ONLY:
+        trial.reasons = [f"no {device.type.upper()} kernel: {backend} runs only on CUDA/ROCm GPUs"]
+        return trial, inputs
+    if backend == "xformers" or backend == "flash_attn":
+        try:
+            importlib.import_module("xformers.ops" if backend == "xformers" else "flash_attn")
+        except Exception as exc:  # ImportError or a broken build raising anything
+            trial.reasons = [f"does not import: {clean_reason(str(exc)) or type(exc).__name__}"]
+            return trial, inputs
+    call = attention_call(backend, inputs, signature)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            call()
+            trial.runs = True
+        except torch.OutOfMemoryError:
+            trial.reasons = ["out of memory at these shapes"]
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+            texts = [str(w.message) for w in caught] + [str(exc)]
+            trial.reasons = _reasons(texts)
+    if device.type == "cuda" and not trial.runs:
+        torch.cuda.empty_cache()
+    return trial, inputs
+
+
+# --------------------------------------------------------------------------------------------
+# What does it cost?
+
+
+def time_calls(
+    call: Callable[[], None],
+    sync: Callable[[], None],
+    *,
+    min_samples: int,
+    max_samples: int,
+    budget_s: float,
+) -> list[float]:
+    """Seconds per call: after one warm-up, samples of enough calls to last MIN_SAMPLE_S."""
+    sync()
+    start = time.perf_counter()
+    call()
+    sync()
+    first = time.perf_counter() - start
+    inner = max(1, min(MAX_INNER_CALLS, int(MIN_SAMPLE_S / max(first, 1e-9))))
+    samples: list[float] = []
+    began = time.perf_counter()
+    while len(samples) < max_samples and (
+        len(samples) < min_samples or time.perf_counter() - began < budget_s
+    ):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            call()
+        sync()
+        samples.append((time.perf_counter() - t0) / inner)
+    return samples
+
+
+def measured_peak_bytes(call: Callable[[], None], device: torch.device) -> int:
+    """Bytes allocated above the inputs at the peak of one call (CUDA/ROCm allocator)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    call()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def estimated_peak_bytes(signature: Signature, backend: str) -> int:
+    """Bytes one call needs above its inputs, from the shapes.
+
+    Unfused paths (math, manual) hold the B·H·Lq·Lk score matrix: scores and softmax in the
+    forward, plus the saved weights and their gradient in the backward, plus the dropout mask.
+    Fused kernels hold only the output, the row log-sum-exp (fp32) and the input gradients.
+    """
+    s = signature
+    item = int(getattr(torch, s.dtype).itemsize)
+    rows = s.batch * s.heads * s.q_len
+    out = rows * s.value_dim * item
+    grads = 0
+    if s.backward:
+        grads = (
+            rows * s.head_dim + s.batch * s.kv_heads * s.kv_len * (s.head_dim + s.value_dim)
+        ) * item
+    if backend in ("math", "manual"):
+        matrices = 2 + (1 if s.backward else 0) + (1 if s.dropout_p else 0)
+        return int(out + grads + matrices * rows * s.kv_len * item)
+    return int(out + grads + rows * 4)
+
+
+@dataclass
+class SignatureTrials:
+    """All backends at one signature, and the reasons torch's can_use_* checks gave."""
+
+    signature: Signature
+    trials: list[Trial] = field(default_factory=list)
+    can_use: dict[str, list[str]] = field(default_factory=dict)
+
+    def trial(self, backend: str) -> Trial | None:
+        return next((t for t in self.trials if t.backend == backend), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "signature": self.signature.label(),
+            "trials": [t.to_dict() for t in self.trials],
+            "can_use": {k: list(v) for k, v in self.can_use.items()},
+        }
+
+
+def benchmark_signature(
+    signature: Signature,
+    device: torch.device,
+    sync: Callable[[], None],
+    backends: Sequence[str],
+    *,
+    min_samples: int = 3,
+    max_samples: int = 15,
+    budget_s: float = 0.2,
+    rocm_experimental: bool = False,
+) -> SignatureTrials:
+    """Try and time every backend in ``backends`` at ``signature``.
+
+    ``rocm_experimental``: run the fused SDPA trials with ROCM_EXPERIMENTAL_ENV=1 (a ROCm GPU
+    that needs it and runs without); the trial's note says so.
+    """
+    result = SignatureTrials(signature)
+    result.can_use = can_use_reasons(signature, device)
+    for backend in backends:
+        experimental = rocm_experimental and backend in ("flash", "efficient")
+        env = env_set(ROCM_EXPERIMENTAL_ENV, "1") if experimental else contextlib.nullcontext()
+        with env:
+            trial, inputs = try_backend(backend, signature, device)
+            if experimental:
+                trial.note = f"with {ROCM_EXPERIMENTAL_ENV}=1 set for this measurement only"
+            if trial.runs:
+                call = attention_call(backend, inputs, signature)
+                try:
+                    trial.samples = time_calls(
+                        call,
+                        sync,
+                        min_samples=min_samples,
+                        max_samples=max_samples,
+                        budget_s=budget_s,
+                    )
+                    if device.type == "cuda":
+                        trial.peak_bytes = measured_peak_bytes(call, device)
+                        trial.memory_basis = "measured"
+                    else:
+                        trial.peak_bytes = estimated_peak_bytes(signature, backend)
+                        trial.memory_basis = "estimated"
+                except torch.OutOfMemoryError:
+                    trial.runs = False
+                    trial.samples = []
+                    trial.reasons = ["out of memory while timing at these shapes"]
+        del inputs
+        result.trials.append(trial)
+    return result
+
+
+__all__ = [
+    "GPU_ONLY",
+    "SDPA_BACKENDS",
+    "Inputs",
+    "SignatureTrials",
+    "Trial",
+    "attention_call",
+    "benchmark_signature",
+    "can_use_reasons",
+    "clean_reason",
+    "env_set",
+    "estimated_peak_bytes",
+    "make_inputs",
+    "measured_peak_bytes",
+    "time_calls",
+    "try_backend",
+]

@@ -1,0 +1,580 @@
+"""The attention probe and the shared attention classification (probe and trace rule).
+
+Real tiny SD1.5 LoRA workloads on the CPU, real diffusers attention processors, real profiler
+traces. Timings are never asserted on beyond planted effects (math vs the CPU's fused kernel in
+fp32 is about 2x per call), since several processes may share the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from diagnose import attention_paths as ap
+from diagnose.config import RunConfig
+from diagnose.probes.attention import (
+    AttentionProbe,
+    Judged,
+    PackageStatus,
+    PathGroup,
+    Saving,
+    group_saving,
+    math_rule,
+    slower_backend_rule,
+    torch_requirement,
+    xformers_rule,
+)
+from diagnose.probes.attention_bench import (
+    SignatureTrials,
+    Trial,
+    benchmark_signature,
+    clean_reason,
+    estimated_peak_bytes,
+    try_backend,
+)
+from diagnose.probes.attention_capture import (
+    AttentionRecorder,
+    Signature,
+    attribute,
+    events_from_profiler,
+)
+from diagnose.probes.base import ProbeContext, run_probe
+from diagnose.record import DeviceInfo, ProbeResult, new_record
+from diagnose.trace import analyze_trace
+from diagnose.trace.kernels import classify_kernel
+from diagnose.workload import build_workload
+from diagnose.workload.data import generate_images
+from diagnose.workload.step import Workload
+
+CPU = torch.device("cpu")
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def _fast_probe() -> AttentionProbe:
+    """Few samples: these tests check what the probe reports, not precise timings."""
+    return AttentionProbe(min_samples=5, max_samples=7, trial_budget_s=0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny workloads
+
+
+def _workload(folder: Path, attention: str) -> Workload:
+    config = RunConfig(
+        preset="sd15",
+        size="tiny",
+        resolution=[64],
+        data_dir=str(folder),
+        precision="fp32",  # fp32: the CPU's fused kernel beats math clearly (bf16 may not)
+        attention=attention,  # type: ignore[arg-type]
+        steps=1,
+        warmup=0,
+    )
+    return build_workload(config, CPU)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("images")
+    generate_images(folder, count=2, seed=1, size=(96, 80))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def default_workload(images: Path) -> Iterator[Workload]:
+    workload = _workload(images, "auto")
+    try:
+        yield workload
+    finally:
+        workload.close()
+
+
+def _run(workload: Workload, probe: AttentionProbe | None = None) -> ProbeResult:
+    ctx = ProbeContext(
+        config=workload.config,
+        device=CPU,
+        device_info=DeviceInfo(kind="cpu", arch="x86_64"),
+        record=new_record("run"),
+        workload=workload,
+    )
+    result: ProbeResult = run_probe(probe or _fast_probe(), ctx)
+    assert result.status == "ok", result.traceback
+    return result
+
+
+def _ids(result: ProbeResult) -> set[str]:
+    return {f.id for f in result.findings}
+
+
+class HandWrittenProcessor:
+    """A custom diffusers processor that computes softmax(QKᵀ)V itself, as old code did."""
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        batch = hidden_states.shape[0]
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+        heads = attn.heads
+        q, k, v = (
+            t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v)
+        )
+        attended = self.attend(q, k, v, attn.scale)
+        out = attended.transpose(1, 2).reshape(batch, -1, heads * q.shape[-1])
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out / attn.rescale_output_factor  # type: ignore[no-any-return]
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        weights = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1)
+        return weights @ v
+
+
+class DropoutSdpaProcessor(HandWrittenProcessor):
+    """SDPA with attention dropout: on the CPU no fused kernel takes it, so math runs."""
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, scale=scale)
+
+
+def _with_processor(workload: Workload, processor: Any) -> ProbeResult:
+    denoiser: Any = workload.denoiser
+    original = dict(denoiser.attn_processors)
+    lora = [p.detach().clone() for p in workload.lora_parameters()]
+    denoiser.set_attn_processor(processor)
+    try:
+        return _run(workload)
+    finally:
+        denoiser.set_attn_processor(original)
+        # The probe's extra step leaves the LoRA weights alone.
+        assert all(torch.equal(a, b) for a, b in zip(lora, workload.lora_parameters(), strict=True))
+
+
+# --------------------------------------------------------------------------------------------
+# The probe on real steps: planted faults fire, the clean twin stays quiet
+
+
+@pytest.mark.slow
+def test_default_step_ran_fused_kernels(default_workload: Workload) -> None:
+    denoiser: Any = default_workload.denoiser
+    processors_before = dict(denoiser.attn_processors)
+    result = _run(default_workload)
+    assert not _ids(result) & {ap.MATH_ID, ap.MANUAL_ID}
+    step = result.data["step"]
+    # 20 UNet attention calls (10 blocks x self + cross), 2 CLIP layers, 1 VAE mid-block.
+    assert step["calls_per_step"] == 23
+    assert step["calls_by_path"] == {"flash": 23}
+    rows = result.data["modules"]
+    unet = [r for r in rows if r["module"].startswith("denoiser.")]
+    assert unet and all(r["processor"] == "AttnProcessor2_0" for r in unet)
+    assert all(r["ops"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"] for r in rows)
+    # Training calls have a backward, the VAE and text encoder (no_grad) do not.
+    assert all(r["backward_ms"] > 0 for r in unet)
+    assert all(r["backward_ms"] == 0 for r in rows if not r["module"].startswith("denoiser."))
+    assert any(line.startswith("attention: all 23 of 23 calls") for line in result.checked_ok)
+    # Every signature was tried on every backend; GPU-only kernels are reported, not tried.
+    for sig in result.data["signatures"]:
+        trials = {t["backend"]: t for t in sig["trials"]}
+        assert trials["flash"]["runs"] and trials["math"]["runs"]
+        assert not trials["efficient"]["runs"] and "GPU" in trials["efficient"]["reasons"][0]
+        assert trials["math"]["memory_basis"] == "estimated"
+        assert trials["math"]["peak_bytes"] > trials["flash"]["peak_bytes"]
+    # Unavailable optional packages are information, never an error.
+    assert ap.XFORMERS_ID not in _ids(result)
+    assert result.data["environment"]["packages"]["xformers"]["installed"] is False
+    assert any("xformers: not installed" in line for line in result.checked_ok)
+    assert dict(denoiser.attn_processors) == processors_before
+    json.dumps(result.data, allow_nan=False)  # the record stores it
+
+
+@pytest.mark.slow
+def test_forced_math_is_a_measured_fallback(images: Path) -> None:
+    workload = _workload(images, "math")
+    try:
+        result = _run(workload)
+    finally:
+        workload.close()
+    finding = next(f for f in result.findings if f.id == ap.MATH_ID)
+    assert finding.evidence["calls_per_step"] == 20  # the UNet's; encoders ran outside the step's
+    assert finding.saving_basis == "measured"
+    assert finding.est_seconds_saved_per_it is not None and finding.est_seconds_saved_per_it > 0
+    assert "SDPA flash" in finding.title
+    why = " ".join(finding.evidence["why"])
+    assert "switched off at the call" in why and "--attention math" in why
+    assert "sdpa_kernel(SDPBackend.MATH)" in finding.fix and "--sdpa" in finding.fix
+    assert "microbenchmarked per call" in finding.detail
+    groups = finding.evidence["groups"]
+    assert all(
+        g["ops"] == {"aten::_scaled_dot_product_attention_math": g["calls_per_step"]}
+        for g in groups
+    )
+
+
+@pytest.mark.slow
+def test_hand_written_processor_is_unfused_manual(default_workload: Workload) -> None:
+    result = _with_processor(default_workload, HandWrittenProcessor())
+    assert ap.MATH_ID not in _ids(result)
+    finding = next(f for f in result.findings if f.id == ap.MANUAL_ID)
+    assert finding.evidence["calls_per_step"] == 20
+    assert finding.evidence["processors"] == {"HandWrittenProcessor": 20}
+    assert "HandWrittenProcessor" in finding.title
+    assert finding.evidence["modules"].startswith("denoiser.")
+    assert "and 16 more" in finding.evidence["modules"]  # 4 named, 20 modules in all
+    assert "AttnProcessor2_0" in finding.fix
+    assert finding.saving_basis == "measured"
+    manual = [r for r in result.data["modules"] if r["entry"] == "manual"]
+    assert len(manual) == 20 and all(r["backward_ms"] > 0 for r in manual)
+    assert any(
+        t["backend"] == "manual" and t["runs"]
+        for s in result.data["signatures"]
+        for t in s["trials"]
+    )
+
+
+@pytest.mark.slow
+def test_dropout_forces_math_with_the_reason(default_workload: Workload) -> None:
+    result = _with_processor(default_workload, DropoutSdpaProcessor())
+    finding = next(f for f in result.findings if f.id == ap.MATH_ID)
+    assert finding.evidence["calls_per_step"] == 20
+    why = " ".join(finding.evidence["why"])
+    assert "dropout_p=0.1" in why
+    assert "do not support non-zero dropout" in why  # torch's own words, captured
+    assert "attention dropout to 0" in finding.fix
+    # The fused kernel's time is measured at dropout 0: what the fix buys.
+    notes = [t["note"] for s in result.data["signatures"] for t in s["trials"] if t["note"]]
+    assert any("dropout_p=0" in n for n in notes)
+
+
+# --------------------------------------------------------------------------------------------
+# Capture: the recorder and the profiler attribution on a toy module
+
+
+class ToyAttention(torch.nn.Module):
+    """Named like an attention module, so the recorder hooks it."""
+
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.manual = manual
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        if self.manual:
+            out: torch.Tensor = torch.softmax(q @ k.transpose(-1, -2) * 8**-0.5, dim=-1) @ v
+            return out
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def _record(model: torch.nn.Module, backend: SDPBackend | None = None) -> list[Any]:
+    x = torch.randn(2, 16, 32)
+    recorder = AttentionRecorder({"toy": model})
+    forced: Any = sdpa_kernel(backend) if backend is not None else torch.enable_grad()
+    with torch.profiler.profile(record_shapes=True) as prof, recorder, forced:
+        model(x).sum().backward()
+    calls: list[Any] = attribute(
+        recorder.calls,
+        events_from_profiler(prof),
+        op_owner=recorder.op_owner,
+        module_spans=recorder.module_spans,
+        on_device=False,
+    )
+    return calls
+
+
+def test_recorder_sees_path_shapes_switches_and_backward() -> None:
+    (fused,) = _record(ToyAttention())
+    assert (fused.module, fused.processor, fused.entry) == ("toy", "ToyAttention", "sdpa")
+    assert fused.path == ap.FLASH and fused.provider == "torch SDPA (CPU)"
+    sig = fused.signature
+    assert sig is not None and (sig.batch, sig.heads, sig.q_len, sig.head_dim) == (2, 4, 16, 8)
+    assert sig.backward and sig.dtype == "float32"
+    assert fused.switches["flash_sdp_enabled"] is True
+    assert fused.forward_seconds > 0 and fused.backward_seconds > 0
+
+    (forced,) = _record(ToyAttention(), SDPBackend.MATH)
+    assert forced.path == ap.MATH and forced.switches["flash_sdp_enabled"] is False
+    assert forced.ops == ["aten::_scaled_dot_product_attention_math"]
+    assert forced.backward_seconds > 0  # the math path's bmm/softmax backward nodes
+
+    (manual,) = _record(ToyAttention(manual=True))
+    assert manual.entry == "manual" and manual.path == ap.MANUAL
+    msig = manual.signature
+    assert msig is not None and (msig.batch, msig.heads, msig.q_len, msig.kv_len) == (2, 4, 16, 16)
+    assert manual.forward_seconds > 0 and manual.backward_seconds > 0
+
+
+class Checkpointed(torch.nn.Module):
+    """Gradient checkpointing: the attention's forward runs again inside the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ToyAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+        return out
+
+
+def test_checkpoint_recomputation_is_told_apart() -> None:
+    first, again = _record(Checkpointed())
+    assert not first.recomputed and again.recomputed
+    # The recomputation runs inside the backward, where the mode does not see Python calls:
+    # the profiler finds it, with its shapes, as an extra forward of the same module.
+    assert again.entry == "op" and again.module == "toy.inner" and again.path == ap.FLASH
+    assert again.signature is not None and not again.signature.backward
+    assert (again.signature.batch, again.signature.heads, again.signature.q_len) == (2, 4, 16)
+    # Autograd numbers the recomputed nodes as the first forward's: one forward+backward plus
+    # one extra forward per step, which is what checkpointing costs.
+    assert first.backward_nodes > 0 and first.signature is not None and first.signature.backward
+
+
+def test_autocast_dtype_comes_from_the_kernel() -> None:
+    model = ToyAttention()
+    x = torch.randn(2, 16, 32)
+    recorder = AttentionRecorder({"toy": model})
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.profiler.profile(record_shapes=True) as prof, recorder, autocast, torch.no_grad():
+        model(x)
+    (call,) = attribute(
+        recorder.calls,
+        events_from_profiler(prof),
+        op_owner=recorder.op_owner,
+        module_spans=recorder.module_spans,
+        on_device=False,
+    )
+    assert call.signature is not None and call.signature.dtype == "bfloat16"
+    assert not call.signature.backward and call.backward_seconds == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Why and what it costs
+
+
+SIG = Signature(
+    batch=1,
+    heads=2,
+    kv_heads=2,
+    q_len=64,
+    kv_len=64,
+    head_dim=32,
+    value_dim=32,
+    dtype="float32",
+    backward=True,
+)
+
+
+def test_cpu_reasons_are_torchs_own_words() -> None:
+    dropout = Signature(**{**SIG.__dict__, "dropout_p": 0.1})
+    trial, _ = try_backend("flash", dropout, CPU)
+    assert not trial.runs
+    assert "Both fused kernels do not support non-zero dropout." in trial.reasons
+    assert not any(r.endswith("because:") or "Triggered internally" in r for r in trial.reasons)
+    trial, _ = try_backend("efficient", SIG, CPU)
+    assert not trial.runs and "only on CUDA/ROCm" in trial.reasons[0]
+    assert (
+        clean_reason(
+            "[W1129 15:10:18.123 sdp_utils.cpp:99] Warning: Flash attention requires q,k,v to have "
+            "the same last dimension. (function operator())"
+        )
+        == "Flash attention requires q,k,v to have the same last dimension."
+    )
+
+
+def test_benchmark_measures_math_slower_than_fused_in_fp32() -> None:
+    trials = benchmark_signature(
+        SIG,
+        CPU,
+        lambda: None,
+        ["flash", "math", "manual"],
+        min_samples=5,
+        max_samples=9,
+        budget_s=0.0,
+    )
+    flash, math_, manual = (trials.trial(b) for b in ("flash", "math", "manual"))
+    assert flash and math_ and manual and flash.runs and math_.runs and manual.runs
+    assert all(t.stats.n >= 5 for t in (flash, math_, manual))
+    assert estimated_peak_bytes(SIG, "math") > estimated_peak_bytes(SIG, "flash")
+    assert math.isfinite(flash.stats.median) and flash.memory_basis == "estimated"
+
+
+def _trial(backend: str, ms: float, spread: float = 0.01) -> Trial:
+    values = [ms * (1 + spread * i) / 1e3 for i in (-2, -1, 0, 1, 2)]
+    return Trial(backend, runs=True, samples=values)
+
+
+def _judged(path: str, provider: str, trials: list[Trial], calls: int = 10) -> Judged:
+    group = PathGroup(SIG, path, provider, calls=calls)
+    group.modules["denoiser.attn1"] = calls
+    group.processors["AttnProcessor2_0"] = calls
+    st = SignatureTrials(SIG, trials)
+    return Judged(group, st, group_saving(group, st))
+
+
+def test_slower_backend_needs_a_clear_and_worthwhile_gain() -> None:
+    clear = _judged(ap.FLASH, "torch SDPA", [_trial("flash", 2.0), _trial("cudnn", 1.0)])
+    assert isinstance(clear.saving, Saving) and clear.saving.clearly
+    finding = slower_backend_rule([clear], s_per_it=0.5)
+    assert finding is not None and finding.id == ap.SLOWER_ID
+    assert finding.est_seconds_saved_per_it == pytest.approx(0.010)
+    assert "_native_cudnn" in finding.fix and finding.saving_basis == "measured"
+    # Within the noise: no finding.
+    noisy = _judged(ap.FLASH, "torch SDPA", [_trial("flash", 2.0, 0.3), _trial("cudnn", 1.8, 0.3)])
+    assert slower_backend_rule([noisy], s_per_it=0.5) is None
+    # Clear but a negligible share of s/it: no finding either.
+    assert slower_backend_rule([clear], s_per_it=100.0) is None
+
+
+def test_math_rule_without_a_runnable_fused_backend_says_so() -> None:
+    judged = _judged(ap.MATH, "torch SDPA", [Trial("flash", reasons=["nope"]), _trial("math", 3)])
+    judged.why = ["gfx1100 needs TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1"]
+    rocm = {"arch": "gfx1100", "needs_experimental": True, "experimental_enabled": False}
+    finding = math_rule(
+        [judged], device_kind="rocm", arch="gfx1100", rocm=rocm, s_per_it=1.0, total_calls=10
+    )
+    assert finding is not None and finding.severity == "warn"
+    assert finding.est_seconds_saved_per_it is None and finding.saving_basis == "none"
+    assert finding.fix.startswith(
+        "Start the trainer with TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1"
+    )
+    assert "not measured" in finding.detail
+
+
+def test_rocm_architecture_rule() -> None:
+    assert ap.rocm_needs_experimental("gfx1100") and ap.rocm_needs_experimental("gfx1201")
+    assert ap.rocm_needs_experimental("gfx1151")
+    assert not ap.rocm_needs_experimental("gfx90a") and not ap.rocm_needs_experimental("gfx942")
+    assert ap.env_enabled("1") and ap.env_enabled("on") and not ap.env_enabled("0")
+    env = ap.ROCM_EXPERIMENTAL_ENV
+    assert env in ap.math_fix("rocm", "gfx1100") and env not in ap.math_fix("rocm", "gfx942")
+    assert "RDNA3/RDNA4 GPUs" in ap.math_fix("rocm", "")  # a trace that does not name the GPU
+    cpu = ap.math_fix("cpu", "x86_64", forced=True)
+    assert env not in cpu and "enable_flash_sdp(False) also turns off" in cpu
+    dropout_only = ap.math_fix("cpu", dropout=True)
+    assert "dropout to 0" in dropout_only and "--sdpa" not in dropout_only
+
+
+def test_xformers_reported_only_when_it_matters() -> None:
+    absent = PackageStatus("xformers")
+    assert xformers_rule(absent, config_attention="auto") is None
+    assert "not installed" in absent.summary()
+    broken = PackageStatus(
+        "xformers",
+        installed=True,
+        version="0.0.28",
+        imports=False,
+        error="xFormers can't load C++/CUDA extensions. xFormers was built for PyTorch 2.5.1",
+    )
+    finding = xformers_rule(broken, config_attention="auto")
+    assert finding is not None and finding.severity == "info" and finding.id == ap.XFORMERS_ID
+    assert "built for PyTorch 2.5.1" in finding.title and "pip install" in finding.fix
+    mismatched = PackageStatus(
+        "xformers",
+        installed=True,
+        version="0.0.28",
+        imports=True,
+        torch_requirement="torch==2.5.1",
+        matches_torch=False,
+    )
+    assert xformers_rule(mismatched, config_attention="auto") is not None
+    assert torch_requirement(["numpy", "torch==2.5.1"]) == ("torch==2.5.1", False)
+    assert torch_requirement(["torch>=2.0"]) == ("torch>=2.0", None)
+    assert torch_requirement([f"torch=={torch.__version__}"])[1] is True
+    assert torch_requirement(["torchvision==0.1"]) == ("", None)
+
+
+# --------------------------------------------------------------------------------------------
+# The shared classification, and the trace rule that uses it
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "provider"),
+    [
+        ("aten::_scaled_dot_product_attention_math", ap.MATH, "torch SDPA"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", ap.FLASH, "torch SDPA (CPU)"),
+        ("aten::_scaled_dot_product_flash_attention", ap.FLASH, "torch SDPA"),
+        ("aten::_scaled_dot_product_efficient_attention", ap.EFFICIENT, "torch SDPA"),
+        ("aten::_scaled_dot_product_cudnn_attention", ap.CUDNN, "torch SDPA"),
+        ("xformers::efficient_attention_forward_cutlass", ap.EFFICIENT, "xFormers"),
+        ("xformers_flash::flash_fwd", ap.FLASH, "xFormers"),
+        ("flash_attn::_flash_attn_forward", ap.FLASH, "flash-attn"),
+    ],
+)
+def test_attention_ops(name: str, path: str, provider: str) -> None:
+    kind = ap.classify_op(name)
+    assert kind is not None and (kind.path, kind.provider) == (path, provider)
+
+
+def test_non_attention_ops() -> None:
+    for name in ("aten::scaled_dot_product_attention", "aten::bmm", "aten::softmax", "aten::mm"):
+        assert ap.classify_op(name) is None
+
+
+@pytest.mark.parametrize(
+    ("kernel", "label"),
+    [
+        (
+            "void pytorch_flash::flash_fwd_kernel<pytorch_flash::Flash_fwd_kernel_traits<64>>()",
+            "FlashAttention (torch SDPA)",
+        ),
+        ("attn_fwd", "AOTriton"),
+        ("bwd_kernel_dk_dv", "AOTriton"),
+        ("ck_tile::FmhaFwdKernel<ck_tile::BlockFmhaPipelineQRKSVSAsync>", "Composable Kernel fmha"),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "CUTLASS fmha (memory-efficient)"),
+        (
+            "void attention_kernel_batched_impl<AttentionKernel<cutlass::bfloat16_t>>()",
+            "CUTLASS fmha (memory-efficient)",
+        ),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "cuDNN SDPA"),
+        ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>()", "FlashAttention"),
+    ],
+)
+def test_kernel_families_agree_with_the_kernel_classes(kernel: str, label: str) -> None:
+    family = ap.kernel_family(kernel)
+    assert family is not None and family.label == label
+    assert classify_kernel(kernel) == "attention_fused"
+
+
+def test_kernels_that_are_no_fused_attention() -> None:
+    for kernel in (
+        "void (anonymous namespace)::softmax_warp_forward<c10::BFloat16, float, 7, false>()",
+        "Cijk_Ailk_Bljk_BBS_BH_MT128x128x32_MI32x32x8x1_SN_GRVW8",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas",
+    ):
+        assert ap.kernel_family(kernel) is None
+
+
+def test_trace_rule_finds_math_in_the_cpu_fixture() -> None:
+    a = analyze_trace(FIXTURES / "traces" / "cpu_train_loop_math_attention.json.gz")
+    finding = next(f for f in a.findings if f.id == ap.MATH_ID)
+    assert any("_scaled_dot_product_attention_math" in op for op in finding.evidence["ops"])
+    assert "--sdpa" in finding.fix
+    clean = analyze_trace(FIXTURES / "traces" / "cpu_train_loop.json.gz")
+    assert not {f.id for f in clean.findings} & {ap.MATH_ID, ap.MANUAL_ID}
+
+
+def test_trace_rule_recognises_fused_gpu_kernels(shared_traces: Path) -> None:
+    for name, family in (
+        ("cuda/h100_bert_small_infer.json.gz", "FlashAttention (torch SDPA)"),
+        ("rocm/mi300x_bert_small_infer.json.gz", "AOTriton"),
+    ):
+        a = analyze_trace(shared_traces / name)
+        assert not {f.id for f in a.findings} & {ap.MATH_ID, ap.MANUAL_ID}
+        (path,) = a.rule_data["attention"]["paths"]
+        assert path["path"] == ap.FLASH and path["calls_per_step"] == 4
+        assert path["kernel_families"] == [family]
