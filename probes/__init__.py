@@ -6,8 +6,8 @@ NAME`` turns one off. The contract (Probe, ProbeContext, the isolating runner) i
 
 from __future__ import annotations
 
-from diagnose.probes.base import Probe, ProbeContext, ProbeSkipped, run_probe, run_probes
 from diagnose.probes.attention import AttentionProbe
+from diagnose.probes.base import Probe, ProbeContext, ProbeSkipped, run_probe, run_probes
 from diagnose.probes.dataloader import DataLoaderProbe
 from diagnose.probes.environment import EnvironmentProbe
 from diagnose.probes.optimizer import OptimizerProbe
