@@ -86,6 +86,10 @@ _NEUTRAL_LAST_WORDS: frozenset[str] = frozenset(
 #: ``GDMSESSION=ubuntu`` literally would turn the distribution name into "***".
 _HARMLESS_NAMES: frozenset[str] = frozenset(
     {
+        # A bare "key" names a dict key or a variant ("key": "cached_latents" in probe data), not
+        # a credential; API_KEY, SECRET_KEY, ... still count.
+        "KEY",
+        "KEYS",
         "DESKTOP_SESSION",
         "GDMSESSION",
         "XDG_SESSION_DESKTOP",

@@ -573,6 +573,28 @@ def test_judge_planted_wait_fires_with_the_measured_best_fix() -> None:
     assert "2 workers (persistent): no clear gain." in finding.detail
 
 
+def test_judge_never_saves_more_than_the_run_lost_to_its_input_phases() -> None:
+    """A busy machine slows the probe's own A/B steps; the saving stays bounded by what the
+    data wait and encode cost in the run's timed steps."""
+    rows = [
+        _row("configured", [4.0, 4.2, 3.9, 4.1], inputs=3.0),
+        _row("cached_latents", [0.40, 0.42, 0.41, 0.43]),
+    ]
+    verdict = judge(
+        _wait(0.30, 0.1),
+        rows,
+        has_device=False,
+        loader=LOADER,
+        cores=2,
+        facts={},
+        frames=None,
+        run_input_seconds=0.05,
+    )
+    assert verdict.savings["cached_latents"] is None or verdict.savings["cached_latents"] <= 0.05
+    for finding in verdict.findings:
+        assert (finding.est_seconds_saved_per_it or 0.0) <= 0.1  # never above the run's s/it
+
+
 def test_judge_gpu_workers_fix_names_the_trainer_flags() -> None:
     rows = [
         _row("configured", [2.0, 2.1, 1.9, 2.05], inputs=1.0),

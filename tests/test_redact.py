@@ -50,6 +50,8 @@ def test_secret_names(name: str) -> None:
     "name",
     [
         "KEYBOARD_LAYOUT",
+        "key",  # a probe's "key": "cached_latents" in its A/B table
+        "keys",
         "TOKENIZERS_PARALLELISM",
         "MAX_TOKEN_LENGTH",
         "max_token_length",  # sd-scripts' --max_token_length 225
