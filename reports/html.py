@@ -15,6 +15,7 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
+from diagnose.compare import Comparison
 from diagnose.record import RunRecord
 
 from .view import KV, build_view
@@ -41,23 +42,47 @@ def _trusted_svg(svg: str) -> Markup:
 
 
 def _is_leaf(row: KV) -> bool:
-    return not row.children
+    return not row.children and not row.columns
 
 
-def render_html(record: RunRecord, *, baseline: RunRecord | None = None) -> str:
+def render_html(
+    record: RunRecord,
+    *,
+    baseline: RunRecord | None = None,
+    comparison: Comparison | None = None,
+) -> str:
     """The report page for ``record`` as a string.
 
-    ``baseline`` is reserved for comparing against an earlier record (the CI gate); it is not shown
-    yet.
+    With ``comparison`` (the gate's, so the page shows the gate's own options and verdict) or
+    ``baseline`` (compared here with the default options), the page opens with the comparison.
+    A baseline that cannot be compared (another device or config) is said so on the page.
     """
-    del baseline  # accepted now so callers need not change when comparison lands
-    view = build_view(record)
+    from .compare import build_compare_view, refused_view
+
+    compare_view = None
+    if comparison is not None:
+        compare_view = build_compare_view(comparison)
+    elif baseline is not None:
+        from diagnose.compare import compare_records
+        from diagnose.errors import DiagnoseError
+
+        try:
+            compare_view = build_compare_view(compare_records(baseline, record))
+        except DiagnoseError as exc:
+            compare_view = refused_view(exc.message)
+    view = build_view(record, comparison=compare_view)
     return _environment().get_template("report.html").render(view=view)
 
 
-def write_html(record: RunRecord, path: Path) -> None:
-    """Render ``record`` and write the page to ``path`` (UTF-8)."""
-    path.write_text(render_html(record), encoding="utf-8")
+def write_html(
+    record: RunRecord,
+    path: Path,
+    *,
+    baseline: RunRecord | None = None,
+    comparison: Comparison | None = None,
+) -> None:
+    """Render ``record`` (with the comparison, if given) and write the page to ``path`` (UTF-8)."""
+    path.write_text(render_html(record, baseline=baseline, comparison=comparison), encoding="utf-8")
 
 
 __all__ = ["render_html", "write_html"]

@@ -26,6 +26,7 @@ from diagnose.record import (
 )
 
 from .charts import Segment, StepPoint, breakdown_bar_svg, phase_color, step_times_svg
+from .compare import CompareView
 from .format import (
     NOT_MEASURED,
     format_bytes,
@@ -87,6 +88,10 @@ class KV:
     key: str
     text: str = ""
     children: tuple[KV, ...] = ()
+    #: A list of flat records (e.g. per-step rows, an A/B table) shown as one table:
+    #: ``columns`` are the keys in first-seen order, ``cells`` one formatted row per record.
+    columns: tuple[str, ...] = ()
+    cells: tuple[tuple[str, ...], ...] = ()
 
 
 def kv_rows(value: Any, *, depth: int = 0) -> tuple[KV, ...]:
@@ -102,6 +107,40 @@ def kv_rows(value: Any, *, depth: int = 0) -> tuple[KV, ...]:
     return tuple(_kv_row(key, item, depth) for key, item in items)
 
 
+def _is_record_list(value: Sequence[Any]) -> bool:
+    """A list of mappings whose values are all scalars or short scalar lists: a table."""
+    return all(isinstance(item, Mapping) for item in value) and all(
+        not isinstance(v, Mapping)
+        and not (
+            isinstance(v, (list, tuple)) and any(isinstance(x, (Mapping, list, tuple)) for x in v)
+        )
+        for item in value
+        for v in item.values()
+    )
+
+
+def _records_row(key: str, records: Sequence[Mapping[str, Any]]) -> KV:
+    columns: dict[str, None] = {}
+    for record in records:
+        columns.update((str(k), None) for k in record)
+    shown = records[:_MAX_LIST_ITEMS]
+
+    def cell(record: Mapping[str, Any], column: str) -> str:
+        if column not in record:
+            return ""
+        value = record[column]
+        if isinstance(value, (list, tuple)):
+            return ", ".join(format_value(v) for v in value)
+        return format_value(value)
+
+    cells = tuple(tuple(cell(r, c) for c in columns) for r in shown)
+    if len(records) > _MAX_LIST_ITEMS:
+        cells += (
+            (f"… {len(records) - _MAX_LIST_ITEMS} more not shown",) + ("",) * (len(columns) - 1),
+        )
+    return KV(key=key, columns=tuple(columns), cells=cells)
+
+
 def _kv_row(key: str, value: Any, depth: int) -> KV:
     if isinstance(value, (Mapping, list, tuple)):
         if not value:
@@ -115,6 +154,8 @@ def _kv_row(key: str, value: Any, depth: int) -> KV:
             return KV(key=key, text=", ".join(shown))
         if depth >= _MAX_KV_DEPTH:
             return KV(key=key, text=format_value(value))
+        if isinstance(value, (list, tuple)) and _is_record_list(value):
+            return _records_row(key, value)
         return KV(key=key, children=kv_rows(value, depth=depth + 1))
     return KV(key=key, text=format_value(value))
 
@@ -676,10 +717,12 @@ class ReportView:
     created: str
     #: Problems met while rendering (a chart that could not be drawn); shown in the notes.
     render_notes: tuple[str, ...] = field(default=())
+    #: The comparison with a baseline record (the CI gate), when one was given.
+    comparison: CompareView | None = None
 
 
-def build_view(record: RunRecord) -> ReportView:
-    """Everything the report shows, derived from ``record`` alone."""
+def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> ReportView:
+    """Everything the report shows, derived from ``record`` (and a comparison, if given)."""
     problems: list[str] = []
     headline = build_headline(record)
     stats = record.timing.headline
@@ -708,6 +751,7 @@ def build_view(record: RunRecord) -> ReportView:
         schema_version=record.schema_version,
         created=record.created,
         render_notes=tuple(problems),
+        comparison=comparison,
     )
     return view
 

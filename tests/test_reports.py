@@ -59,8 +59,13 @@ def full_record() -> RunRecord:
         created="2025-01-01T00:00:00+00:00",
         mode="run",
         device=DeviceInfo(
-            kind="rocm", vendor="AMD", name="AMD Radeon RX 7900 XTX", arch="gfx1100",
-            memory_bytes=24 * 2**30, runtime="HIP 6.4", torch_device="cuda:0",
+            kind="rocm",
+            vendor="AMD",
+            name="AMD Radeon RX 7900 XTX",
+            arch="gfx1100",
+            memory_bytes=24 * 2**30,
+            runtime="HIP 6.4",
+            torch_device="cuda:0",
             extra={"multiprocessors": 96},
         ),
         inventory={
@@ -69,13 +74,21 @@ def full_record() -> RunRecord:
             "sdpa_backends": ["flash", "math"],
         },
         config={
-            "preset": "sdxl", "precision": "bf16-mixed", "optimizer": "adamw8bit",
-            "resolution": [1024], "batch": 1, "rank": 32,
+            "preset": "sdxl",
+            "precision": "bf16-mixed",
+            "optimizer": "adamw8bit",
+            "resolution": [1024],
+            "batch": 1,
+            "rank": 32,
         },
         model=ModelInfo(
-            preset="sdxl", size="full", class_name="UNet2DConditionModel",
-            source="config (random weights)", parameters=2_567_000_000,
-            trainable_parameters=23_000_000, lora_modules=280,
+            preset="sdxl",
+            size="full",
+            class_name="UNet2DConditionModel",
+            source="config (random weights)",
+            parameters=2_567_000_000,
+            trainable_parameters=23_000_000,
+            lora_modules=280,
         ),
         timing=_timing(
             [1.80, 1.82, 1.84, 1.81, 1.82, 1.84, 1.80, 1.85, 1.82, 1.84],
@@ -83,45 +96,77 @@ def full_record() -> RunRecord:
             warmup=[25.0, 2.4],
         ),
         breakdown=Breakdown(
-            seconds={"data_wait": 0.42, "forward": 0.38, "backward": 0.71, "optimizer": 0.21,
-                     "sync": 0.05, "idle": 0.07},
+            seconds={
+                "data_wait": 0.42,
+                "forward": 0.38,
+                "backward": 0.71,
+                "optimizer": 0.21,
+                "sync": 0.05,
+                "idle": 0.07,
+            },
             basis="measured",
         ),
         findings=[
             Finding(
-                id="env.governor", category="environment", severity="info",
-                title="CPU governor is powersave", fix="cpupower frequency-set -g performance",
+                id="env.governor",
+                category="environment",
+                severity="info",
+                title="CPU governor is powersave",
+                fix="cpupower frequency-set -g performance",
             ),
             Finding(
-                id="dataloader.starved", category="dataloader", severity="warn",
-                title="The device waits for data", est_seconds_saved_per_it=0.38,
-                saving_basis="estimated", fix="--workers 4", evidence={"workers": 0},
+                id="dataloader.starved",
+                category="dataloader",
+                severity="warn",
+                title="The device waits for data",
+                est_seconds_saved_per_it=0.38,
+                saving_basis="estimated",
+                fix="--workers 4",
+                evidence={"workers": 0},
             ),
             Finding(
-                id="attention.math_fallback", category="attention", severity="critical",
+                id="attention.math_fallback",
+                category="attention",
+                severity="critical",
                 title="Attention fell back to the math path in 70 of 70 calls",
-                est_seconds_saved_per_it=0.52, saving_basis="measured",
+                est_seconds_saved_per_it=0.52,
+                saving_basis="measured",
                 fix="TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1",
-                evidence={"calls": 70, "shapes": [[1, 10, 4096, 64]],
-                          "reasons": {"flash": "not built for gfx1100"}},
+                evidence={
+                    "calls": 70,
+                    "shapes": [[1, 10, 4096, 64]],
+                    "reasons": {"flash": "not built for gfx1100"},
+                },
                 source="attention",
             ),
         ],
         probes=[
-            ProbeResult(name="attention", status="ok", duration_seconds=12.3,
-                        checked_ok=["SDPA is used, not eager attention"]),
+            ProbeResult(
+                name="attention",
+                status="ok",
+                duration_seconds=12.3,
+                checked_ok=["SDPA is used, not eager attention"],
+            ),
             ProbeResult(name="xformers", status="skipped", reason="xformers is not installed"),
             ProbeResult(
-                name="triton", status="error", duration_seconds=0.2,
+                name="triton",
+                status="error",
+                duration_seconds=0.2,
                 reason="RuntimeError: autotune failed",
                 traceback='Traceback (most recent call last):\n  File "t.py", line 3\n'
-                          "RuntimeError: autotune failed",
+                "RuntimeError: autotune failed",
             ),
         ],
         top_ops=[
-            OpStat(name="aten::_scaled_dot_product_attention_math", calls_per_step=70,
-                   self_cpu_seconds=0.012, self_device_seconds=0.41, cpu_total_seconds=0.05,
-                   input_shapes="[[1, 10, 4096, 64]]", input_dtypes="[bfloat16]"),
+            OpStat(
+                name="aten::_scaled_dot_product_attention_math",
+                calls_per_step=70,
+                self_cpu_seconds=0.012,
+                self_device_seconds=0.41,
+                cpu_total_seconds=0.05,
+                input_shapes="[[1, 10, 4096, 64]]",
+                input_dtypes="[bfloat16]",
+            ),
         ],
         trace_path="trace.json.gz",
         command="diagnose run --preset sdxl --rank 32",
@@ -136,11 +181,19 @@ def trace_record() -> RunRecord:
         device=DeviceInfo(kind="cuda", vendor="NVIDIA", name="NVIDIA H100 80GB HBM3"),
         timing=_timing([], profiled=[0.85, 0.86, 0.84, 0.90]),
         breakdown=Breakdown(
-            seconds={"forward": 0.3, "backward": 0.45, "idle": 0.1}, basis="trace",
+            seconds={"forward": 0.3, "backward": 0.45, "idle": 0.1},
+            basis="trace",
             device_seconds_by_kernel_class={"gemm": 0.5, "attention": 0.2},
         ),
-        findings=[Finding(id="trace.idle", severity="warn", title="The GPU idles 12% of the step",
-                          est_seconds_saved_per_it=0.1, saving_basis="trace")],
+        findings=[
+            Finding(
+                id="trace.idle",
+                severity="warn",
+                title="The GPU idles 12% of the step",
+                est_seconds_saved_per_it=0.1,
+                saving_basis="trace",
+            )
+        ],
         trace_path="/home/u/run/trace.json",
     )
 
@@ -194,11 +247,21 @@ def test_other_formats() -> None:
     assert format_value(None) == "—"
 
 
+def test_a_list_of_flat_records_renders_as_one_table() -> None:
+    [row] = kv_rows({"steps": [{"step": 1, "wall_ms": 110.6}, {"step": 2, "idle": None}]})
+    assert row.columns == ("step", "wall_ms", "idle")
+    assert row.cells == (("1", "110.6", ""), ("2", "", "—"))
+    html = render_html(
+        RunRecord(findings=[Finding(id="x.y", evidence={"steps": [{"a<b": "<i>"}]})])
+    )
+    assert '<th scope="col">a&lt;b</th>' in html and "<td>&lt;i&gt;</td>" in html
+
+
 def test_kv_rows_render_nested_values_generically() -> None:
-    rows = kv_rows({"b": {"y": [1, 2], "x": None}, "a": [{"k": 1}], "c": [], "d": 1.5})
+    rows = kv_rows({"b": {"y": [1, 2], "x": None}, "a": [{"k": {"deep": 1}}], "c": [], "d": 1.5})
     assert [r.key for r in rows] == ["a", "b", "c", "d"]  # sorted: deterministic
     a, b, c, d = rows
-    assert a.children == (KV(key="[0]", children=(KV(key="k", text="1"),)),)
+    assert a.children == (KV(key="[0]", children=(KV(key="k", children=(KV("deep", "1"),)),)),)
     assert b.children == (KV(key="x", text="—"), KV(key="y", text="1, 2"))
     assert c.text == "(empty)"
     assert d.text == "1.5"
@@ -257,7 +320,12 @@ def test_trace_headline_says_it_came_from_the_trace() -> None:
 def test_breakdown_in_report_order_with_basis() -> None:
     b = build_view(full_record()).breakdown
     assert [p.key for p in b.phases] == [
-        "data_wait", "forward", "backward", "optimizer", "sync", "idle"
+        "data_wait",
+        "forward",
+        "backward",
+        "optimizer",
+        "sync",
+        "idle",
     ]
     assert [p.label for p in b.phases][:2] == ["data wait", "forward"]
     assert b.phases[0].seconds == "0.42 s"
@@ -270,7 +338,9 @@ def test_breakdown_in_report_order_with_basis() -> None:
 def test_findings_are_ranked_by_saving_with_basis() -> None:
     findings = build_view(full_record()).findings
     assert [f.id for f in findings] == [
-        "attention.math_fallback", "dataloader.starved", "env.governor"
+        "attention.math_fallback",
+        "dataloader.starved",
+        "env.governor",
     ]
     top = findings[0]
     assert (top.rank, top.saving, top.saving_basis) == (1, "0.52 s/it", "measured (A/B)")
@@ -284,7 +354,8 @@ def test_checks_lists_fine_skipped_and_errored() -> None:
     checks = build_view(full_record()).checks
     assert [c.text for c in checks.checked_ok] == ["SDPA is used, not eager attention"]
     assert [(n.probe, n.status) for n in checks.not_checked] == [
-        ("xformers", "skipped"), ("triton", "error")
+        ("xformers", "skipped"),
+        ("triton", "error"),
     ]
     assert checks.not_checked[0].traceback == ""
     assert "RuntimeError: autotune failed" in checks.not_checked[1].traceback
@@ -337,8 +408,11 @@ def test_odd_values_do_not_break_the_view() -> None:
 def test_charts_are_inline_self_contained_svg() -> None:
     bar = breakdown_bar_svg([Segment(0.4, "#E69F00"), Segment(0.0, "#000000")], chart_id="b")
     steps = step_times_svg(
-        unprofiled=[StepPoint(3, 1.8), StepPoint(4, 1.9)], profiled=[StepPoint(5, 2.0)],
-        warmup=[StepPoint(1, 30.0), StepPoint(2, 2.2)], median=1.85, chart_id="s",
+        unprofiled=[StepPoint(3, 1.8), StepPoint(4, 1.9)],
+        profiled=[StepPoint(5, 2.0)],
+        warmup=[StepPoint(1, 30.0), StepPoint(2, 2.2)],
+        median=1.85,
+        chart_id="s",
     )
     for svg, prefix in ((bar, "b"), (steps, "s")):
         assert svg.startswith('<svg role="img"')
