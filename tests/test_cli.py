@@ -203,15 +203,27 @@ def test_a_probe_that_raises_still_leaves_a_report(tmp_path: Path) -> None:
 
 
 def test_run_with_the_network_blocked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nothing is downloaded: every socket connection attempt fails the test."""
+    """Nothing is downloaded: every network connection attempt fails the test.
+
+    Local (AF_UNIX) sockets stay allowed: DataLoader workers and multiprocessing talk over them.
+    """
     attempts: list[object] = []
+    connect, connect_ex = socket.socket.connect, socket.socket.connect_ex
 
     def refuse(*args: object, **kwargs: object) -> None:
         attempts.append(args)
         raise OSError("network access is blocked in this test")
 
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    def guarded(original: Any) -> Any:
+        def call(sock: socket.socket, address: Any) -> Any:
+            if sock.family == socket.AF_UNIX:
+                return original(sock, address)
+            return refuse(sock, address)
+
+        return call
+
+    monkeypatch.setattr(socket.socket, "connect", guarded(connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", guarded(connect_ex))
     monkeypatch.setattr(socket, "create_connection", refuse)
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     out = tmp_path / "offline"
