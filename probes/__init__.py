@@ -11,11 +11,13 @@ from diagnose.probes.base import Probe, ProbeContext, ProbeSkipped, run_probe, r
 from diagnose.probes.dataloader import DataLoaderProbe
 from diagnose.probes.environment import EnvironmentProbe
 from diagnose.probes.optimizer import OptimizerProbe
+from diagnose.probes.precision import PrecisionProbe
 from diagnose.probes.triton_probe import TritonProbe
 
 #: Probes in run order. Each entry is an instance of a class that satisfies ``Probe``.
 REGISTRY: tuple[Probe, ...] = (
     EnvironmentProbe(),
+    PrecisionProbe(),
     AttentionProbe(),
     DataLoaderProbe(),
     OptimizerProbe(),

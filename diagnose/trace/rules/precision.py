@@ -4,79 +4,55 @@ Needs the ``Input type`` of each op (torch.profiler ``record_shapes=True``). Onl
 compute op of each call is judged: under autocast ``aten::linear`` appears twice, the outer call
 with the fp32 inputs the user passed and an inner call with the bf16 copies autocast made; the
 inner one (and its ``aten::addmm``) is what ran, so children decide.
+
+Which ops are judged, how dtypes are read and what counts as deliberate fp32 (a rotary embedding
+module) come from :mod:`diagnose.precision_policy`, which the ``precision`` probe shares, so a
+trace and a run call the same op the same thing under the same finding id.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter, defaultdict
 from typing import Any
 
 import numpy as np
 
+from diagnose.precision_policy import (
+    ASSUMED_LOW_PRECISION_SPEEDUP,
+    FP32_TRAINING_ID,
+    LOW_PRECISION_DTYPES,
+    TRAINING_FACTOR,
+    UPCAST_FIX,
+    UPCAST_ID,
+    claimed_vs_actual,
+    deliberate_reason,
+    is_attention_op,
+    is_compute_op,
+    judge,
+    majority_dtype,
+    mixed_precision_fix,
+    normalize_dtype,
+    op_kind,
+    recommended_low_dtype,
+)
 from diagnose.record import Finding
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
 from diagnose.trace.rules import RuleResult, ms, pct
 
 RULE = "precision"
-UPCAST_ID = "precision.fp32_compute_in_low_precision_run"
-FP32_TRAINING_ID = "precision.fp32_training"
-#: A bf16/fp16 matmul runs at least about twice as fast as fp32/tf32 on tensor cores / matrix
-#: cores; the estimates below assume that factor (conservative: on most GPUs it is 2-8x).
-LOW_PRECISION_SPEEDUP = 2.0
 #: The run counts as low-precision when this share of its compute calls ran in bf16/fp16/fp8.
 LOW_PRECISION_RUN_SHARE = 0.5
-#: Without per-op backward attribution, training compute is about 3x its forward (fwd + 2x bwd).
-TRAINING_FACTOR = 3.0
-
-COMPUTE_OP = re.compile(
-    r"^aten::("
-    r"mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_addmm_activation|_scaled_mm|einsum"
-    r"|conv[123]d|conv_transpose[123]d|_?convolution|convolution_overrideable|_convolution_mode"
-    r"|convolution_backward\w*|_conv_depthwise2d\w*|slow_conv\w*|thnn_conv\w*"
-    r"|cudnn_convolution\w*|miopen_convolution\w*|mkldnn_convolution\w*"
-    r"|scaled_dot_product_attention|_scaled_dot_product_\w+|_flash_attention_\w+"
-    r"|_efficient_attention_\w+"
-    r")$"
-)
-_ATTENTION_OP = re.compile(
-    r"^aten::(scaled_dot_product_attention|_scaled_dot_product_\w+|_flash_attention_\w+"
-    r"|_efficient_attention_\w+)$"
-)
-_DTYPES = {
-    "float": "fp32",
-    "float32": "fp32",
-    "c10::bfloat16": "bf16",
-    "bfloat16": "bf16",
-    "c10::half": "fp16",
-    "half": "fp16",
-    "float16": "fp16",
-    "double": "fp64",
-    "float64": "fp64",
-}
-_LOW = {"bf16", "fp16", "fp8"}
-
-
-def tensor_dtype(text: str) -> str | None:
-    """Normalised dtype of one ``Input type`` entry, or None for non-float entries."""
-    lowered = text.strip().lower()
-    if lowered in _DTYPES:
-        return _DTYPES[lowered]
-    if "float8" in lowered:
-        return "fp8"
-    return None
 
 
 def op_dtype(types: str) -> str | None:
     """The compute dtype of an op from its ``Input type`` list: the majority float input, ties to
     the lower precision (``_scaled_mm(fp8, fp8, fp32 scale, fp32 scale)`` is an fp8 op)."""
-    found = [d for d in (tensor_dtype(t) for t in types.split(", ")) if d]
-    if not found:
-        return None
-    counts = Counter(found)
-    rank = {"fp8": 0, "fp16": 1, "bf16": 1, "fp32": 2, "fp64": 3}
-    return min(counts, key=lambda d: (-counts[d], rank.get(d, 9)))
+    return majority_dtype(normalize_dtype(t) for t in types.split(", "))
+
+
+def _is_aten_compute(name: str) -> bool:
+    return name.startswith("aten::") and is_compute_op(name)
 
 
 def check(ctx: TraceContext) -> RuleResult:
@@ -84,7 +60,7 @@ def check(ctx: TraceContext) -> RuleResult:
     trace, structure = ctx.trace, ctx.structure
     host = trace.host
     compute_ids = (
-        [i for i in np.unique(host.name).tolist() if COMPUTE_OP.match(trace.names[i])]
+        [i for i in np.unique(host.name).tolist() if _is_aten_compute(trace.names[i])]
         if len(host)
         else []
     )
@@ -103,7 +79,7 @@ def check(ctx: TraceContext) -> RuleResult:
     # Lowest-level compute ops: no compute op below them. An attention op is judged as a whole
     # (the math path upcasts internally; that is the attention rule's finding), so the compute
     # ops inside it are not judged separately.
-    attention_ids = [i for i in compute_ids if _ATTENTION_OP.match(trace.names[i])]
+    attention_ids = [i for i in compute_ids if is_attention_op(trace.names[i])]
     is_attention = (
         np.isin(host.name, np.asarray(attention_ids, dtype=np.int32))
         if attention_ids
@@ -154,7 +130,7 @@ def check(ctx: TraceContext) -> RuleResult:
     if not judged_count:
         result.not_judged.append("precision: compute ops have no floating-point inputs recorded")
         return result
-    low_count = sum(c for d, c in count_by_dtype.items() if d in _LOW)
+    low_count = sum(c for d, c in count_by_dtype.items() if d in LOW_PRECISION_DTYPES)
     # Judged by calls, not time: the question is how the code is configured, and one slow fp32
     # matmul must not make a bf16 run look like an fp32 one.
     low_share = low_count / judged_count
@@ -166,16 +142,38 @@ def check(ctx: TraceContext) -> RuleResult:
         "calls_by_dtype_per_step": {d: c / n for d, c in count_by_dtype.items()},
         "low_precision_share": low_share,
     }
-    low_names = "/".join(sorted(d for d in count_by_dtype if d in _LOW)) or "bf16"
+    low_names = "/".join(sorted(d for d in count_by_dtype if d in LOW_PRECISION_DTYPES)) or "bf16"
 
     if low_count and low_share >= LOW_PRECISION_RUN_SHARE:
-        if not fp32:
+        requested = "bf16" if "bf16" in count_by_dtype else low_names.split("/")[0]
+        verdicts = {
+            i: judge(
+                op_kind(ctx.op_name(i)),
+                "fp32",
+                requested,
+                deliberate_reason(dtype="fp32", module_class=_caller(ctx, i)),
+            )
+            for i in fp32
+        }
+        unexpected = [i for i in fp32 if verdicts[i] == "unexpected"]
+        deliberate = sorted({_caller(ctx, i) for i in fp32 if verdicts[i] == "deliberate"})
+        actual = claimed_vs_actual("", time_by_dtype)
+        result.data["claimed_vs_actual"] = actual
+        if deliberate:
+            result.data["deliberate_fp32"] = deliberate
+        if not unexpected:
             result.checked_ok.append(
-                f"precision: all {judged_count} matmul/convolution/attention calls ran in "
-                f"{low_names}; no fp32 upcasts"
+                f"precision: all {judged_count - len(fp32)} matmul/convolution/attention calls "
+                f"that should run in {low_names} did"
+                + (
+                    f" ({len(fp32)} deliberate fp32 call(s) in {', '.join(deliberate[:3])})"
+                    if fp32
+                    else ""
+                )
+                + f"; no fp32 upcasts ({actual})"
             )
             return result
-        result.findings.append(_upcast_finding(ctx, fp32, cost, low_names, judged_time))
+        result.findings.append(_upcast_finding(ctx, unexpected, cost, low_names, judged_time))
         return result
 
     if not ctx.is_training:
@@ -241,7 +239,7 @@ def _upcast_finding(
     step = ctx.wall_seconds / n if ctx.wall_seconds else 0.0
     table = _offender_table(ctx, fp32, cost)
     names = sorted({row["op"] for row in table})
-    saving = seconds * (1 - 1 / LOW_PRECISION_SPEEDUP)
+    saving = seconds * (1 - 1 / ASSUMED_LOW_PRECISION_SPEEDUP)
     top = table[0] if table else {}
     return Finding(
         id=UPCAST_ID,
@@ -264,17 +262,11 @@ def _upcast_finding(
         },
         est_seconds_saved_per_it=saving,
         saving_basis="estimated",
-        fix=(
-            "Let autocast run these ops in bf16: find the code that calls .float() on their "
-            "inputs or wraps them in torch.autocast(enabled=False) (attention or norm upcasts, "
-            "custom layers, a LoRA/adapter that keeps fp32 weights) and drop the upcast, or cast "
-            "the weights to bf16 (kohya: --mixed_precision bf16 --save_precision bf16; diffusers: "
-            "--mixed_precision bf16 and no --upcast_attention)."
-        ),
+        fix=UPCAST_FIX,
         detail=(
             f"These are the lowest-level compute ops of their calls, so autocast did not lower "
-            f"them: their inputs really were fp32. At about {LOW_PRECISION_SPEEDUP:.0f}x for "
-            f"{low_names} over fp32"
+            "them: their inputs really were fp32. At about "
+            f"{ASSUMED_LOW_PRECISION_SPEEDUP:.0f}x for {low_names} over fp32"
             + (" (backward assumed 2x forward)" if ctx.is_training else "")
             + f" the estimate is {ms(saving)} per step."
         ),
@@ -288,10 +280,8 @@ def _fp32_training_finding(
     n = ctx.n_steps
     forward_seconds = fp32_time / n
     seconds = _with_backward(ctx, forward_seconds)
-    saving = seconds * (1 - 1 / LOW_PRECISION_SPEEDUP)
-    arch = ctx.device.info.arch
-    pre_ampere = ctx.device.info.kind == "cuda" and arch.startswith("sm_") and arch < "sm_80"
-    dtype = "fp16 (this GPU has no fast bf16)" if pre_ampere else "bf16"
+    saving = seconds * (1 - 1 / ASSUMED_LOW_PRECISION_SPEEDUP)
+    low = recommended_low_dtype(ctx.device.info)
     on_cpu = ctx.device.info.kind == "cpu"
     return Finding(
         id=FP32_TRAINING_ID,
@@ -310,16 +300,12 @@ def _fp32_training_finding(
         },
         est_seconds_saved_per_it=None if on_cpu else saving,
         saving_basis="none" if on_cpu else "estimated",
-        fix=(
-            f"Train with {dtype} mixed precision: kohya --mixed_precision "
-            f"{'fp16' if pre_ampere else 'bf16'}; diffusers: accelerate launch --mixed_precision "
-            f"{'fp16' if pre_ampere else 'bf16'}; Lightning: Trainer(precision="
-            f'"{"16" if pre_ampere else "bf16"}-mixed").'
-        ),
+        fix=mixed_precision_fix(low)
+        + (" This GPU has no fast bf16, hence fp16." if low == "fp16" else ""),
         detail=(
             "Every judged matmul and convolution ran on fp32 inputs. Mixed precision runs them "
             f"on the {'matrix' if ctx.device.info.kind == 'rocm' else 'tensor'} cores; at about "
-            f"{LOW_PRECISION_SPEEDUP:.0f}x (backward assumed 2x forward) the estimate is "
+            f"{ASSUMED_LOW_PRECISION_SPEEDUP:.0f}x (backward assumed 2x forward) the estimate is "
             f"{ms(saving)} per step"
             + (
                 " (on a CPU the gain depends on AMX/AVX-512 bf16 support, so none is estimated)."
