@@ -29,6 +29,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def all_commands() -> list[Command]:
+    from diagnose.commands.compare import CompareCommand
     from diagnose.commands.env import EnvCommand
     from diagnose.commands.presets import PresetsCommand
     from diagnose.commands.report import ReportCommand
@@ -40,6 +41,7 @@ def all_commands() -> list[Command]:
         RunCommand(),
         TraceCommand(),
         ReportCommand(),
+        CompareCommand(),
         TritonCommand(),
         EnvCommand(),
         PresetsCommand(),

@@ -1,0 +1,146 @@
+"""How often the CI gate false-alarms, and how often it catches a slowdown, on recorded noise.
+
+The noise is real: the per-step s/it of same-config `diagnose run` runs recorded on a shared
+2-core CPU machine (fixtures/compare/noise.json; its README says how). From it, pairs of "runs"
+of n steps are resampled three ways:
+
+- pooled:       both sides drawn (with replacement) from all runs' steps together. Both sides come
+                from one distribution: the statistics' own calibration.
+- within-run:   two disjoint random sets of steps of one run.
+- between-runs: n consecutive steps of one run against n consecutive steps of another, as two CI
+                jobs would measure: carries the run-to-run drift (and here, other processes
+                starting and stopping on the shared machine).
+
+Each scheme runs on two pools: all recorded runs, and the runs the report itself would not flag
+as noisy (interquartile range at most 10% of the median, reports.view.NOISY_RELATIVE_SPREAD):
+the closest this machine comes to a dedicated CI runner.
+
+A/A pairs are used as they are (any "slower" is a false alarm); for detection the current side is
+multiplied by 1 + slowdown. The gate is `compare_samples` with the default significance (0.01)
+and the threshold of the row. Prints one table.
+
+    python benchmarks/bench_compare_gate.py [--trials 1000] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from diagnose.compare import DEFAULT_SIGNIFICANCE, compare_samples
+from diagnose.config import RunConfig
+from diagnose.record import Stats
+from diagnose.reports.view import NOISY_RELATIVE_SPREAD
+
+NOISE = Path(__file__).resolve().parent.parent / "fixtures" / "compare" / "noise.json"
+SLOWDOWNS: tuple[float, ...] = (0.05, 0.10, 0.15, 0.20, 0.30, 0.50)
+SAMPLE_COUNTS: tuple[int, ...] = (RunConfig().steps, 12, 20, 30, 50)
+THRESHOLDS: tuple[float, ...] = (0.10, 0.05)
+
+Pair = tuple[list[float], list[float]]
+Sampler = Callable[[random.Random, int], Pair]
+
+
+def load_runs(path: Path) -> list[list[float]]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return [[float(s["seconds"]) for s in run["samples"]] for run in data["runs"]]
+
+
+def quiet_runs(runs: list[list[float]]) -> list[list[float]]:
+    """The runs whose own spread the report would not call noisy."""
+    return [run for run in runs if Stats.of(run).relative_spread <= NOISY_RELATIVE_SPREAD]
+
+
+def samplers(runs: list[list[float]]) -> dict[str, Sampler]:
+    pooled = [s for run in runs for s in run]
+
+    def pooled_pair(rng: random.Random, n: int) -> Pair:
+        return [rng.choice(pooled) for _ in range(n)], [rng.choice(pooled) for _ in range(n)]
+
+    def within_run(rng: random.Random, n: int) -> Pair:
+        run = rng.choice([r for r in runs if len(r) >= 2 * n])
+        picked = rng.sample(run, 2 * n)
+        return picked[:n], picked[n:]
+
+    def between_runs(rng: random.Random, n: int) -> Pair:
+        first, second = rng.sample([r for r in runs if len(r) >= n], 2)
+        i = rng.randrange(len(first) - n + 1)
+        j = rng.randrange(len(second) - n + 1)
+        return first[i : i + n], second[j : j + n]
+
+    return {"pooled": pooled_pair, "within-run": within_run, "between-runs": between_runs}
+
+
+def rate(
+    sampler: Sampler, rng: random.Random, n: int, slowdown: float, threshold: float, trials: int
+) -> float:
+    hits = 0
+    for _ in range(trials):
+        a, b = sampler(rng, n)
+        if slowdown:
+            b = [s * (1 + slowdown) for s in b]
+        metric = compare_samples(
+            a,
+            b,
+            key="step",
+            kind="step",
+            label="s/it",
+            threshold=threshold,
+            significance=DEFAULT_SIGNIFICANCE,
+        )
+        hits += metric.verdict == "slower"
+    return hits / trials
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=1000, help="pairs per cell")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noise", type=Path, default=NOISE)
+    args = parser.parse_args(argv)
+    runs = load_runs(args.noise)
+    pools = {"all": runs, "quiet": quiet_runs(runs)}
+    started = time.perf_counter()
+    header = ["pool", "scheme", "n", "threshold", "A/A false alarms"]
+    header += [f"+{s:.0%} caught" for s in SLOWDOWNS]
+    rows: list[list[str]] = []
+    for pool_name, pool in pools.items():
+        for name, sampler in samplers(pool).items():
+            for n in SAMPLE_COUNTS:
+                if name == "within-run" and not any(len(r) >= 2 * n for r in pool):
+                    continue
+                if name == "between-runs" and sum(len(r) >= n for r in pool) < 2:
+                    continue
+                for threshold in THRESHOLDS:
+                    rng = random.Random(args.seed)
+                    cells = [pool_name, name, str(n), f"{threshold:.0%}"]
+                    for slowdown in (0.0, *SLOWDOWNS):
+                        value = rate(sampler, rng, n, slowdown, threshold, args.trials)
+                        cells.append(f"{value:.1%}")
+                    rows.append(cells)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print(
+        f"CI gate on recorded noise: {len(runs)} runs, {sum(len(r) for r in runs)} steps "
+        f"({len(pools['quiet'])} quiet runs, {sum(len(r) for r in pools['quiet'])} steps) from "
+        f"{args.noise.name}; significance "
+        f"{DEFAULT_SIGNIFICANCE}, {args.trials} pairs per cell, default steps per run = "
+        f"{RunConfig().steps}"
+    )
+    for row in [header, ["-" * w for w in widths], *rows]:
+        print(
+            "  ".join(
+                c.rjust(w) if i > 1 else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    print(f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1127 @@
+"""The CI gate: compare two RunRecords and say, per metric, faster / same / slower / inconclusive.
+
+Pure functions of two saved records (no torch, no GPU, no files): the command and the renderers
+only read the :class:`Comparison` this module returns.
+
+How a timing metric (s/it, each phase) is judged, on the raw per-step samples of each record:
+
+- **Significance**: a two-sided Mann–Whitney U test (exact distribution when there are no ties
+  and both sides have at most :data:`EXACT_MAX_SAMPLES` steps; otherwise the normal approximation
+  with tie and continuity corrections). It is rank based, so the slow outlier steps that shared
+  runners produce move it far less than they move a t-test, and it assumes no distribution shape.
+  This is asv's test (asv uses p < 0.002 on its many repeats; we default to 0.01 because a CI run
+  has 8-50 steps, not hundreds of repeats: see :data:`DEFAULT_SIGNIFICANCE`).
+- **Size**: the ratio of medians, current over baseline, against ``threshold`` (10% by default,
+  as CodSpeed and asv's 1.1 factor; TorchBench flags 7%). A change is only a regression when it
+  is BOTH significant AND beyond the threshold: a real but small change passes, and a big but
+  noisy one is not a failure.
+- **Confidence interval** of the ratio: the Hodges–Lehmann interval that inverts the same U test
+  (order statistics of all pairwise log-ratios), at confidence ``1 - significance``. When the test
+  is not significant and that interval still reaches beyond the threshold, the data cannot rule a
+  regression in or out: the verdict is *inconclusive (too much spread)*, not *same*.
+- **Too few samples**: when even total separation of the two samples could not reach the
+  significance level (the exact test's smallest p-value, ``2 / C(m+n, m)``, is not below it), the
+  verdict is *inconclusive (too few samples)* and says how many steps each side needs.
+
+Phases are judged the same way, at ``significance / number of phases`` (Bonferroni: nine phases
+tested at 1% each would false-alarm about nine times as often as one), and a phase change must
+also be worth at least ``phase_floor`` of the baseline step time: 60 µs of host-device copy
+growing by half is noise, not a regression.
+
+Peak memory and device time per kernel class are single numbers per record: they are judged by
+the threshold alone, and every output says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.record import PHASE_LABELS, PHASES, SEVERITIES, RunRecord, StepSample
+
+Verdict = Literal["faster", "same", "slower", "larger", "smaller", "inconclusive"]
+MetricKind = Literal["step", "phase", "memory", "kernel_class"]
+Unit = Literal["seconds", "bytes"]
+FindingChangeKind = Literal["new", "gone", "escalated", "deescalated"]
+#: What can fail the job (``--fail-on``). The first five are the ones the brief names; ``kernel``
+#: (a kernel class slower) and ``inconclusive`` (the s/it could not be judged) are stricter extras.
+FailOn = Literal["slower", "phase", "new-critical", "new-warn", "memory", "kernel", "inconclusive"]
+
+FAIL_ON_CHOICES: tuple[str, ...] = get_args(FailOn)
+DEFAULT_FAIL_ON: frozenset[str] = frozenset({"slower", "new-critical"})
+#: The relative change a metric must exceed to count (10%: CodSpeed's default, asv's 1.1 factor).
+DEFAULT_THRESHOLD = 0.10
+#: The Mann–Whitney p-value below which a change counts as real. With the default 8 steps per
+#: run, 0.01 is reachable (the exact test's smallest two-sided p at 8 vs 8 is 1.6e-4, at 5 vs 5 it
+#: is 7.9e-3), while asv's 0.002 would need 7 steps on each side before anything could fail.
+DEFAULT_SIGNIFICANCE = 0.01
+#: A phase or kernel-class change must be at least this share of the baseline step time.
+DEFAULT_PHASE_FLOOR = 0.02
+#: Exact U distribution up to this many samples per side (beyond, the normal approximation is
+#: within a few per cent of the exact p-value and the exact one costs O(m^2 n)).
+EXACT_MAX_SAMPLES = 50
+
+#: Config keys that change what a step costs: records that differ in one are not comparable.
+#: Not compared: steps/warmup/profiled_steps (sample counts), seed, learning_rate and alpha (same
+#: cost per step), device ("cuda:0" vs "cuda:1": the device itself is compared by kind and name),
+#: data_dir and model_dir paths (they differ between CI workspaces; the data and the model are
+#: compared by what they hold), skip_probes (changes the findings, not the step).
+COMPARED_CONFIG_KEYS: tuple[str, ...] = (
+    "preset",
+    "size",
+    "precision",
+    "optimizer",
+    "batch",
+    "resolution",
+    "rank",
+    "target_modules",
+    "grad_checkpointing",
+    "workers",
+    "attention",
+    "cache_latents",
+    "cache_text_embeddings",
+)
+
+#: Inventory packages whose version changes are listed (informational, never refused).
+_PACKAGE_VERSION_LIMIT = 30
+_SEVERITY_RANK: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics (pure Python: scipy is not a dependency, and the gate must not need numpy either)
+
+
+@dataclass(frozen=True)
+class UTest:
+    """A two-sided Mann–Whitney U test of ``current`` against ``baseline``."""
+
+    #: U of the current sample: pairs (baseline a, current b) with b > a, ties counted half.
+    u: float
+    p_value: float
+    #: "exact" or "normal approximation" (with tie correction when there are ties).
+    method: str
+    ties: bool
+
+
+def _ranks(values: Sequence[float]) -> tuple[list[float], list[int]]:
+    """Mid-ranks (1-based) of ``values`` and the sizes of the tie groups."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    tie_sizes: list[int] = []
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        mid = (i + j) / 2 + 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = mid
+        if j > i:
+            tie_sizes.append(j - i + 1)
+        i = j + 1
+    return ranks, tie_sizes
+
+
+@functools.lru_cache(maxsize=256)
+def _u_counts(m: int, n: int) -> tuple[int, ...]:
+    """How many of the C(m+n, m) orderings give U = 0, 1, ..., m*n (no ties).
+
+    These are the coefficients of the Gaussian binomial [m+n choose m]_q, built one factor
+    (1 - q^(n+i)) / (1 - q^i) at a time: every partial product is itself a Gaussian binomial, so
+    the arithmetic stays in exact integers and costs O(m * m * n).
+    """
+    if m > n:
+        m, n = n, m
+    top = m * n
+    poly = [1] + [0] * top
+    for i in range(1, m + 1):
+        shift = n + i
+        for k in range(top, shift - 1, -1):  # multiply by (1 - q^(n+i))
+            poly[k] -= poly[k - shift]
+        for k in range(i, top + 1):  # divide by (1 - q^i)
+            poly[k] += poly[k - i]
+    return tuple(poly)
+
+
+@functools.lru_cache(maxsize=256)
+def _u_cdf(m: int, n: int) -> tuple[float, ...]:
+    """P(U <= k) for k = 0..m*n under the null hypothesis, no ties."""
+    counts = _u_counts(m, n)
+    total = math.comb(m + n, m)
+    out: list[float] = []
+    running = 0
+    for c in counts:
+        running += c
+        out.append(running / total)
+    return tuple(out)
+
+
+def smallest_p_value(m: int, n: int) -> float:
+    """The smallest two-sided p-value the exact test can give with m and n samples."""
+    if m < 1 or n < 1:
+        return 1.0
+    return min(1.0, 2.0 / math.comb(m + n, m))
+
+
+def minimum_samples(significance: float) -> int:
+    """Steps needed on each side (equal counts) before a difference can be significant."""
+    n = 1
+    while smallest_p_value(n, n) >= significance:
+        n += 1
+    return n
+
+
+def mann_whitney_u(baseline: Sequence[float], current: Sequence[float]) -> UTest:
+    """Two-sided Mann–Whitney U test. Both samples must be non-empty."""
+    m, n = len(baseline), len(current)
+    if not m or not n:
+        raise ValueError("both samples need at least one value")
+    pooled = [*baseline, *current]
+    ranks, tie_sizes = _ranks(pooled)
+    u = sum(ranks[m:]) - n * (n + 1) / 2
+    ties = bool(tie_sizes)
+    if not ties and max(m, n) <= EXACT_MAX_SAMPLES:
+        cdf = _u_cdf(m, n)
+        k = round(u)  # U is an integer without ties
+        low = cdf[k]
+        high = 1.0 - (cdf[k - 1] if k > 0 else 0.0)
+        return UTest(u=u, p_value=min(1.0, 2.0 * min(low, high)), method="exact", ties=False)
+    mean = m * n / 2
+    total = m + n
+    tie_term = sum(t**3 - t for t in tie_sizes) / (total * (total - 1)) if total > 1 else 0.0
+    variance = m * n / 12 * ((total + 1) - tie_term)
+    method = "normal approximation" + (" with tie correction" if ties else "")
+    if variance <= 0:  # every value equal: nothing to tell apart
+        return UTest(u=u, p_value=1.0, method=method, ties=ties)
+    z = max(0.0, abs(u - mean) - 0.5) / math.sqrt(variance)  # continuity-corrected
+    return UTest(u=u, p_value=min(1.0, math.erfc(z / math.sqrt(2))), method=method, ties=ties)
+
+
+def _critical_count(m: int, n: int, significance: float, tie_sizes: Sequence[int]) -> int:
+    """The largest c with P(U <= c) <= significance / 2, or -1 when there is none.
+
+    The pairwise differences ranked c+1 from either end bound the confidence interval.
+    """
+    if not tie_sizes and max(m, n) <= EXACT_MAX_SAMPLES:
+        cdf = _u_cdf(m, n)
+        c = -1
+        for k, p in enumerate(cdf):
+            if p > significance / 2:
+                break
+            c = k
+        return c
+    total = m + n
+    tie_term = sum(t**3 - t for t in tie_sizes) / (total * (total - 1)) if total > 1 else 0.0
+    variance = m * n / 12 * ((total + 1) - tie_term)
+    if variance <= 0:
+        return -1
+    z = statistics.NormalDist().inv_cdf(1 - significance / 2)
+    return math.floor(m * n / 2 - z * math.sqrt(variance) - 0.5)
+
+
+def shift_interval(
+    baseline: Sequence[float], current: Sequence[float], significance: float
+) -> tuple[float, float] | None:
+    """Confidence interval (1 - significance) of the shift current - baseline, in the samples'
+    unit (Hodges–Lehmann, inverting the U test); None when the samples are too few."""
+    m, n = len(baseline), len(current)
+    if not m or not n:
+        return None
+    _, tie_sizes = _ranks([*baseline, *current])
+    c = _critical_count(m, n, significance, tie_sizes)
+    if c < 0:
+        return None
+    diffs = sorted(b - a for a in baseline for b in current)
+    return diffs[c], diffs[len(diffs) - 1 - c]
+
+
+def ratio_interval(
+    baseline: Sequence[float], current: Sequence[float], significance: float
+) -> tuple[float, float] | None:
+    """Confidence interval (1 - significance) of current / baseline, inverting the U test.
+
+    Hodges–Lehmann: the interval of the shift of log-times is bounded by order statistics of all
+    m*n pairwise differences log(b) - log(a). Times are positive and noise on them multiplies,
+    so the log scale fits; with a zero or negative value (a phase that took no time) the shift is
+    taken on the raw values and divided by the baseline median. None when the samples are too
+    few for any finite interval, or the baseline median is not positive.
+    """
+    m, n = len(baseline), len(current)
+    if not m or not n:
+        return None
+    _, tie_sizes = _ranks([*baseline, *current])
+    c = _critical_count(m, n, significance, tie_sizes)
+    if c < 0:
+        return None
+    use_log = min(baseline) > 0 and min(current) > 0
+    if use_log:
+        diffs = sorted(math.log(b) - math.log(a) for a in baseline for b in current)
+    else:
+        diffs = sorted(b - a for a in baseline for b in current)
+    low, high = diffs[c], diffs[len(diffs) - 1 - c]
+    if use_log:
+        return math.exp(low), math.exp(high)
+    base_median = statistics.median(baseline)
+    if base_median <= 0:
+        return None
+    return 1 + low / base_median, 1 + high / base_median
+
+
+# --------------------------------------------------------------------------------------------
+# The comparison
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """How the gate decides. ``fail_on`` is carried so every output can say what failed the job."""
+
+    threshold: float = DEFAULT_THRESHOLD
+    significance: float = DEFAULT_SIGNIFICANCE
+    phase_floor: float = DEFAULT_PHASE_FLOOR
+    fail_on: frozenset[str] = DEFAULT_FAIL_ON
+    #: Compare records of different devices or configs (every output then says so loudly).
+    allow_different: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.threshold < 10:
+            raise DiagnoseError(f"threshold {self.threshold} must be above 0", ExitCode.USAGE)
+        if not 0 < self.significance < 1:
+            raise DiagnoseError(
+                f"significance {self.significance} must be between 0 and 1", ExitCode.USAGE
+            )
+        if not 0 <= self.phase_floor < 1:
+            raise DiagnoseError(
+                f"phase floor {self.phase_floor} must be between 0 and 1", ExitCode.USAGE
+            )
+        unknown = sorted(set(self.fail_on) - set(FAIL_ON_CHOICES))
+        if unknown:
+            raise DiagnoseError(
+                f"--fail-on {unknown[0]}: unknown; choose from {', '.join(FAIL_ON_CHOICES)}",
+                ExitCode.USAGE,
+            )
+
+
+@dataclass(frozen=True)
+class MetricComparison:
+    """One metric of the two records, and the verdict on it."""
+
+    #: Stable key: "step", "phase.forward", "memory.peak_rss_bytes", "kernel_class.gemm".
+    key: str
+    kind: MetricKind
+    #: "s/it", "forward", "peak host memory (RSS)", "kernel class gemm".
+    label: str
+    unit: Unit
+    verdict: Verdict
+    #: One line: why this verdict (the numbers that decided it).
+    reason: str
+    #: Baseline and current medians (samples) or values (single numbers); None = not measured.
+    baseline: float | None = None
+    current: float | None = None
+    #: current / baseline, None when the baseline is zero or missing.
+    ratio: float | None = None
+    n_baseline: int = 0
+    n_current: int = 0
+    #: Mann–Whitney p-value (None for single numbers and too few samples).
+    p_value: float | None = None
+    #: The significance level this metric was tested at (phases: Bonferroni-corrected).
+    significance: float | None = None
+    #: Confidence interval of the ratio at 1 - significance, None when not finite.
+    ci_low: float | None = None
+    ci_high: float | None = None
+    #: "Mann–Whitney U (exact)", "single number: threshold only".
+    method: str = ""
+    #: IQR / median of each side's samples (None for single numbers).
+    baseline_spread: float | None = None
+    current_spread: float | None = None
+
+    @property
+    def regressed(self) -> bool:
+        return self.verdict in ("slower", "larger")
+
+    @property
+    def change(self) -> float | None:
+        """Relative change (ratio - 1), or None."""
+        return None if self.ratio is None else self.ratio - 1.0
+
+
+@dataclass(frozen=True)
+class FindingChange:
+    """A finding that appeared, disappeared or changed severity between the records."""
+
+    id: str
+    change: FindingChangeKind
+    title: str
+    category: str
+    baseline_severity: str | None
+    current_severity: str | None
+    #: The current finding's estimated saving (or the baseline's, for a gone one).
+    est_seconds_saved_per_it: float | None = None
+
+    @property
+    def severity(self) -> str:
+        """The severity that matters now: the current one, else the baseline's."""
+        return self.current_severity or self.baseline_severity or "info"
+
+
+@dataclass(frozen=True)
+class RecordSide:
+    """What the outputs say about one of the two records."""
+
+    label: str
+    created: str
+    tool_version: str
+    command: str
+    setup: str
+    #: "unprofiled" or "profiled": which steps were compared.
+    samples_kind: str
+    n_samples: int
+
+
+@dataclass(frozen=True)
+class GateFailure:
+    """One reason the gate fails the job."""
+
+    #: The --fail-on criterion that fired.
+    criterion: str
+    #: The metric key or finding id it fired on.
+    subject: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Comparison:
+    baseline: RecordSide
+    current: RecordSide
+    options: CompareOptions
+    metrics: tuple[MetricComparison, ...]
+    findings: tuple[FindingChange, ...]
+    #: Device/config differences the records were compared despite (only with allow_different).
+    differences: tuple[str, ...] = ()
+    #: Other changes between the records (package versions, driver, data): never refused, listed
+    #: because they are usually the cause of a regression.
+    environment_changes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    def metric(self, key: str) -> MetricComparison | None:
+        return next((m for m in self.metrics if m.key == key), None)
+
+    @property
+    def step(self) -> MetricComparison | None:
+        return self.metric("step")
+
+    @property
+    def different(self) -> bool:
+        """Whether records that differ in device or config were compared (--allow-different)."""
+        return bool(self.differences)
+
+    @property
+    def different_warning(self) -> str:
+        if not self.differences:
+            return ""
+        return (
+            "NOT LIKE FOR LIKE (--allow-different): the records differ in "
+            + "; ".join(self.differences)
+            + ". A change below may come from that difference."
+        )
+
+
+def compare_records(
+    baseline: RunRecord,
+    current: RunRecord,
+    options: CompareOptions | None = None,
+    *,
+    labels: tuple[str, str] = ("baseline", "current"),
+) -> Comparison:
+    """Compare ``current`` against ``baseline``.
+
+    Raises DiagnoseError(BAD_INPUT) naming the first device or config difference, unless
+    ``options.allow_different``.
+    """
+    options = options or CompareOptions()
+    differences = record_differences(baseline, current)
+    if differences and not options.allow_different:
+        raise DiagnoseError(
+            f"records are not comparable: {differences[0]}; compare like with like, "
+            "or add --allow-different",
+            ExitCode.BAD_INPUT,
+        )
+    notes: list[str] = []
+    base_samples, cur_samples, samples_kind, sample_note = _comparable_samples(baseline, current)
+    if sample_note:
+        notes.append(sample_note)
+
+    metrics: list[MetricComparison] = []
+    step = _compare_step(base_samples, cur_samples, samples_kind, options)
+    metrics.append(step)
+    base_step = statistics.median([s.seconds for s in base_samples]) if base_samples else None
+    metrics.extend(_compare_phases(base_samples, cur_samples, base_step, options))
+    memory = _compare_memory(baseline, current, options)
+    metrics.extend(memory)
+    prof_a = baseline.config.get("profiled_steps")
+    prof_b = current.config.get("profiled_steps")
+    if memory and prof_a != prof_b and baseline.mode == current.mode == "run":
+        notes.append(
+            f"The records profiled different numbers of steps ({prof_a} and {prof_b}): peak host "
+            "memory includes the profiler's buffers, so its change is partly that."
+        )
+    metrics.extend(_compare_kernel_classes(baseline, current, base_step, options, notes))
+
+    return Comparison(
+        baseline=_side(baseline, labels[0], samples_kind, len(base_samples)),
+        current=_side(current, labels[1], samples_kind, len(cur_samples)),
+        options=options,
+        metrics=tuple(metrics),
+        findings=diff_findings(baseline, current),
+        differences=tuple(differences),
+        environment_changes=tuple(environment_changes(baseline, current)),
+        notes=tuple(notes),
+    )
+
+
+def _side(record: RunRecord, label: str, samples_kind: str, n: int) -> RecordSide:
+    from diagnose.reports.view import describe_setup  # light: the view imports no torch
+
+    return RecordSide(
+        label=label,
+        created=record.created,
+        tool_version=record.tool_version,
+        command=record.command,
+        setup=describe_setup(record),
+        samples_kind=samples_kind,
+        n_samples=n,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Comparability
+
+
+def _display(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return repr(value)
+
+
+def record_differences(baseline: RunRecord, current: RunRecord) -> list[str]:
+    """Device, mode, config and model differences that make the step times incomparable, in the
+    order the refusal names them (the first one is the message)."""
+    from diagnose.config import RunConfig
+
+    out: list[str] = []
+
+    def differ(what: str, a: Any, b: Any) -> None:
+        out.append(f"{what} differs (baseline {_display(a)}, current {_display(b)})")
+
+    if baseline.mode != current.mode:
+        differ("mode", baseline.mode, current.mode)
+    if baseline.device.kind != current.device.kind:
+        differ("device kind", baseline.device.kind, current.device.kind)
+    if baseline.device.name != current.device.name:
+        differ("device name", baseline.device.name, current.device.name)
+    defaults = RunConfig().to_dict()
+    for key in COMPARED_CONFIG_KEYS:
+        # A key an older record lacks reads as the default it ran with.
+        a = baseline.config.get(key, defaults.get(key))
+        b = current.config.get(key, defaults.get(key))
+        if a != b:
+            differ(f"config {key}", a, b)
+    a_model, b_model = baseline.config.get("model_dir"), current.config.get("model_dir")
+    if (a_model is None) != (b_model is None) or (
+        a_model is not None and Path(str(a_model)).name != Path(str(b_model)).name
+    ):
+        differ("config model_dir", a_model, b_model)
+    for name in ("class_name", "parameters", "trainable_parameters"):
+        a, b = getattr(baseline.model, name), getattr(current.model, name)
+        if a and b and a != b:  # empty/zero = not recorded (a trace), not a difference
+            differ(f"model {name}", a, b)
+    return out
+
+
+def environment_changes(baseline: RunRecord, current: RunRecord) -> list[str]:
+    """What else changed (tool, runtime, driver, package versions, data): listed, never refused."""
+    out: list[str] = []
+
+    def note(what: str, a: Any, b: Any) -> None:
+        if a != b and (a not in (None, "") or b not in (None, "")):
+            out.append(
+                f"{what}: {a if a not in (None, '') else '—'} → {b if b not in (None, '') else '—'}"
+            )
+
+    note("diagnose", baseline.tool_version, current.tool_version)
+    note("device runtime", baseline.device.runtime, current.device.runtime)
+    note("device driver", baseline.device.driver, current.device.driver)
+    note("device arch", baseline.device.arch, current.device.arch)
+    note(
+        "torch threads",
+        baseline.device.extra.get("torch_threads"),
+        current.device.extra.get("torch_threads"),
+    )
+    note(
+        "torch",
+        _dig(baseline.inventory, "torch", "version"),
+        _dig(current.inventory, "torch", "version"),
+    )
+    packages_a = _dig(baseline.inventory, "packages") or {}
+    packages_b = _dig(current.inventory, "packages") or {}
+    if isinstance(packages_a, Mapping) and isinstance(packages_b, Mapping):
+        names = sorted(set(packages_a) | set(packages_b))[:_PACKAGE_VERSION_LIMIT]
+        for name in names:
+            note(name, _dig(packages_a, name, "version"), _dig(packages_b, name, "version"))
+    env_a = _dig(baseline.inventory, "env") or {}
+    env_b = _dig(current.inventory, "env") or {}
+    if isinstance(env_a, Mapping) and isinstance(env_b, Mapping):
+        for name in sorted(set(env_a) | set(env_b)):
+            note(f"${name}", env_a.get(name), env_b.get(name))
+    for key in ("seed", "learning_rate", "alpha", "device", "skip_probes"):
+        note(f"config {key}", baseline.config.get(key), current.config.get(key))
+    data_a, data_b = baseline.config.get("data"), current.config.get("data")
+    if isinstance(data_a, Mapping) and isinstance(data_b, Mapping):
+        note("data images", data_a.get("images"), data_b.get("images"))
+        note(
+            "data median megapixels",
+            _dig(data_a, "pixel_sizes", "megapixels_median"),
+            _dig(data_b, "pixel_sizes", "megapixels_median"),
+        )
+        note("data bytes", data_a.get("total_bytes"), data_b.get("total_bytes"))
+        note("data generated", data_a.get("generated"), data_b.get("generated"))
+    return out
+
+
+def _dig(value: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Timing metrics (samples)
+
+
+def _comparable_samples(
+    baseline: RunRecord, current: RunRecord
+) -> tuple[list[StepSample], list[StepSample], str, str]:
+    """The steps to compare: unprofiled on both sides, else profiled on both (with a note).
+
+    Never one side profiled against the other unprofiled: the profiler's overhead (often 10-50%)
+    would read as a regression.
+    """
+
+    def split(record: RunRecord) -> tuple[list[StepSample], list[StepSample]]:
+        samples = record.timing.samples
+        return [s for s in samples if not s.profiled], [s for s in samples if s.profiled]
+
+    base_plain, base_prof = split(baseline)
+    cur_plain, cur_prof = split(current)
+    if base_plain and cur_plain:
+        return base_plain, cur_plain, "unprofiled", ""
+    if not base_plain and not cur_plain and base_prof and cur_prof:
+        return (
+            base_prof,
+            cur_prof,
+            "profiled",
+            "Neither record has unprofiled steps: profiled steps are compared (both include the "
+            "profiler's overhead).",
+        )
+    if not base_plain and not cur_plain:
+        return [], [], "unprofiled", ""
+    lacking = "baseline" if not base_plain else "current"
+    return (
+        [],
+        [],
+        "unprofiled",
+        f"The {lacking} record has no unprofiled steps and the other has: profiled and "
+        "unprofiled steps are not compared (the profiler's overhead would read as a change).",
+    )
+
+
+def _spread(values: Sequence[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    median = statistics.median(values)
+    return (q3 - q1) / median if median > 0 else None
+
+
+def _pct(fraction: float) -> str:
+    return f"{fraction * 100:+.1f}%"
+
+
+def _p(p: float) -> str:
+    return f"p={p:.2g}" if p >= 1e-4 else "p<0.0001"
+
+
+def _seconds(value: float) -> str:
+    magnitude = abs(value)
+    if magnitude >= 1 or magnitude == 0:
+        return f"{value:.3g} s"
+    if magnitude >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value * 1e6:.3g} µs"
+
+
+def compare_samples(
+    baseline: Sequence[float],
+    current: Sequence[float],
+    *,
+    key: str,
+    kind: MetricKind,
+    label: str,
+    threshold: float,
+    significance: float,
+    floor_seconds: float | None = None,
+) -> MetricComparison:
+    """Judge one timing metric from its raw per-step samples (see the module docstring)."""
+    m, n = len(baseline), len(current)
+    base = dict(key=key, kind=kind, label=label, unit="seconds", n_baseline=m, n_current=n)
+    if not m or not n:
+        missing = " and ".join(
+            side for side, count in (("baseline", m), ("current", n)) if not count
+        )
+        return MetricComparison(
+            **base,  # type: ignore[arg-type]
+            verdict="inconclusive",
+            reason=f"not measured in the {missing} record",
+            baseline=statistics.median(baseline) if m else None,
+            current=statistics.median(current) if n else None,
+            significance=significance,
+        )
+    med_a, med_b = statistics.median(baseline), statistics.median(current)
+    ratio = med_b / med_a if med_a > 0 else None
+    common = dict(
+        base,
+        baseline=med_a,
+        current=med_b,
+        ratio=ratio,
+        significance=significance,
+        baseline_spread=_spread(baseline),
+        current_spread=_spread(current),
+    )
+    if smallest_p_value(m, n) >= significance:
+        need = minimum_samples(significance)
+        return MetricComparison(
+            **common,  # type: ignore[arg-type]
+            verdict="inconclusive",
+            reason=(
+                f"too few samples ({m} baseline, {n} current steps): at significance "
+                f"{significance:.2g} no difference could be significant; need at least {need} "
+                "steps on each side"
+            ),
+            method="Mann–Whitney U",
+        )
+    test = mann_whitney_u(baseline, current)
+    interval = ratio_interval(baseline, current, significance)
+    ci_low, ci_high = interval if interval is not None else (None, None)
+    upper, lower = 1 + threshold, 1 / (1 + threshold)
+    significant = test.p_value < significance
+    delta = med_b - med_a
+    material_up = floor_seconds is None or delta >= floor_seconds
+    material_down = floor_seconds is None or -delta >= floor_seconds
+    beyond_up = ratio >= upper if ratio is not None else delta > 0
+    beyond_down = ratio <= lower if ratio is not None else delta < 0
+    change = (
+        _pct(ratio - 1) if ratio is not None else f"{'+' if delta >= 0 else ''}{_seconds(delta)}"
+    )
+    ci_text = (
+        f", CI {_pct(ci_low - 1)}…{_pct(ci_high - 1)}"
+        if ci_low is not None and ci_high is not None
+        else ""
+    )
+    stats_text = f"{change} ({_p(test.p_value)}{ci_text})"
+    within_band = (
+        ci_low is not None and ci_high is not None and lower <= ci_low and ci_high <= upper
+    )
+    # A phase whose whole interval is worth less than the floor is immaterial either way.
+    shift = shift_interval(baseline, current, significance) if floor_seconds is not None else None
+    negligible = (
+        floor_seconds is not None
+        and shift is not None
+        and max(abs(shift[0]), abs(shift[1])) < floor_seconds
+    )
+    identical = min(baseline) == max(baseline) == min(current) == max(current)
+    method = f"Mann–Whitney U ({test.method})"
+    verdict: Verdict
+    if significant and beyond_up and material_up:
+        verdict, reason = "slower", f"{stats_text}: significant and beyond +{threshold:.0%}"
+    elif significant and beyond_down and material_down:
+        verdict, reason = "faster", f"{stats_text}: significant and beyond −{threshold:.0%}"
+    elif identical:
+        verdict, reason = "same", f"{stats_text}: every step took the same time on both sides"
+    elif within_band:
+        verdict = "same"
+        if significant:
+            reason = f"{stats_text}: a real change, under the ±{threshold:.0%} threshold"
+        else:
+            reason = f"{stats_text}: within ±{threshold:.0%}"
+    elif negligible:
+        verdict = "same"
+        reason = f"{stats_text}: under the floor of {_seconds(floor_seconds or 0.0)} per step"
+    elif significant:
+        verdict = "same"
+        if beyond_up or beyond_down:
+            reason = (
+                f"{stats_text}: significant but {_seconds(abs(delta))} per step is under the "
+                f"floor of {_seconds(floor_seconds or 0.0)}"
+            )
+        else:
+            reason = f"{stats_text}: a real change, under the ±{threshold:.0%} threshold"
+    else:
+        spreads = ", ".join(
+            f"{side} IQR {value:.0%} of median"
+            for side, value in (
+                ("baseline", common["baseline_spread"]),
+                ("current", common["current_spread"]),
+            )
+            if isinstance(value, float)
+        )
+        verdict = "inconclusive"
+        reason = (
+            f"too much spread: {stats_text} reaches beyond ±{threshold:.0%} and is not "
+            f"significant at {significance:.2g} ({spreads}); rerun with more steps on a quieter "
+            "machine"
+        )
+    return MetricComparison(
+        **common,  # type: ignore[arg-type]
+        verdict=verdict,
+        reason=reason,
+        p_value=test.p_value,
+        ci_low=ci_low,
+        ci_high=ci_high,
+        method=method,
+    )
+
+
+def _compare_step(
+    base: list[StepSample], cur: list[StepSample], samples_kind: str, options: CompareOptions
+) -> MetricComparison:
+    return compare_samples(
+        [s.seconds for s in base],
+        [s.seconds for s in cur],
+        key="step",
+        kind="step",
+        label="s/it" if samples_kind == "unprofiled" else "s/it (profiled steps)",
+        threshold=options.threshold,
+        significance=options.significance,
+    )
+
+
+def _phase_keys(samples: Iterable[StepSample]) -> set[str]:
+    return {k for s in samples for k in s.phases}
+
+
+def _compare_phases(
+    base: list[StepSample],
+    cur: list[StepSample],
+    base_step: float | None,
+    options: CompareOptions,
+) -> list[MetricComparison]:
+    keys = _phase_keys(base) | _phase_keys(cur)
+    ordered = [p for p in PHASES if p in keys] + sorted(keys - set(PHASES))
+    if not ordered:
+        return []
+    significance = options.significance / len(ordered)  # Bonferroni over the phases
+    floor = options.phase_floor * base_step if base_step else None
+    out = []
+    for phase in ordered:
+        a = [s.phases[phase] for s in base if _finite(s.phases.get(phase))]
+        b = [s.phases[phase] for s in cur if _finite(s.phases.get(phase))]
+        out.append(
+            compare_samples(
+                a,
+                b,
+                key=f"phase.{phase}",
+                kind="phase",
+                label=PHASE_LABELS.get(phase, phase.replace("_", " ")),
+                threshold=options.threshold,
+                significance=significance,
+                floor_seconds=floor,
+            )
+        )
+    return out
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Single numbers: memory and kernel classes
+
+
+_MEMORY: tuple[tuple[str, str], ...] = (
+    ("peak_allocated_bytes", "peak device memory allocated"),
+    ("peak_reserved_bytes", "peak device memory reserved"),
+    ("peak_rss_bytes", "peak host memory (RSS)"),
+)
+
+
+def _single(
+    a: float | None,
+    b: float | None,
+    *,
+    key: str,
+    kind: MetricKind,
+    label: str,
+    unit: Unit,
+    threshold: float,
+    worse: Verdict,
+    better: Verdict,
+    floor: float | None = None,
+) -> MetricComparison:
+    method = "single number: threshold only, no significance test"
+    common = dict(key=key, kind=kind, label=label, unit=unit, baseline=a, current=b, method=method)
+    if a is None or b is None:
+        missing = " and ".join(side for side, v in (("baseline", a), ("current", b)) if v is None)
+        return MetricComparison(
+            **common,  # type: ignore[arg-type]
+            verdict="inconclusive",
+            reason=f"not measured in the {missing} record",
+            n_baseline=int(a is not None),
+            n_current=int(b is not None),
+        )
+    ratio = b / a if a > 0 else None
+    delta = b - a
+    material_up = floor is None or delta >= floor
+    material_down = floor is None or -delta >= floor
+    up = ratio >= 1 + threshold if ratio is not None else delta > 0
+    down = ratio <= 1 / (1 + threshold) if ratio is not None else delta < 0
+    change = _pct(ratio - 1) if ratio is not None else ("new" if b > 0 else "0 → 0")
+    verdict: Verdict
+    if up and material_up:
+        verdict, reason = worse, f"{change}: beyond +{threshold:.0%} (single number, no test)"
+    elif down and material_down:
+        verdict, reason = better, f"{change}: beyond −{threshold:.0%} (single number, no test)"
+    elif up or down:
+        verdict = "same"
+        floor_text = _seconds(floor or 0.0)
+        reason = f"{change}: {_seconds(abs(delta))} per step is under the floor of {floor_text}"
+    else:
+        verdict, reason = "same", f"{change}: within ±{threshold:.0%} (single number, no test)"
+    return MetricComparison(
+        **common,  # type: ignore[arg-type]
+        verdict=verdict,
+        reason=reason,
+        ratio=ratio,
+        n_baseline=1,
+        n_current=1,
+    )
+
+
+def _compare_memory(
+    baseline: RunRecord, current: RunRecord, options: CompareOptions
+) -> list[MetricComparison]:
+    out = []
+    for name, label in _MEMORY:
+        a, b = getattr(baseline.timing, name), getattr(current.timing, name)
+        if a is None and b is None:
+            continue  # not measured on this device kind (no device memory on a CPU)
+        out.append(
+            _single(
+                a,
+                b,
+                key=f"memory.{name}",
+                kind="memory",
+                label=label,
+                unit="bytes",
+                threshold=options.threshold,
+                worse="larger",
+                better="smaller",
+            )
+        )
+    return out
+
+
+def _compare_kernel_classes(
+    baseline: RunRecord,
+    current: RunRecord,
+    base_step: float | None,
+    options: CompareOptions,
+    notes: list[str],
+) -> list[MetricComparison]:
+    a = baseline.breakdown.device_seconds_by_kernel_class
+    b = current.breakdown.device_seconds_by_kernel_class
+    if not a and not b:
+        return []
+    if not a or not b:
+        lacking = "baseline" if not a else "current"
+        notes.append(
+            f"Device time per kernel class is only in the other record (the {lacking} one read "
+            "no device trace): not compared."
+        )
+        return []
+    floor = options.phase_floor * base_step if base_step else None
+    out = []
+    for name in sorted(set(a) | set(b), key=lambda k: (-max(a.get(k, 0.0), b.get(k, 0.0)), k)):
+        out.append(
+            _single(
+                float(a.get(name, 0.0)),
+                float(b.get(name, 0.0)),
+                key=f"kernel_class.{name}",
+                kind="kernel_class",
+                label=f"kernel class {name}",
+                unit="seconds",
+                threshold=options.threshold,
+                worse="slower",
+                better="faster",
+                floor=floor,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Findings
+
+
+def diff_findings(baseline: RunRecord, current: RunRecord) -> tuple[FindingChange, ...]:
+    """New, gone and re-graded findings by id: new and escalated first, most severe first."""
+    before = {f.id: f for f in baseline.findings}
+    after = {f.id: f for f in current.findings}
+    out: list[FindingChange] = []
+    for fid, f in after.items():
+        old = before.get(fid)
+        if old is None:
+            kind: FindingChangeKind = "new"
+        elif _SEVERITY_RANK.get(f.severity, 0) > _SEVERITY_RANK.get(old.severity, 0):
+            kind = "escalated"
+        elif _SEVERITY_RANK.get(f.severity, 0) < _SEVERITY_RANK.get(old.severity, 0):
+            kind = "deescalated"
+        else:
+            continue
+        out.append(
+            FindingChange(
+                id=fid,
+                change=kind,
+                title=f.title,
+                category=f.category,
+                baseline_severity=old.severity if old else None,
+                current_severity=f.severity,
+                est_seconds_saved_per_it=f.est_seconds_saved_per_it,
+            )
+        )
+    for fid, old in before.items():
+        if fid not in after:
+            out.append(
+                FindingChange(
+                    id=fid,
+                    change="gone",
+                    title=old.title,
+                    category=old.category,
+                    baseline_severity=old.severity,
+                    current_severity=None,
+                    est_seconds_saved_per_it=old.est_seconds_saved_per_it,
+                )
+            )
+    order = {"new": 0, "escalated": 1, "deescalated": 2, "gone": 3}
+    out.sort(key=lambda c: (order[c.change], -_SEVERITY_RANK.get(c.severity, 0), c.id))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# The gate
+
+
+def parse_fail_on(text: str) -> frozenset[str]:
+    """``"slower,new-critical"`` -> the criteria; DiagnoseError(USAGE) on an unknown one."""
+    items = frozenset(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(items - set(FAIL_ON_CHOICES))
+    if unknown:
+        raise DiagnoseError(
+            f"--fail-on {unknown[0]}: unknown; choose from {', '.join(FAIL_ON_CHOICES)}",
+            ExitCode.USAGE,
+        )
+    return items
+
+
+def _raises_to(change: FindingChange, severity: str) -> bool:
+    """A finding that is new, or more severe than before, and now at least ``severity``."""
+    if change.change not in ("new", "escalated") or change.current_severity is None:
+        return False
+    return _SEVERITY_RANK.get(change.current_severity, 0) >= _SEVERITY_RANK[severity]
+
+
+def gate_failures(
+    comparison: Comparison, fail_on: Iterable[str] | None = None
+) -> tuple[GateFailure, ...]:
+    """Every reason the job fails under ``fail_on`` (default: the comparison's options)."""
+    criteria = frozenset(comparison.options.fail_on if fail_on is None else fail_on)
+    out: list[GateFailure] = []
+    for metric in comparison.metrics:
+        criterion = {
+            "step": "slower",
+            "phase": "phase",
+            "memory": "memory",
+            "kernel_class": "kernel",
+        }[metric.kind]
+        if metric.regressed and criterion in criteria:
+            out.append(
+                GateFailure(
+                    criterion, metric.key, f"{metric.label} {metric.verdict}: {metric.reason}"
+                )
+            )
+        if (
+            metric.kind == "step"
+            and metric.verdict == "inconclusive"
+            and "inconclusive" in criteria
+        ):
+            out.append(
+                GateFailure(
+                    "inconclusive", metric.key, f"{metric.label} inconclusive: {metric.reason}"
+                )
+            )
+    for change in comparison.findings:
+        for criterion, severity in (("new-critical", "critical"), ("new-warn", "warn")):
+            if criterion in criteria and _raises_to(change, severity):
+                was = f" (was {change.baseline_severity})" if change.baseline_severity else ""
+                out.append(
+                    GateFailure(
+                        criterion,
+                        change.id,
+                        f"{change.change} {change.current_severity} finding {change.id}{was}: "
+                        f"{change.title}",
+                    )
+                )
+                break  # one failure per finding, under the strictest criterion that fired
+    return tuple(out)
+
+
+def gate_exit_code(comparison: Comparison, fail_on: Iterable[str] | None = None) -> int:
+    """ExitCode.REGRESSION when anything in ``fail_on`` fired, else ExitCode.OK."""
+    return int(ExitCode.REGRESSION if gate_failures(comparison, fail_on) else ExitCode.OK)
+
+
+__all__ = [
+    "COMPARED_CONFIG_KEYS",
+    "DEFAULT_FAIL_ON",
+    "DEFAULT_PHASE_FLOOR",
+    "DEFAULT_SIGNIFICANCE",
+    "DEFAULT_THRESHOLD",
+    "FAIL_ON_CHOICES",
+    "CompareOptions",
+    "Comparison",
+    "FindingChange",
+    "GateFailure",
+    "MetricComparison",
+    "RecordSide",
+    "UTest",
+    "compare_records",
+    "compare_samples",
+    "diff_findings",
+    "environment_changes",
+    "gate_exit_code",
+    "gate_failures",
+    "mann_whitney_u",
+    "minimum_samples",
+    "parse_fail_on",
+    "ratio_interval",
+    "record_differences",
+    "shift_interval",
+    "smallest_p_value",
+]
