@@ -243,3 +243,30 @@ def test_entry_points(entry: list[str]) -> None:
     done = subprocess.run([*entry, "run", "--batch", "x"], capture_output=True, text=True, env=env)
     assert done.returncode == ExitCode.USAGE
     assert "Traceback" not in done.stderr
+
+
+def test_run_with_a_baseline_gates_and_keeps_the_measurement(
+    default_run: Path, tmp_path: Path, capsys: Any
+) -> None:
+    """--baseline compares after saving: a baseline of the same config gates (0 or 6, with JUnit);
+    one from another device is refused (3) and the new record is still there."""
+    same = tmp_path / "same"
+    junit = tmp_path / "gate.xml"
+    argv = ["run", "--out", str(same), *QUICK, "--baseline", str(default_run)]
+    code = main([*argv, "--junit", str(junit)])
+    assert code in (ExitCode.OK, ExitCode.REGRESSION)
+    assert junit.is_file() and "<testsuite" in junit.read_text()
+    assert (same / "record.json").is_file()
+
+    other = tmp_path / "other"
+    old = FIXTURES / "records" / "v1_minimal.json"  # recorded on an RX 7900 XTX
+    capsys.readouterr()
+    assert main(["run", "--out", str(other), *QUICK, "--baseline", str(old)]) == ExitCode.BAD_INPUT
+    assert capsys.readouterr().err.startswith("diagnose: error:")
+    assert RunRecord.load(other).mode == "run"
+
+
+def test_a_bad_baseline_fails_before_the_run(tmp_path: Path) -> None:
+    argv = ["run", "--out", str(tmp_path / "out"), *QUICK, "--baseline", str(tmp_path / "nope")]
+    assert main(argv) == ExitCode.BAD_INPUT
+    assert not (tmp_path / "out").exists()

@@ -110,6 +110,15 @@ class RunCommand:
             help="also replace your home folder and user name in the outputs (secrets always are)",
         )
         output.add_argument("--no-progress", action="store_true", help="no progress line")
+        from diagnose.commands.compare import add_gate_options
+
+        output.add_argument(
+            "--baseline",
+            type=Path,
+            metavar="RECORD",
+            help="compare with a saved record (file or run folder); exit 6 on a regression",
+        )
+        add_gate_options(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         from diagnose.output import default_out_dir, prepare_out_dir
@@ -154,6 +163,14 @@ class RunCommand:
         if config.data_dir is not None and not Path(config.data_dir).is_dir():
             raise DiagnoseError(f"--data {config.data_dir}: no such folder", ExitCode.BAD_INPUT)
 
+        baseline = None
+        if args.baseline is not None:
+            from diagnose.commands.compare import check_gate_outputs
+            from diagnose.record import RunRecord
+
+            # Before the long run: a bad baseline or an existing --junit file fails fast.
+            baseline = RunRecord.load(args.baseline)
+            check_gate_outputs(args, force=args.force)
         out_dir = args.out if args.out is not None else default_out_dir("run")
         created = not out_dir.exists()
         prepare_out_dir(out_dir, force=args.force)
@@ -177,4 +194,14 @@ class RunCommand:
         print(f"\nreport: {outputs.report_path}\nrecord: {outputs.record_path}")
         if outputs.trace_path is not None:
             print(f"trace:  {outputs.trace_path} (open it in Perfetto or chrome://tracing)")
-        return int(ExitCode.OK)
+        if baseline is None:
+            return int(ExitCode.OK)
+        from diagnose.commands.compare import apply_gate
+        from diagnose.reports import write_html
+
+        # The record and report are saved first, so a refused comparison loses no measurement.
+        outcome = apply_gate(
+            baseline, outputs.record, args, labels=(str(args.baseline), str(outputs.record_path))
+        )
+        write_html(outputs.record, outputs.report_path, comparison=outcome.comparison)
+        return int(outcome.exit_code)
