@@ -26,6 +26,7 @@ from diagnose.compare import (
     record_differences,
     smallest_p_value,
 )
+from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import Breakdown, Finding, RunRecord, Stats, StepSample
 from tests.conftest import FIXTURES
@@ -169,6 +170,33 @@ def test_a_significant_change_under_the_threshold_is_not_a_regression() -> None:
     )
     assert metric.p_value is not None and metric.p_value < 1e-6
     assert metric.verdict == "same" and "under" in metric.reason
+
+
+def test_a_slowdown_of_the_threshold_is_caught_even_when_its_estimate_lands_under_it() -> None:
+    """The threshold is the slowdown the gate must catch: a significant change whose interval
+    reaches it is a regression even when the median ratio came out at +8%."""
+    a = [1.00, 1.01, 0.99, 1.02, 0.98, 1.03, 0.97, 1.00, 1.01, 0.99, 1.02, 0.98]
+    b = [x * 1.08 for x in a[:6]] + [x * 1.12 for x in a[6:]]
+    metric = compare_samples(
+        a, b, key="step", kind="step", label="s/it", threshold=0.10, significance=0.01
+    )
+    assert metric.ratio is not None and metric.ratio < 1.10
+    assert metric.ci_high is not None and metric.ci_high >= 1.10
+    assert metric.verdict == "slower"
+    assert "interval reaches +10%" in metric.reason
+    # Its clean twin: the same +8% measured tightly enough to rule out +10% is not a failure.
+    tight_a = [1 + 0.002 * ((i * 7) % 11 - 5) for i in range(30)]
+    tight = compare_samples(
+        tight_a,
+        [x * 1.08 for x in tight_a],
+        key="step",
+        kind="step",
+        label="s/it",
+        threshold=0.10,
+        significance=0.01,
+    )
+    assert tight.ci_high is not None and tight.ci_high < 1.10
+    assert tight.verdict == "same" and "under" in tight.reason
 
 
 def test_a_big_change_that_is_not_significant_is_inconclusive_not_a_failure() -> None:
@@ -448,7 +476,7 @@ def _false_alarm_rate(
     return alarms / len(pairs)
 
 
-@pytest.mark.parametrize("n", [8, 20])
+@pytest.mark.parametrize("n", [8, 20, RunConfig().steps])
 def test_a_a_false_alarm_rate_on_recorded_noise_is_at_most_one_percent(n: int) -> None:
     """A/A pairs resampled from the per-step times of real same-config runs (with this shared
     machine's contention spikes in them): the gate must cry "slower" in at most 1% of them.
@@ -478,10 +506,11 @@ def quiet_runs() -> list[list[float]]:
     return [r for r in noise_runs() if Stats.of(r).relative_spread <= NOISY_RELATIVE_SPREAD]
 
 
-@pytest.mark.parametrize(("n", "slowdown"), [(8, 0.5), (20, 0.3)])
+@pytest.mark.parametrize(("n", "slowdown"), [(8, 0.5), (20, 0.3), (RunConfig().steps, 0.10)])
 def test_a_slowdown_on_recorded_quiet_noise_is_detected(n: int, slowdown: float) -> None:
     """The clean twin of the A/A test: the same within-run resampling of the quiet runs, with the
-    current side slower, must be caught (bench_compare_gate.py has the whole power table)."""
+    current side slower, must be caught; at the default step count that includes a slowdown of
+    exactly the default threshold (bench_compare_gate.py has the whole power table)."""
     rng = random.Random(7)
     runs = quiet_runs()
     assert len(runs) >= 5

@@ -92,8 +92,8 @@ def add_gate_options(parser: argparse.ArgumentParser) -> None:
         type=parse_threshold,
         default=DEFAULT_THRESHOLD,
         metavar="PCT",
-        help="smallest change that counts, e.g. 10%% or 0.10 (default: 10%%); a regression must "
-        "be both this large (median ratio) and statistically significant",
+        help="the slowdown to catch, e.g. 10%% or 0.10 (default: 10%%); a regression is a "
+        "statistically significant change whose median ratio or confidence interval reaches it",
     )
     gate.add_argument(
         "--significance",
