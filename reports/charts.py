@@ -94,8 +94,13 @@ def breakdown_bar_svg(segments: Sequence[Segment], *, chart_id: str = "breakdown
         left = 0.0
         for segment in drawable:
             ax.barh(
-                [0], [segment.seconds], left=left, height=0.6, color=segment.color,
-                edgecolor="white", linewidth=0.8,
+                [0],
+                [segment.seconds],
+                left=left,
+                height=0.6,
+                color=segment.color,
+                edgecolor="white",
+                linewidth=0.8,
             )
             left += segment.seconds
         ax.set_xlim(0, left)
@@ -127,8 +132,7 @@ def step_times_svg(
         (profiled, PROFILED_COLOR, "^", "profiled"),
     ]
     finite = [
-        [p for p in points if math.isfinite(p.seconds) and p.seconds >= 0]
-        for points, *_ in series
+        [p for p in points if math.isfinite(p.seconds) and p.seconds >= 0] for points, *_ in series
     ]
     timed = [p.seconds for points in finite[1:] for p in points]
     every = timed + [p.seconds for p in finite[0]]
@@ -146,28 +150,45 @@ def step_times_svg(
             if not points:
                 continue
             ax.plot(
-                [p.position for p in points], [min(p.seconds, top) for p in points],
-                linestyle="-", linewidth=0.8, marker=marker, markersize=4.5,
-                color=color, label=label, clip_on=False,
+                [p.position for p in points],
+                [min(p.seconds, top) for p in points],
+                linestyle="-",
+                linewidth=0.8,
+                marker=marker,
+                markersize=4.5,
+                color=color,
+                label=label,
+                clip_on=False,
             )
             for p in points:
                 if p.seconds > top:
                     ax.annotate(
-                        f"↑ {p.seconds:.3g} s", (p.position, top), xytext=(0, 6),
-                        textcoords="offset points", fontsize=7.5, color=color,
-                        ha="center", va="bottom",
+                        f"↑ {p.seconds:.3g} s",
+                        (p.position, top),
+                        xytext=(0, 6),
+                        textcoords="offset points",
+                        fontsize=7.5,
+                        color=color,
+                        ha="center",
+                        va="bottom",
                     )
         if median is not None and math.isfinite(median) and median > 0:
-            ax.axhline(median, color=UNPROFILED_COLOR, linestyle="--", linewidth=0.8,
-                       label="unprofiled median")
+            ax.axhline(
+                median,
+                color=UNPROFILED_COLOR,
+                linestyle="--",
+                linewidth=0.8,
+                label="unprofiled median",
+            )
         ax.set_ylim(0, top)
         ax.set_xlabel("step, in run order")
         ax.set_ylabel("seconds")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(axis="y", color="#e5e5e5", linewidth=0.6)
         ax.set_axisbelow(True)
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False,
-                  fontsize=8)
+        ax.legend(
+            loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False, fontsize=8
+        )
         fig.subplots_adjust(left=0.08, right=0.98, top=0.9, bottom=0.3)
         return _to_svg(fig, chart_id, "Seconds of each step in run order")
 

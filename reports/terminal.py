@@ -109,9 +109,7 @@ def _clean(text: str) -> str:
     return " ".join(_CONTROL.sub(" ", text).split())
 
 
-def _finding_lines(
-    finding: FindingView, style: Callable[[str, str], str], width: int
-) -> list[str]:
+def _finding_lines(finding: FindingView, style: Callable[[str, str], str], width: int) -> list[str]:
     saving = (
         f"saves ~{finding.saving}, {finding.saving_basis}"
         if finding.saving
@@ -122,8 +120,12 @@ def _finding_lines(
     out = [f"{head} — {saving}"]
     if finding.fix:
         fix = textwrap.fill(
-            _clean(finding.fix), width=max(width, 40), initial_indent="     fix: ",
-            subsequent_indent="          ", break_on_hyphens=False, break_long_words=False,
+            _clean(finding.fix),
+            width=max(width, 40),
+            initial_indent="     fix: ",
+            subsequent_indent="          ",
+            break_on_hyphens=False,
+            break_long_words=False,
         )
         out.append(fix)
     return out

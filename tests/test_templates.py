@@ -38,25 +38,48 @@ def _timing(unprofiled: list[float], profiled: list[float]) -> Timing:
 def run_record() -> RunRecord:
     return RunRecord(
         created="2025-02-03T04:05:06+00:00",
-        device=DeviceInfo(kind="cuda", vendor="NVIDIA", name="NVIDIA GeForce RTX 4090",
-                          memory_bytes=24 * 2**30),
-        config={"preset": "sd15", "precision": "fp16", "optimizer": "adamw",
-                "resolution": [512, 768], "batch": 2, "rank": 16},
+        device=DeviceInfo(
+            kind="cuda", vendor="NVIDIA", name="NVIDIA GeForce RTX 4090", memory_bytes=24 * 2**30
+        ),
+        config={
+            "preset": "sd15",
+            "precision": "fp16",
+            "optimizer": "adamw",
+            "resolution": [512, 768],
+            "batch": 2,
+            "rank": 16,
+        },
         model=ModelInfo(preset="sd15", size="tiny"),
         timing=_timing([0.0456, 0.0460, 0.0452, 0.0458], [0.051]),
         breakdown=Breakdown(seconds={"forward": 0.015, "backward": 0.025, "optimizer": 0.005}),
         findings=[
-            Finding(id="b.second", severity="warn", title="Second biggest cost",
-                    est_seconds_saved_per_it=0.004, saving_basis="estimated", fix="do B"),
+            Finding(
+                id="b.second",
+                severity="warn",
+                title="Second biggest cost",
+                est_seconds_saved_per_it=0.004,
+                saving_basis="estimated",
+                fix="do B",
+            ),
             Finding(id="a.third", severity="critical", title="Third: not quantified", fix="do C"),
-            Finding(id="c.first", severity="info", title="First biggest cost",
-                    est_seconds_saved_per_it=0.01, saving_basis="measured", fix="do A",
-                    evidence={"nested": {"list": [1, 2.5, "x"], "deeper": {"k": True}}}),
+            Finding(
+                id="c.first",
+                severity="info",
+                title="First biggest cost",
+                est_seconds_saved_per_it=0.01,
+                saving_basis="measured",
+                fix="do A",
+                evidence={"nested": {"list": [1, 2.5, "x"], "deeper": {"k": True}}},
+            ),
         ],
         probes=[
             ProbeResult(name="precision", status="ok", checked_ok=["GEMMs run in fp16"]),
-            ProbeResult(name="bnb", status="error", reason="ImportError: no libbitsandbytes",
-                        traceback="Traceback (most recent call last):\nImportError: <lib> & co"),
+            ProbeResult(
+                name="bnb",
+                status="error",
+                reason="ImportError: no libbitsandbytes",
+                traceback="Traceback (most recent call last):\nImportError: <lib> & co",
+            ),
         ],
         top_ops=[OpStat(name="aten::mm", calls_per_step=12, self_cpu_seconds=0.001)],
         command="diagnose run --preset sd15 --size tiny",
@@ -75,15 +98,30 @@ def hostile_record() -> RunRecord:
     record.model.class_name = HOSTILE
     record.breakdown.seconds[HOSTILE] = 0.01
     record.breakdown.device_seconds_by_kernel_class = {HOSTILE: 0.01}
-    record.findings.append(Finding(
-        id=HOSTILE, category=HOSTILE, severity=HOSTILE, title=HOSTILE,  # type: ignore[arg-type]
-        evidence={HOSTILE: [HOSTILE], "n": {HOSTILE: HOSTILE}}, fix=HOSTILE, detail=HOSTILE,
-        source=HOSTILE, est_seconds_saved_per_it=1.0, saving_basis=HOSTILE,  # type: ignore[arg-type]
-    ))
-    record.probes.append(ProbeResult(
-        name=HOSTILE, status="error", reason=HOSTILE, traceback=HOSTILE, checked_ok=[HOSTILE],
-        data={HOSTILE: HOSTILE},
-    ))
+    record.findings.append(
+        Finding(
+            id=HOSTILE,
+            category=HOSTILE,
+            severity=HOSTILE,
+            title=HOSTILE,  # type: ignore[arg-type]
+            evidence={HOSTILE: [HOSTILE], "n": {HOSTILE: HOSTILE}},
+            fix=HOSTILE,
+            detail=HOSTILE,
+            source=HOSTILE,
+            est_seconds_saved_per_it=1.0,
+            saving_basis=HOSTILE,  # type: ignore[arg-type]
+        )
+    )
+    record.probes.append(
+        ProbeResult(
+            name=HOSTILE,
+            status="error",
+            reason=HOSTILE,
+            traceback=HOSTILE,
+            checked_ok=[HOSTILE],
+            data={HOSTILE: HOSTILE},
+        )
+    )
     record.probes.append(ProbeResult(name="s", status="skipped", reason=HOSTILE))
     record.top_ops.append(OpStat(name=HOSTILE, input_shapes=HOSTILE, input_dtypes=HOSTILE))
     record.notes.append(HOSTILE)
@@ -137,7 +175,7 @@ def test_title_and_headline_come_first() -> None:
     assert page.title == "diagnose: 45.7 ms/it on NVIDIA GeForce RTX 4090"
     assert html.startswith("<!DOCTYPE html>")
     headline = html.index('class="headline"')
-    assert "45.7 ms/it" in html[headline:headline + 200]
+    assert "45.7 ms/it" in html[headline : headline + 200]
     assert "median of 4 unprofiled steps, IQR 45.5–45.9 ms" in html
     assert "SD 1.5 (tiny) LoRA rank 16, fp16, AdamW, 512/768 px, batch 2" in html
     # The first screen in the order DESIGN.md asks for.
@@ -148,8 +186,10 @@ def test_title_and_headline_come_first() -> None:
 
 def test_findings_appear_in_ranked_order() -> None:
     html = render_html(run_record())
-    positions = [html.index(t) for t in
-                 ("First biggest cost", "Second biggest cost", "Third: not quantified")]
+    positions = [
+        html.index(t)
+        for t in ("First biggest cost", "Second biggest cost", "Third: not quantified")
+    ]
     assert positions == sorted(positions)
     assert "measured (A/B)" in html and "estimated" in html and "not quantified" in html
     assert "No slow-down found" not in html
@@ -166,9 +206,12 @@ def test_empty_state_names_what_ran() -> None:
 def test_error_probe_shows_reason_and_escaped_traceback() -> None:
     html = render_html(run_record())
     assert "ImportError: no libbitsandbytes" in html
-    assert re.search(r"<details class=\"traceback\"><summary>Traceback</summary><pre>"
-                     r"Traceback \(most recent call last\):\nImportError: &lt;lib&gt; &amp; co"
-                     r"</pre></details>", html)
+    assert re.search(
+        r"<details class=\"traceback\"><summary>Traceback</summary><pre>"
+        r"Traceback \(most recent call last\):\nImportError: &lt;lib&gt; &amp; co"
+        r"</pre></details>",
+        html,
+    )
     assert "GEMMs run in fp16" in html
 
 
@@ -212,7 +255,7 @@ def test_hostile_strings_are_escaped() -> None:
 def test_an_empty_record_renders_not_measured() -> None:
     html = render_html(RunRecord())
     assert parse(html).title == "diagnose: no step time"
-    assert "<strong class=\"big\">Not measured</strong>" in html
+    assert '<strong class="big">Not measured</strong>' in html
     assert "Not measured: the record holds no per-phase breakdown." in html
     assert "Not measured: the record holds no step samples." in html
     assert "No slow-down found by the checks that ran." in html
