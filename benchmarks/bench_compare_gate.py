@@ -10,14 +10,18 @@ of n steps are resampled three ways:
 - between-runs: n consecutive steps of one run against n consecutive steps of another, as two CI
                 jobs would measure: carries the run-to-run drift (and here, other processes
                 starting and stopping on the shared machine).
+- 3 baselines:  as between-runs, with three other runs as the baselines (`diagnose compare B1 B2
+                B3 CURRENT`): the gate then sees the drift between the baselines.
 
 Each scheme runs on two pools: all recorded runs, and the runs the report itself would not flag
 as noisy (interquartile range at most 10% of the median, reports.view.NOISY_RELATIVE_SPREAD):
 the closest this machine comes to a dedicated CI runner.
 
 A/A pairs are used as they are (any "slower" is a false alarm); for detection the current side is
-multiplied by 1 + slowdown. The gate is `compare_samples` with the default significance (0.01)
-and the threshold of the row. Prints one table.
+multiplied by 1 + slowdown. The gate is `compare_runs` (what `diagnose compare` runs on s/it) with
+the default significance (0.01) and the threshold of the row. Prints one table, then the rates at
+the default step count and threshold against the targets of issue 9 (>= 95% of 10% slowdowns
+caught, <= 1% A/A false alarms).
 
     python benchmarks/bench_compare_gate.py [--trials 1000] [--seed 0]
 """
@@ -32,17 +36,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from diagnose.compare import DEFAULT_SIGNIFICANCE, compare_samples
+from diagnose.compare import DEFAULT_SIGNIFICANCE, DEFAULT_THRESHOLD, compare_runs
 from diagnose.config import RunConfig
 from diagnose.record import Stats
 from diagnose.reports.view import NOISY_RELATIVE_SPREAD
 
 NOISE = Path(__file__).resolve().parent.parent / "fixtures" / "compare" / "noise.json"
 SLOWDOWNS: tuple[float, ...] = (0.05, 0.10, 0.15, 0.20, 0.30, 0.50)
-SAMPLE_COUNTS: tuple[int, ...] = (RunConfig().steps, 12, 20, 30, 50)
+SAMPLE_COUNTS: tuple[int, ...] = tuple(sorted({8, 12, 20, RunConfig().steps, 50}))
 THRESHOLDS: tuple[float, ...] = (0.10, 0.05)
 
-Pair = tuple[list[float], list[float]]
+#: (the baseline runs' samples, one list per run; the current run's samples)
+Pair = tuple[list[list[float]], list[float]]
 Sampler = Callable[[random.Random, int], Pair]
 
 
@@ -60,20 +65,30 @@ def samplers(runs: list[list[float]]) -> dict[str, Sampler]:
     pooled = [s for run in runs for s in run]
 
     def pooled_pair(rng: random.Random, n: int) -> Pair:
-        return [rng.choice(pooled) for _ in range(n)], [rng.choice(pooled) for _ in range(n)]
+        return [[rng.choice(pooled) for _ in range(n)]], [rng.choice(pooled) for _ in range(n)]
 
     def within_run(rng: random.Random, n: int) -> Pair:
         run = rng.choice([r for r in runs if len(r) >= 2 * n])
         picked = rng.sample(run, 2 * n)
-        return picked[:n], picked[n:]
+        return [picked[:n]], picked[n:]
 
-    def between_runs(rng: random.Random, n: int) -> Pair:
-        first, second = rng.sample([r for r in runs if len(r) >= n], 2)
-        i = rng.randrange(len(first) - n + 1)
-        j = rng.randrange(len(second) - n + 1)
-        return first[i : i + n], second[j : j + n]
+    def segment(rng: random.Random, run: list[float], n: int) -> list[float]:
+        i = rng.randrange(len(run) - n + 1)
+        return run[i : i + n]
 
-    return {"pooled": pooled_pair, "within-run": within_run, "between-runs": between_runs}
+    def between(count: int) -> Sampler:
+        def draw(rng: random.Random, n: int) -> Pair:
+            *bases, current = rng.sample([r for r in runs if len(r) >= n], count + 1)
+            return [segment(rng, b, n) for b in bases], segment(rng, current, n)
+
+        return draw
+
+    return {
+        "pooled": pooled_pair,
+        "within-run": within_run,
+        "between-runs": between(1),
+        "3 baselines": between(3),
+    }
 
 
 def rate(
@@ -81,12 +96,13 @@ def rate(
 ) -> float:
     hits = 0
     for _ in range(trials):
-        a, b = sampler(rng, n)
+        bases, b = sampler(rng, n)
         if slowdown:
             b = [s * (1 + slowdown) for s in b]
-        metric = compare_samples(
-            a,
+        metric = compare_runs(
+            bases,
             b,
+            baseline_labels=[f"run {i}" for i in range(len(bases))],
             key="step",
             kind="step",
             label="s/it",
@@ -116,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if name == "between-runs" and sum(len(r) >= n for r in pool) < 2:
                     continue
+                if name == "3 baselines" and sum(len(r) >= n for r in pool) < 4:
+                    continue
                 for threshold in THRESHOLDS:
                     rng = random.Random(args.seed)
                     cells = [pool_name, name, str(n), f"{threshold:.0%}"]
@@ -138,8 +156,25 @@ def main(argv: list[str] | None = None) -> int:
                 for i, (c, w) in enumerate(zip(row, widths, strict=True))
             )
         )
+    default = [
+        r for r in rows if r[2] == str(RunConfig().steps) and r[3] == f"{DEFAULT_THRESHOLD:.0%}"
+    ]
+    caught_column = header.index(f"+{DEFAULT_THRESHOLD:.0%} caught")
+    print(
+        f"\nAt the defaults ({RunConfig().steps} steps a side, threshold "
+        f"{DEFAULT_THRESHOLD:.0%}); targets: >= 95% of +{DEFAULT_THRESHOLD:.0%} caught, <= 1% "
+        "A/A false alarms"
+    )
+    for r in default:
+        caught, alarms = _rate(r[caught_column]), _rate(r[4])
+        verdict = "meets both" if caught >= 0.95 and alarms <= 0.01 else "misses"
+        print(f"  {r[0]:<5}  {r[1]:<12}  caught {r[caught_column]:>6}  A/A {r[4]:>6}  {verdict}")
     print(f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     return 0
+
+
+def _rate(cell: str) -> float:
+    return float(cell.rstrip("%")) / 100
 
 
 if __name__ == "__main__":

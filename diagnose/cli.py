@@ -44,6 +44,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("diagnose: interrupted", file=sys.stderr)
         return int(ExitCode.INTERRUPTED)
+    except BrokenPipeError:
+        # The reader of our output went away (`diagnose compare ... | head`). Commands write
+        # their files before printing, so nothing is lost; stdout is pointed at /dev/null so
+        # the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return int(ExitCode.BROKEN_PIPE)
     except Exception as exc:
         if os.environ.get("DIAGNOSE_DEBUG"):
             raise

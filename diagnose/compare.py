@@ -43,12 +43,12 @@ import functools
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from diagnose.errors import DiagnoseError, ExitCode
-from diagnose.record import PHASE_LABELS, PHASES, SEVERITIES, RunRecord, StepSample
+from diagnose.record import PHASE_LABELS, PHASES, SEVERITIES, Finding, RunRecord, StepSample
 
 Verdict = Literal["faster", "same", "slower", "larger", "smaller", "inconclusive"]
 MetricKind = Literal["step", "phase", "memory", "kernel_class"]
@@ -376,7 +376,7 @@ class FindingChange:
 
 @dataclass(frozen=True)
 class RecordSide:
-    """What the outputs say about one of the two records."""
+    """What the outputs say about one compared record (a baseline or the current one)."""
 
     label: str
     created: str
@@ -386,6 +386,8 @@ class RecordSide:
     #: "unprofiled" or "profiled": which steps were compared.
     samples_kind: str
     n_samples: int
+    #: Median s/it of the compared steps, None when there are none.
+    median_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -401,7 +403,8 @@ class GateFailure:
 
 @dataclass(frozen=True)
 class Comparison:
-    baseline: RecordSide
+    #: One or more baselines (e.g. the last green runs), in the order given.
+    baselines: tuple[RecordSide, ...]
     current: RecordSide
     options: CompareOptions
     metrics: tuple[MetricComparison, ...]
@@ -412,6 +415,9 @@ class Comparison:
     #: because they are usually the cause of a regression.
     environment_changes: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    #: With several baselines: how far apart their s/it medians are (slowest / fastest - 1), the
+    #: runner's own run-to-run drift. None with one baseline.
+    baseline_drift: float | None = None
 
     def metric(self, key: str) -> MetricComparison | None:
         return next((m for m in self.metrics if m.key == key), None)
@@ -437,19 +443,39 @@ class Comparison:
 
 
 def compare_records(
-    baseline: RunRecord,
+    baseline: RunRecord | Sequence[RunRecord],
     current: RunRecord,
     options: CompareOptions | None = None,
     *,
-    labels: tuple[str, str] = ("baseline", "current"),
+    labels: Sequence[str] = (),
 ) -> Comparison:
-    """Compare ``current`` against ``baseline``.
+    """Compare ``current`` against one baseline record or several.
+
+    ``labels`` names the baselines, then the current record (default: "baseline", "baseline 2",
+    ..., "current").
+
+    Several baselines (the last few green runs of a CI job) show the runner's run-to-run drift,
+    which no single run can: their samples are pooled, and a timing metric is only *slower* when
+    it is also slower than the slowest baseline alone (*faster*: than the fastest), a single
+    number only when it is beyond every baseline's value, and a finding only new or re-graded
+    when its severity is outside the range the baselines showed. A change within what the
+    baselines already disagree on is not a regression.
 
     Raises DiagnoseError(BAD_INPUT) naming the first device or config difference, unless
     ``options.allow_different``.
     """
+    baselines = [baseline] if isinstance(baseline, RunRecord) else list(baseline)
+    if not baselines:
+        raise ValueError("compare_records needs at least one baseline record")
+    names = _labels(labels, len(baselines))
+    base_names = names[:-1]
+    _refuse_repeated_runs(baselines, base_names)
     options = options or CompareOptions()
-    differences = record_differences(baseline, current)
+    several = len(baselines) > 1
+    differences: list[str] = []
+    for name, record in zip(base_names, baselines, strict=True):
+        prefix = f"{name}: " if several else ""
+        differences.extend(prefix + d for d in record_differences(record, current))
     if differences and not options.allow_different:
         raise DiagnoseError(
             f"records are not comparable: {differences[0]}; compare like with like, "
@@ -457,39 +483,85 @@ def compare_records(
             ExitCode.BAD_INPUT,
         )
     notes: list[str] = []
-    base_samples, cur_samples, samples_kind, sample_note = _comparable_samples(baseline, current)
+    base_runs, cur_samples, samples_kind, sample_note = _comparable_samples(baselines, current)
     if sample_note:
         notes.append(sample_note)
 
     metrics: list[MetricComparison] = []
-    step = _compare_step(base_samples, cur_samples, samples_kind, options)
+    step = _compare_step(base_runs, cur_samples, samples_kind, options, base_names)
     metrics.append(step)
-    base_step = statistics.median([s.seconds for s in base_samples]) if base_samples else None
-    metrics.extend(_compare_phases(base_samples, cur_samples, base_step, options))
-    memory = _compare_memory(baseline, current, options)
+    pooled = [s.seconds for run in base_runs for s in run]
+    base_step = statistics.median(pooled) if pooled else None
+    metrics.extend(_compare_phases(base_runs, cur_samples, base_step, options, base_names))
+    memory = _compare_memory(baselines, current, options)
     metrics.extend(memory)
-    prof_a = baseline.config.get("profiled_steps")
-    prof_b = current.config.get("profiled_steps")
-    if memory and prof_a != prof_b and baseline.mode == current.mode == "run":
+    profiled = sorted({str(b.config.get("profiled_steps")) for b in baselines})
+    prof_b = str(current.config.get("profiled_steps"))
+    if memory and profiled != [prof_b] and all(r.mode == "run" for r in (*baselines, current)):
         notes.append(
-            f"The records profiled different numbers of steps ({prof_a} and {prof_b}): peak host "
-            "memory includes the profiler's buffers, so its change is partly that."
+            f"The records profiled different numbers of steps ({', '.join(profiled)} and "
+            f"{prof_b}): peak host memory includes the profiler's buffers, so its change is "
+            "partly that."
         )
-    metrics.extend(_compare_kernel_classes(baseline, current, base_step, options, notes))
+    metrics.extend(_compare_kernel_classes(baselines, current, base_step, options, notes))
 
+    medians = [statistics.median([s.seconds for s in run]) for run in base_runs if run]
+    drift = max(medians) / min(medians) - 1 if len(medians) > 1 and min(medians) > 0 else None
+    if drift is not None and drift > options.threshold:
+        notes.append(
+            f"The {len(medians)} baselines' s/it medians differ by {_pct(drift)} among "
+            f"themselves, more than the {options.threshold:.0%} threshold: this runner drifts "
+            "between runs by more than the change the gate is asked to catch, so a slowdown "
+            "counts only beyond the slowest baseline. Steady the runner (pinned clocks, no "
+            "other jobs) or raise --threshold."
+        )
+    environment: list[str] = []
+    for record in baselines:
+        environment.extend(c for c in environment_changes(record, current) if c not in environment)
     return Comparison(
-        baseline=_side(baseline, labels[0], samples_kind, len(base_samples)),
-        current=_side(current, labels[1], samples_kind, len(cur_samples)),
+        baselines=tuple(
+            _side(record, name, samples_kind, run)
+            for record, name, run in zip(baselines, base_names, base_runs, strict=True)
+        ),
+        current=_side(current, names[-1], samples_kind, cur_samples),
         options=options,
         metrics=tuple(metrics),
-        findings=diff_findings(baseline, current),
+        findings=diff_findings(baselines, current),
         differences=tuple(differences),
-        environment_changes=tuple(environment_changes(baseline, current)),
+        environment_changes=tuple(environment),
         notes=tuple(notes),
+        baseline_drift=drift,
     )
 
 
-def _side(record: RunRecord, label: str, samples_kind: str, n: int) -> RecordSide:
+def _refuse_repeated_runs(records: Sequence[RunRecord], names: Sequence[str]) -> None:
+    """A baseline run given twice would count its steps twice and hide the drift between runs.
+    (The current record may be a baseline too: comparing a run with itself is a sanity check.)"""
+    seen: dict[tuple[object, ...], str] = {}
+    for record, name in zip(records, names, strict=True):
+        identity = (record.created, record.command, tuple(s.seconds for s in record.timing.samples))
+        if identity in seen:
+            raise DiagnoseError(
+                f"{name} is the same run as {seen[identity]} (created {record.created}): give "
+                "each run once",
+                ExitCode.BAD_INPUT,
+            )
+        seen[identity] = name
+
+
+def _labels(labels: Sequence[str], n_baselines: int) -> list[str]:
+    """One label per baseline, then the current record's."""
+    if labels:
+        if len(labels) != n_baselines + 1:
+            raise ValueError(f"{len(labels)} labels for {n_baselines} baselines and one current")
+        return list(labels)
+    names = ["baseline"] + [f"baseline {i}" for i in range(2, n_baselines + 1)]
+    return [*names, "current"]
+
+
+def _side(
+    record: RunRecord, label: str, samples_kind: str, samples: Sequence[StepSample]
+) -> RecordSide:
     from diagnose.reports.view import describe_setup  # light: the view imports no torch
 
     return RecordSide(
@@ -499,7 +571,8 @@ def _side(record: RunRecord, label: str, samples_kind: str, n: int) -> RecordSid
         command=record.command,
         setup=describe_setup(record),
         samples_kind=samples_kind,
-        n_samples=n,
+        n_samples=len(samples),
+        median_seconds=statistics.median([s.seconds for s in samples]) if samples else None,
     )
 
 
@@ -611,11 +684,12 @@ def _dig(value: Any, *keys: str) -> Any:
 
 
 def _comparable_samples(
-    baseline: RunRecord, current: RunRecord
-) -> tuple[list[StepSample], list[StepSample], str, str]:
-    """The steps to compare: unprofiled on both sides, else profiled on both (with a note).
+    baselines: Sequence[RunRecord], current: RunRecord
+) -> tuple[list[list[StepSample]], list[StepSample], str, str]:
+    """The steps to compare (one list per baseline, and the current's): unprofiled on every side,
+    else profiled on every side (with a note).
 
-    Never one side profiled against the other unprofiled: the profiler's overhead (often 10-50%)
+    Never one side profiled against another unprofiled: the profiler's overhead (often 10-50%)
     would read as a regression.
     """
 
@@ -623,26 +697,27 @@ def _comparable_samples(
         samples = record.timing.samples
         return [s for s in samples if not s.profiled], [s for s in samples if s.profiled]
 
-    base_plain, base_prof = split(baseline)
+    base_split = [split(record) for record in baselines]
     cur_plain, cur_prof = split(current)
-    if base_plain and cur_plain:
-        return base_plain, cur_plain, "unprofiled", ""
-    if not base_plain and not cur_plain and base_prof and cur_prof:
-        return (
-            base_prof,
-            cur_prof,
-            "profiled",
-            "Neither record has unprofiled steps: profiled steps are compared (both include the "
-            "profiler's overhead).",
-        )
-    if not base_plain and not cur_plain:
-        return [], [], "unprofiled", ""
-    lacking = "baseline" if not base_plain else "current"
+    empty: list[list[StepSample]] = [[] for _ in baselines]
+    if cur_plain and all(plain for plain, _ in base_split):
+        return [plain for plain, _ in base_split], cur_plain, "unprofiled", ""
+    if not cur_plain and not any(plain for plain, _ in base_split):
+        if cur_prof and all(prof for _, prof in base_split):
+            return (
+                [prof for _, prof in base_split],
+                cur_prof,
+                "profiled",
+                "No record has unprofiled steps: profiled steps are compared (all include the "
+                "profiler's overhead).",
+            )
+        return empty, [], "unprofiled", ""
+    lacking = "the current record" if not cur_plain else "a baseline record"
     return (
-        [],
+        empty,
         [],
         "unprofiled",
-        f"The {lacking} record has no unprofiled steps and the other has: profiled and "
+        f"{lacking.capitalize()} has no unprofiled steps and another record has: profiled and "
         "unprofiled steps are not compared (the profiler's overhead would read as a change).",
     )
 
@@ -819,12 +894,73 @@ def compare_samples(
     )
 
 
-def _compare_step(
-    base: list[StepSample], cur: list[StepSample], samples_kind: str, options: CompareOptions
+def compare_runs(
+    baseline_runs: Sequence[Sequence[float]],
+    current: Sequence[float],
+    *,
+    baseline_labels: Sequence[str],
+    key: str,
+    kind: MetricKind,
+    label: str,
+    threshold: float,
+    significance: float,
+    floor_seconds: float | None = None,
 ) -> MetricComparison:
-    return compare_samples(
-        [s.seconds for s in base],
+    """Judge a timing metric against one or several baseline runs (see :func:`compare_records`).
+
+    The baseline runs' samples are pooled for the test. With several runs, a *slower* (*faster*)
+    verdict must hold against the slowest (fastest) baseline run alone as well; otherwise the
+    change is within the drift between the baselines and the verdict is *inconclusive*.
+    """
+    pooled = [x for run in baseline_runs for x in run]
+    judge = functools.partial(
+        compare_samples,
+        key=key,
+        kind=kind,
+        label=label,
+        threshold=threshold,
+        significance=significance,
+        floor_seconds=floor_seconds,
+    )
+    metric = judge(pooled, current)
+    measured = [
+        (name, run) for name, run in zip(baseline_labels, baseline_runs, strict=True) if run
+    ]
+    if len(measured) < 2 or metric.verdict not in ("slower", "faster"):
+        return metric
+    slower = metric.verdict == "slower"
+    pick = (max if slower else min)(measured, key=lambda item: statistics.median(item[1]))
+    alone = judge(pick[1], current)
+    extreme = "slowest" if slower else "fastest"
+    change = _pct(alone.ratio - 1) if alone.ratio is not None else "—"
+    p_text = f", {_p(alone.p_value)}" if alone.p_value is not None else ""
+    versus = f"the {extreme} baseline alone ({pick[0]}: {alone.verdict}, {change}{p_text})"
+    if alone.verdict == metric.verdict:
+        return replace(metric, reason=f"{metric.reason}; also against {versus}")
+    medians = [statistics.median(run) for _, run in measured]
+    spread = max(medians) / min(medians) - 1 if min(medians) > 0 else None
+    between = f" ({_pct(spread)} between them)" if spread is not None else ""
+    return replace(
+        metric,
+        verdict="inconclusive",
+        reason=(
+            f"{metric.verdict} than the pooled baselines ({metric.reason}), but not against "
+            f"{versus}: within the run-to-run drift the baselines show{between}"
+        ),
+    )
+
+
+def _compare_step(
+    base_runs: list[list[StepSample]],
+    cur: list[StepSample],
+    samples_kind: str,
+    options: CompareOptions,
+    names: Sequence[str],
+) -> MetricComparison:
+    return compare_runs(
+        [[s.seconds for s in run] for run in base_runs],
         [s.seconds for s in cur],
+        baseline_labels=names,
         key="step",
         kind="step",
         label="s/it" if samples_kind == "unprofiled" else "s/it (profiled steps)",
@@ -838,12 +974,13 @@ def _phase_keys(samples: Iterable[StepSample]) -> set[str]:
 
 
 def _compare_phases(
-    base: list[StepSample],
+    base_runs: list[list[StepSample]],
     cur: list[StepSample],
     base_step: float | None,
     options: CompareOptions,
+    names: Sequence[str],
 ) -> list[MetricComparison]:
-    keys = _phase_keys(base) | _phase_keys(cur)
+    keys = _phase_keys(s for run in base_runs for s in run) | _phase_keys(cur)
     ordered = [p for p in PHASES if p in keys] + sorted(keys - set(PHASES))
     if not ordered:
         return []
@@ -851,12 +988,13 @@ def _compare_phases(
     floor = options.phase_floor * base_step if base_step else None
     out = []
     for phase in ordered:
-        a = [s.phases[phase] for s in base if _finite(s.phases.get(phase))]
+        a = [[s.phases[phase] for s in run if _finite(s.phases.get(phase))] for run in base_runs]
         b = [s.phases[phase] for s in cur if _finite(s.phases.get(phase))]
         out.append(
-            compare_samples(
+            compare_runs(
                 a,
                 b,
+                baseline_labels=names,
                 key=f"phase.{phase}",
                 kind="phase",
                 label=PHASE_LABELS.get(phase, phase.replace("_", " ")),
@@ -884,7 +1022,7 @@ _MEMORY: tuple[tuple[str, str], ...] = (
 
 
 def _single(
-    a: float | None,
+    baselines: Sequence[float | None],
     b: float | None,
     *,
     key: str,
@@ -896,6 +1034,10 @@ def _single(
     better: Verdict,
     floor: float | None = None,
 ) -> MetricComparison:
+    """Judge a single number per record by the threshold alone. With several baselines the
+    median is shown, and a change counts only beyond every baseline's value."""
+    present = [v for v in baselines if v is not None]
+    a = statistics.median(present) if present else None
     method = "single number: threshold only, no significance test"
     common = dict(key=key, kind=kind, label=label, unit=unit, baseline=a, current=b, method=method)
     if a is None or b is None:
@@ -904,25 +1046,34 @@ def _single(
             **common,  # type: ignore[arg-type]
             verdict="inconclusive",
             reason=f"not measured in the {missing} record",
-            n_baseline=int(a is not None),
+            n_baseline=len(present),
             n_current=int(b is not None),
         )
+    high, low = max(present), min(present)
     ratio = b / a if a > 0 else None
     delta = b - a
-    material_up = floor is None or delta >= floor
-    material_down = floor is None or -delta >= floor
-    up = ratio >= 1 + threshold if ratio is not None else delta > 0
-    down = ratio <= 1 / (1 + threshold) if ratio is not None else delta < 0
+    material_up = floor is None or b - high >= floor
+    material_down = floor is None or low - b >= floor
+    up = b >= high * (1 + threshold) if high > 0 else b > high
+    down = b <= low / (1 + threshold) if low > 0 else b < low
+    every = " of every baseline" if len(present) > 1 else ""
     change = _pct(ratio - 1) if ratio is not None else ("new" if b > 0 else "0 → 0")
     verdict: Verdict
     if up and material_up:
-        verdict, reason = worse, f"{change}: beyond +{threshold:.0%} (single number, no test)"
+        verdict = worse
+        reason = f"{change}: beyond +{threshold:.0%}{every} (single number, no test)"
     elif down and material_down:
-        verdict, reason = better, f"{change}: beyond −{threshold:.0%} (single number, no test)"
-    elif up or down:
+        verdict = better
+        reason = f"{change}: beyond −{threshold:.0%}{every} (single number, no test)"
+    elif (up or down) and floor is not None:
         verdict = "same"
-        floor_text = _seconds(floor or 0.0)
-        reason = f"{change}: {_seconds(abs(delta))} per step is under the floor of {floor_text}"
+        reason = (
+            f"{change}: {_seconds(abs(delta))} per step is under the floor of {_seconds(floor)}"
+        )
+    elif len(present) > 1 and (ratio is None or not 1 / (1 + threshold) < ratio < 1 + threshold):
+        # Beyond the threshold from the baselines' median, not from every baseline.
+        verdict = "same"
+        reason = f"{change}: within the range of the baselines' values (single number, no test)"
     else:
         verdict, reason = "same", f"{change}: within ±{threshold:.0%} (single number, no test)"
     return MetricComparison(
@@ -930,18 +1081,19 @@ def _single(
         verdict=verdict,
         reason=reason,
         ratio=ratio,
-        n_baseline=1,
+        n_baseline=len(present),
         n_current=1,
     )
 
 
 def _compare_memory(
-    baseline: RunRecord, current: RunRecord, options: CompareOptions
+    baselines: Sequence[RunRecord], current: RunRecord, options: CompareOptions
 ) -> list[MetricComparison]:
     out = []
     for name, label in _MEMORY:
-        a, b = getattr(baseline.timing, name), getattr(current.timing, name)
-        if a is None and b is None:
+        a = [getattr(record.timing, name) for record in baselines]
+        b = getattr(current.timing, name)
+        if all(v is None for v in a) and b is None:
             continue  # not measured on this device kind (no device memory on a CPU)
         out.append(
             _single(
@@ -960,29 +1112,34 @@ def _compare_memory(
 
 
 def _compare_kernel_classes(
-    baseline: RunRecord,
+    baselines: Sequence[RunRecord],
     current: RunRecord,
     base_step: float | None,
     options: CompareOptions,
     notes: list[str],
 ) -> list[MetricComparison]:
-    a = baseline.breakdown.device_seconds_by_kernel_class
+    per_baseline = [record.breakdown.device_seconds_by_kernel_class for record in baselines]
     b = current.breakdown.device_seconds_by_kernel_class
-    if not a and not b:
+    if not any(per_baseline) and not b:
         return []
-    if not a or not b:
-        lacking = "baseline" if not a else "current"
+    if not all(per_baseline) or not b:
+        lacking = "current record" if not b else "baseline"
         notes.append(
-            f"Device time per kernel class is only in the other record (the {lacking} one read "
-            "no device trace): not compared."
+            f"Device time per kernel class is not in every record (the {lacking} read no device "
+            "trace): not compared."
         )
         return []
     floor = options.phase_floor * base_step if base_step else None
+    names = set(b).union(*per_baseline)
+
+    def largest(k: str) -> float:
+        return max(b.get(k, 0.0), *(a.get(k, 0.0) for a in per_baseline))
+
     out = []
-    for name in sorted(set(a) | set(b), key=lambda k: (-max(a.get(k, 0.0), b.get(k, 0.0)), k)):
+    for name in sorted(names, key=lambda k: (-largest(k), k)):
         out.append(
             _single(
-                float(a.get(name, 0.0)),
+                [float(a.get(name, 0.0)) for a in per_baseline],
                 float(b.get(name, 0.0)),
                 key=f"kernel_class.{name}",
                 kind="kernel_class",
@@ -1001,45 +1158,52 @@ def _compare_kernel_classes(
 # Findings
 
 
-def diff_findings(baseline: RunRecord, current: RunRecord) -> tuple[FindingChange, ...]:
-    """New, gone and re-graded findings by id: new and escalated first, most severe first."""
-    before = {f.id: f for f in baseline.findings}
+def diff_findings(
+    baseline: RunRecord | Sequence[RunRecord], current: RunRecord
+) -> tuple[FindingChange, ...]:
+    """New, gone and re-graded findings by id: new and escalated first, most severe first.
+
+    With several baselines, a finding changes only when its current severity is outside the
+    range the baselines showed (absent counting below info): a finding that some baselines had
+    as info and others as warn is not "escalated" when it is warn now.
+    """
+    baselines = [baseline] if isinstance(baseline, RunRecord) else list(baseline)
+    before = [{f.id: f for f in record.findings} for record in baselines]
     after = {f.id: f for f in current.findings}
+    absent = -1
+
+    def rank(finding: Finding | None) -> int:
+        return absent if finding is None else _SEVERITY_RANK.get(finding.severity, 0)
+
+    ids = list(after) + [fid for found in before for fid in found if fid not in after]
     out: list[FindingChange] = []
-    for fid, f in after.items():
-        old = before.get(fid)
-        if old is None:
-            kind: FindingChangeKind = "new"
-        elif _SEVERITY_RANK.get(f.severity, 0) > _SEVERITY_RANK.get(old.severity, 0):
-            kind = "escalated"
-        elif _SEVERITY_RANK.get(f.severity, 0) < _SEVERITY_RANK.get(old.severity, 0):
-            kind = "deescalated"
+    for fid in dict.fromkeys(ids):
+        olds = [found.get(fid) for found in before]
+        ranks = [rank(old) for old in olds]
+        low, high = min(ranks), max(ranks)
+        now = after.get(fid)
+        current_rank = rank(now)
+        kind: FindingChangeKind
+        if current_rank > high:
+            kind, bound = ("new" if high == absent else "escalated"), high
+        elif current_rank < low:
+            kind, bound = ("gone" if now is None else "deescalated"), low
         else:
             continue
+        latest = next((old for old in reversed(olds) if old is not None), None)
+        shown = now or latest
+        assert shown is not None  # the id came from the current record or a baseline
         out.append(
             FindingChange(
                 id=fid,
                 change=kind,
-                title=f.title,
-                category=f.category,
-                baseline_severity=old.severity if old else None,
-                current_severity=f.severity,
-                est_seconds_saved_per_it=f.est_seconds_saved_per_it,
+                title=shown.title,
+                category=shown.category,
+                baseline_severity=SEVERITIES[bound] if bound != absent else None,
+                current_severity=now.severity if now else None,
+                est_seconds_saved_per_it=shown.est_seconds_saved_per_it,
             )
         )
-    for fid, old in before.items():
-        if fid not in after:
-            out.append(
-                FindingChange(
-                    id=fid,
-                    change="gone",
-                    title=old.title,
-                    category=old.category,
-                    baseline_severity=old.severity,
-                    current_severity=None,
-                    est_seconds_saved_per_it=old.est_seconds_saved_per_it,
-                )
-            )
     order = {"new": 0, "escalated": 1, "deescalated": 2, "gone": 3}
     out.sort(key=lambda c: (order[c.change], -_SEVERITY_RANK.get(c.severity, 0), c.id))
     return tuple(out)
@@ -1133,6 +1297,7 @@ __all__ = [
     "RecordSide",
     "UTest",
     "compare_records",
+    "compare_runs",
     "compare_samples",
     "diff_findings",
     "environment_changes",

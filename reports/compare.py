@@ -18,6 +18,7 @@ from diagnose.compare import (
     FindingChange,
     GateFailure,
     MetricComparison,
+    RecordSide,
     gate_failures,
 )
 
@@ -95,8 +96,11 @@ class CompareView:
     warning: str
     #: "--fail-on slower,new-critical · threshold 10% · significance 0.01 ...".
     gate: str
-    baseline: str
+    #: One line per baseline record ("label · 88 ms/it (median of 30 ...) · created · ...").
+    baselines: tuple[str, ...]
     current: str
+    #: With several baselines: how far apart their s/it medians are (the runner's drift), or "".
+    drift: str
     rows: tuple[MetricRow, ...]
     findings: tuple[FindingRow, ...]
     failures: tuple[str, ...]
@@ -153,16 +157,12 @@ def gate_text(comparison: Comparison) -> str:
     return text + " · CI: confidence interval of the change at 1 − significance"
 
 
-def _side_text(comparison: Comparison, which: str) -> str:
-    side = comparison.baseline if which == "baseline" else comparison.current
-    metric = comparison.step
-    median = None
-    if metric is not None:
-        median = metric.baseline if which == "baseline" else metric.current
+def _side_text(side: RecordSide) -> str:
     parts = [_clean(side.label)]
-    if median is not None:
+    if side.median_seconds is not None:
         parts.append(
-            f"{format_per_iteration(median)} (median of {side.n_samples} {side.samples_kind} steps)"
+            f"{format_per_iteration(side.median_seconds)} (median of {side.n_samples} "
+            f"{side.samples_kind} steps)"
         )
     if side.created:
         parts.append(_clean(side.created))
@@ -170,6 +170,18 @@ def _side_text(comparison: Comparison, which: str) -> str:
     if side.setup:
         parts.append(_clean(side.setup))
     return " · ".join(parts)
+
+
+def drift_text(comparison: Comparison) -> str:
+    """How far apart several baselines' s/it medians are, or "" with one baseline."""
+    if comparison.baseline_drift is None:
+        return ""
+    n = sum(side.median_seconds is not None for side in comparison.baselines)
+    beyond = comparison.baseline_drift > comparison.options.threshold
+    return (
+        f"the {n} baselines' s/it medians span {format_percent(comparison.baseline_drift)} "
+        "(this runner's run-to-run drift" + (", more than the threshold)" if beyond else ")")
+    )
 
 
 def build_compare_view(comparison: Comparison, fail_on: Iterable[str] | None = None) -> CompareView:
@@ -189,7 +201,7 @@ def build_compare_view(comparison: Comparison, fail_on: Iterable[str] | None = N
             change=_change(m),
             interval=_interval(m),
             p_value=_p_value(m),
-            samples=f"{m.n_baseline} / {m.n_current}" if m.kind in ("step", "phase") else "1 / 1",
+            samples=f"{m.n_baseline} / {m.n_current}",
             verdict=m.verdict,
             badge=VERDICT_BADGE.get(m.verdict, ""),
             reason=_clean(m.reason),
@@ -219,8 +231,9 @@ def build_compare_view(comparison: Comparison, fail_on: Iterable[str] | None = N
         summary=summary,
         warning=_clean(comparison.different_warning),
         gate=gate_text(comparison),
-        baseline=_side_text(comparison, "baseline"),
-        current=_side_text(comparison, "current"),
+        baselines=tuple(_side_text(side) for side in comparison.baselines),
+        current=_side_text(comparison.current),
+        drift=drift_text(comparison),
         rows=rows,
         findings=findings,
         failures=tuple(f"[{f.criterion}] {_clean(f.message)}" for f in failures),
@@ -237,8 +250,9 @@ def refused_view(reason: str) -> CompareView:
         summary="",
         warning="",
         gate="",
-        baseline="",
+        baselines=(),
         current="",
+        drift="",
         rows=(),
         findings=(),
         failures=(),
@@ -298,8 +312,10 @@ def compare_table(
     lines.append(f"{style('diagnose compare:', 'bold')} {head} — {view.summary}")
     if view.warning:
         lines.append(style(f"!! {view.warning}", "warn"))
-    lines.append(f"  baseline: {view.baseline}")
+    lines.extend(f"  baseline: {line}" for line in view.baselines)
     lines.append(f"  current:  {view.current}")
+    if view.drift:
+        lines.append(f"  drift:    {view.drift}")
     lines.append(f"  gate:     {view.gate}")
     lines.append("")
     header = ("metric", "baseline", "current", "change", "CI", "p", "n", "verdict")
@@ -374,12 +390,14 @@ def compare_junit(comparison: Comparison, fail_on: Iterable[str] | None = None) 
     root = ET.Element("testsuites", name=suite_name)
     suite = ET.SubElement(root, "testsuite", name=suite_name)
     properties = ET.SubElement(suite, "properties")
-    for name, value in (
-        ("baseline", view.baseline),
-        ("current", view.current),
-        ("gate", view.gate),
-        ("verdict", view.status),
-    ):
+    named = [
+        ("baseline" if i == 0 else f"baseline {i + 1}", line)
+        for i, line in enumerate(view.baselines)
+    ]
+    named += [("current", view.current), ("gate", view.gate), ("verdict", view.status)]
+    if view.drift:
+        named.append(("drift", view.drift))
+    for name, value in named:
         ET.SubElement(properties, "property", name=name, value=value)
     if view.warning:
         ET.SubElement(properties, "property", name="warning", value=view.warning)
@@ -470,12 +488,11 @@ def compare_markdown(comparison: Comparison, fail_on: Iterable[str] | None = Non
     if view.warning:
         lines += ["> [!WARNING]", f"> **{_md(view.warning)}**", ""]
     lines += [f"**{_md(view.summary)}**", ""]
-    lines += [
-        f"- baseline: {_md(view.baseline)}",
-        f"- current: {_md(view.current)}",
-        f"- gate: {_md(view.gate)}",
-        "",
-    ]
+    lines += [f"- baseline: {_md(line)}" for line in view.baselines]
+    lines.append(f"- current: {_md(view.current)}")
+    if view.drift:
+        lines.append(f"- drift: {_md(view.drift)}")
+    lines += [f"- gate: {_md(view.gate)}", ""]
     lines += [
         "| metric | baseline | current | change | CI | p | n | verdict |",
         "|---|---:|---:|---:|---|---:|---:|---|",
@@ -522,6 +539,7 @@ __all__ = [
     "compare_junit",
     "compare_markdown",
     "compare_table",
+    "drift_text",
     "gate_text",
     "refused_view",
 ]

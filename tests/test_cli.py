@@ -252,10 +252,16 @@ def test_run_with_a_baseline_gates_and_keeps_the_measurement(
     one from another device is refused (3) and the new record is still there."""
     same = tmp_path / "same"
     junit = tmp_path / "gate.xml"
+    # A second baseline (--baseline repeats): the default run's record, as if run a minute later.
+    earlier = RunRecord.load(default_run)
+    earlier.created = "2026-11-30T10:00:00+00:00"
+    second = tmp_path / "second.json"
+    second.write_text(earlier.to_json(), encoding="utf-8")
     argv = ["run", "--out", str(same), *QUICK, "--baseline", str(default_run)]
-    code = main([*argv, "--junit", str(junit)])
+    code = main([*argv, "--baseline", str(second), "--junit", str(junit)])
     assert code in (ExitCode.OK, ExitCode.REGRESSION)
     assert junit.is_file() and "<testsuite" in junit.read_text()
+    assert 'name="baseline 2"' in junit.read_text()
     assert (same / "record.json").is_file()
 
     other = tmp_path / "other"

@@ -8,6 +8,8 @@ import itertools
 import json
 import math
 import random
+import statistics
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from diagnose.compare import (
     CompareOptions,
     Comparison,
     compare_records,
+    compare_runs,
     compare_samples,
     diff_findings,
     gate_exit_code,
@@ -524,6 +527,128 @@ def test_a_slowdown_on_recorded_quiet_noise_is_detected(n: int, slowdown: float)
         ).verdict
         detected += verdict == "slower"
     assert detected / trials >= 0.95
+
+
+# --------------------------------------------------------------------------------------------
+# Several baselines: the runner's run-to-run drift
+
+
+def _noise_run(name: str) -> list[float]:
+    data = json.loads((COMPARE / "noise.json").read_text(encoding="utf-8"))
+    return next(
+        [s["seconds"] for s in run["samples"]] for run in data["runs"] if run["name"] == name
+    )
+
+
+def test_a_slow_process_is_not_a_regression_when_a_baseline_was_as_slow() -> None:
+    """qq_3 and qq_6 are recorded same-config runs that ran ~20% slower all the way through (this
+    box's run-to-run drift). Against one quiet baseline qq_6 reads as a regression; with qq_3
+    among the baselines the gate sees that drift and does not fail."""
+    quiet_run, slow_run, current = _noise_run("qq_1"), _noise_run("qq_3"), _noise_run("qq_6")
+    kw: dict[str, Any] = dict(key="step", kind="step", label="s/it", threshold=0.1)
+    one = compare_runs([quiet_run], current, baseline_labels=["qq_1"], significance=0.01, **kw)
+    assert one.verdict == "slower"
+    both = compare_runs(
+        [quiet_run, slow_run], current, baseline_labels=["qq_1", "qq_3"], significance=0.01, **kw
+    )
+    assert both.verdict == "inconclusive"
+    assert "run-to-run drift" in both.reason and "qq_3" in both.reason
+
+
+def test_a_slowdown_beyond_the_slowest_baseline_is_still_caught() -> None:
+    """The planted twin: the current run 30% slower than a quiet run is slower than every
+    baseline, the slow-process one included."""
+    quiet_run, slow_run = _noise_run("qq_2"), _noise_run("qq_3")
+    current = [s * 1.3 for s in _noise_run("qq_1")]
+    metric = compare_runs(
+        [quiet_run, slow_run],
+        current,
+        baseline_labels=["qq_2", "qq_3"],
+        key="step",
+        kind="step",
+        label="s/it",
+        threshold=0.1,
+        significance=0.01,
+    )
+    assert metric.verdict == "slower"
+    assert "also against the slowest baseline alone (qq_3: slower" in metric.reason
+
+
+def test_several_baseline_records_show_the_drift_and_pool_the_samples(baseline: RunRecord) -> None:
+    first = with_samples(baseline, _noise_run("qq_1"))
+    second = with_samples(baseline, _noise_run("qq_3"))
+    current = with_samples(baseline, _noise_run("qq_6"))
+    comparison = compare_records([first, second], current, labels=["a", "b", "c"])
+    assert [side.label for side in comparison.baselines] == ["a", "b"]
+    assert comparison.step is not None and comparison.step.verdict == "inconclusive"
+    assert comparison.step.n_baseline == len(_noise_run("qq_1")) + len(_noise_run("qq_3"))
+    assert comparison.baseline_drift == pytest.approx(
+        statistics.median(_noise_run("qq_3")) / statistics.median(_noise_run("qq_1")) - 1
+    )
+    assert any("drifts between runs" in note for note in comparison.notes)
+    assert gate_exit_code(comparison) == ExitCode.OK
+    # One baseline: no drift to see, and the same current run fails the gate.
+    alone = compare_records(first, current)
+    assert alone.baseline_drift is None and gate_exit_code(alone) == ExitCode.REGRESSION
+
+
+def test_several_baselines_must_each_be_comparable(baseline: RunRecord) -> None:
+    other = copy.deepcopy(baseline)
+    other.config["precision"] = "fp32"
+    other.created = "2026-11-30T10:00:00+00:00"
+    with pytest.raises(DiagnoseError) as raised:
+        compare_records([baseline, other], baseline, labels=["one", "two", "now"])
+    assert raised.value.code == ExitCode.BAD_INPUT
+    assert "two: config precision differs" in raised.value.message
+
+
+def test_a_baseline_run_given_twice_is_refused(baseline: RunRecord) -> None:
+    with pytest.raises(DiagnoseError) as raised:
+        compare_records([baseline, copy.deepcopy(baseline)], baseline, labels=["a", "b", "now"])
+    assert raised.value.code == ExitCode.BAD_INPUT
+    assert raised.value.message.startswith("b is the same run as a")
+
+
+def _runs(record: RunRecord, count: int) -> list[RunRecord]:
+    """``count`` copies of ``record`` that read as separate runs (another creation time each)."""
+    out = []
+    for i in range(count):
+        run = copy.deepcopy(record)
+        run.created = f"2026-11-30T10:{i:02d}:00+00:00"
+        out.append(run)
+    return out
+
+
+def test_a_single_number_counts_only_beyond_every_baseline(quiet: RunRecord) -> None:
+    low, high, current = _runs(quiet, 3)
+    low.timing.peak_rss_bytes, high.timing.peak_rss_bytes = 1000 * 2**20, 1200 * 2**20
+    current.timing.peak_rss_bytes = 1150 * 2**20  # +15% on the lower baseline, not on the other
+    metric = compare_records([low, high], current).metric("memory.peak_rss_bytes")
+    assert metric is not None and metric.verdict == "same" and metric.n_baseline == 2
+    current.timing.peak_rss_bytes = 1400 * 2**20  # +17% on the larger baseline too
+    metric = compare_records([low, high], current).metric("memory.peak_rss_bytes")
+    assert metric is not None and metric.verdict == "larger"
+    assert "every baseline" in metric.reason
+
+
+def test_findings_change_only_outside_the_range_the_baselines_showed(quiet: RunRecord) -> None:
+    a, b, now = _runs(quiet, 3)
+    a.findings = [_finding("flaky", "info"), _finding("sometimes", "warn")]
+    a.findings += [_finding("climbs", "warn"), _finding("always", "warn")]
+    b.findings = [_finding("flaky", "warn"), _finding("climbs", "info"), _finding("always", "info")]
+    now.findings = [_finding("flaky", "warn"), _finding("climbs", "critical")]
+    changes = {
+        (c.id, c.change, c.baseline_severity, c.current_severity)
+        for c in diff_findings([a, b], now)
+    }
+    # "flaky" was info in one baseline and warn in the other: warn now is within that range.
+    # "sometimes" was in one baseline only: its absence now is within the range too.
+    assert changes == {
+        ("climbs", "escalated", "warn", "critical"),
+        ("always", "gone", "info", None),  # in both baselines (info at least), not now
+    }
+    # One baseline: the same "flaky" reads as escalated.
+    assert ("flaky", "escalated") in {(c.id, c.change) for c in diff_findings(a, now)}
 
 
 def test_comparison_is_deterministic(baseline: RunRecord) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,13 @@ from pathlib import Path
 import pytest
 
 from diagnose.commands import ArgumentParser, all_commands
-from diagnose.commands.compare import CompareCommand, add_gate_options, apply_gate, parse_threshold
+from diagnose.commands.compare import (
+    CompareCommand,
+    add_gate_options,
+    apply_gate,
+    parse_threshold,
+    print_gate,
+)
 from diagnose.compare import compare_records
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import Finding, RunRecord
@@ -139,6 +146,21 @@ def test_mismatched_records_exit_3_unless_allowed_and_then_say_so_loudly(tmp_pat
     assert loud in html.read_text(encoding="utf-8")
 
 
+def test_several_baselines_on_the_command_line(tmp_path: Path) -> None:
+    """BASELINE BASELINE CURRENT: both baselines are listed, their drift is said, and the same
+    run given twice is refused with one line."""
+    code, out, err = run_compare([str(BASELINE), str(SAME), str(SLOW)])
+    assert code == ExitCode.REGRESSION, out + err  # the slow data is beyond both baselines
+    assert out.count("  baseline: ") == 2 and "  drift:    the 2 baselines' s/it medians" in out
+    junit = tmp_path / "gate.xml"
+    run_compare([str(BASELINE), str(SAME), str(SLOW), "--junit", str(junit)])
+    names = {p.get("name") for p in ET.parse(junit).getroot().iter("property")}
+    assert {"baseline", "baseline 2", "current", "drift"} <= names
+    code, out, err = run_compare([str(BASELINE), str(BASELINE), str(SLOW)])
+    assert code == ExitCode.BAD_INPUT and out == ""
+    assert err.count("\n") == 1 and "the same run as" in err
+
+
 def test_usage_errors_exit_2() -> None:
     for argv in (
         [str(BASELINE), str(SAME), "--fail-on", "slower,sometimes"],
@@ -174,16 +196,17 @@ def test_threshold_option_changes_the_verdict(tmp_path: Path) -> None:
 
 
 def test_gate_options_work_for_another_command() -> None:
-    """`diagnose run --baseline` reuses add_gate_options and apply_gate."""
+    """`diagnose run --baseline` reuses add_gate_options, apply_gate and print_gate."""
     parser = ArgumentParser(prog="diagnose run")
     parser.add_argument("--force", action="store_true")
     add_gate_options(parser)
     args = parser.parse_args(["--fail-on", "slower,phase", "--threshold", "5%"])
     assert args.fail_on == {"slower", "phase"} and args.threshold == pytest.approx(0.05)
     stream = io.StringIO()
-    outcome = apply_gate(RunRecord.load(BASELINE), RunRecord.load(SLOW), args, stream=stream)
+    outcome = apply_gate([RunRecord.load(BASELINE)], RunRecord.load(SLOW), args)
     assert outcome.exit_code == ExitCode.REGRESSION
-    assert "FAIL" in stream.getvalue()
+    print_gate(outcome, args, stream=stream)
+    assert stream.getvalue().startswith("diagnose compare: FAIL")
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,9 +343,7 @@ def test_html_escapes_hostile_finding_titles() -> None:
 
 @pytest.mark.slow
 def test_python_dash_m_compare_subprocess(tmp_path: Path) -> None:
-    """The real entry point, once `compare` is registered in diagnose.commands."""
-    if not any(c.name == "compare" for c in all_commands()):
-        pytest.skip("compare is not registered in diagnose.commands yet")
+    """The real entry point."""
     result = subprocess.run(
         [sys.executable, "-m", "diagnose", "compare", str(BASELINE), str(SLOW)],
         capture_output=True,
@@ -332,6 +353,29 @@ def test_python_dash_m_compare_subprocess(tmp_path: Path) -> None:
     )
     assert result.returncode == ExitCode.REGRESSION, result.stderr
     assert "FAIL" in result.stdout
+
+
+def test_a_closed_output_pipe_loses_no_file_and_prints_no_traceback(tmp_path: Path) -> None:
+    """`diagnose compare ... | head`: the reader is gone before diagnose prints. The JUnit,
+    markdown and HTML files are written first, and the exit is 141 with nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to write_end now fails with EPIPE
+    junit, markdown, html = tmp_path / "gate.xml", tmp_path / "gate.md", tmp_path / "r.html"
+    outputs = ["--junit", str(junit), "--markdown", str(markdown), "--html", str(html)]
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "diagnose", "compare", str(BASELINE), str(SLOW), *outputs],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == ExitCode.BROKEN_PIPE == 141, result.stderr
+    assert result.stderr == ""
+    assert junit.is_file() and markdown.is_file() and html.is_file()
 
 
 def test_fixture_records_are_small() -> None:

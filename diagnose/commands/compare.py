@@ -1,4 +1,5 @@
-"""`diagnose compare BASELINE CURRENT`: the CI gate on two saved records (no torch, no GPU).
+"""`diagnose compare BASELINE [BASELINE ...] CURRENT`: the CI gate on saved records (no torch,
+no GPU). Several baselines (the last green runs) let the gate see the runner's run-to-run drift.
 
 Exit codes: 0 no regression, 6 regression (ExitCode.REGRESSION), 3 bad or mismatched records,
 4 an output file exists (without --force), 2 a bad command line.
@@ -147,44 +148,66 @@ class GateOutcome:
 
 
 def apply_gate(
-    baseline: RunRecord,
+    baselines: Sequence[RunRecord],
     current: RunRecord,
     args: argparse.Namespace,
     *,
-    labels: tuple[str, str] = ("baseline", "current"),
-    stream: TextIO | None = None,
-    color: bool | None = None,
+    labels: Sequence[str] = (),
 ) -> GateOutcome:
-    """Compare, print the table, write --junit/--markdown; return the exit code and comparison.
+    """Compare and write --junit/--markdown; return the exit code and the comparison.
 
-    Raises DiagnoseError(BAD_INPUT) on records that
-    are not comparable (unless --allow-different). Call :func:`check_gate_outputs` first, before
-    any long work, so an existing output file is refused early.
+    ``labels``: one per baseline, then the current record's (see compare_records). Files are
+    written before anything is printed (:func:`print_gate`), so a closed terminal pipe loses
+    none. Raises DiagnoseError(BAD_INPUT) on records that are not comparable (unless
+    --allow-different). Call :func:`check_gate_outputs` first, before any long work, so an
+    existing output file is refused early.
     """
     from diagnose.output import write_text_atomic
-    from diagnose.reports.compare import compare_junit, compare_markdown, compare_table
+    from diagnose.reports.compare import compare_junit, compare_markdown
 
     options = gate_options_from_args(args)
-    comparison = compare_records(baseline, current, options, labels=labels)
-    out = stream if stream is not None else sys.stdout
-    use_color = color if color is not None else out.isatty()
-    print(compare_table(comparison, color=use_color), file=out)
+    comparison = compare_records(baselines, current, options, labels=labels)
     if args.junit is not None:
         write_text_atomic(args.junit, compare_junit(comparison))
-        print(f"junit: {args.junit}", file=out)
     if args.markdown is not None:
         write_text_atomic(args.markdown, compare_markdown(comparison))
-        print(f"markdown: {args.markdown}", file=out)
     return GateOutcome(exit_code=gate_exit_code(comparison), comparison=comparison)
+
+
+def print_gate(
+    outcome: GateOutcome,
+    args: argparse.Namespace,
+    *,
+    stream: TextIO | None = None,
+    color: bool | None = None,
+) -> None:
+    """The gate's table, then the paths of the files :func:`apply_gate` wrote."""
+    from diagnose.reports.compare import compare_table
+
+    out = stream if stream is not None else sys.stdout
+    use_color = color if color is not None else out.isatty()
+    print(compare_table(outcome.comparison, color=use_color), file=out)
+    if args.junit is not None:
+        print(f"junit: {args.junit}", file=out)
+    if args.markdown is not None:
+        print(f"markdown: {args.markdown}", file=out)
 
 
 class CompareCommand:
     name = "compare"
-    help = "compare two saved records: fail (exit 6) on a real slow-down or a new finding"
+    help = "compare saved records: fail (exit 6) on a real slow-down or a new finding"
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("baseline", type=Path, help="the baseline record.json or run folder")
-        parser.add_argument("current", type=Path, help="the current record.json or run folder")
+        parser.add_argument(
+            "baseline",
+            type=Path,
+            nargs="+",
+            help="the baseline record.json or run folder; give several (e.g. the last green "
+            "runs) to let the gate see the runner's run-to-run drift",
+        )
+        parser.add_argument(
+            "current", type=Path, help="the current record.json or run folder (the last path)"
+        )
         add_gate_options(parser)
         output = parser.add_argument_group("output")
         output.add_argument(
@@ -204,13 +227,14 @@ class CompareCommand:
             check_writable_file(args.html, force=args.force, option="--html")
         outputs = [p for p in (args.junit, args.markdown, args.html) if p is not None]
         _refuse_duplicate_outputs(outputs)
-        baseline = RunRecord.load(args.baseline)
+        baselines = [RunRecord.load(path) for path in args.baseline]
         current = RunRecord.load(args.current)
-        outcome = apply_gate(
-            baseline, current, args, labels=(_label(args.baseline), _label(args.current))
-        )
+        labels = [_label(path) for path in (*args.baseline, args.current)]
+        outcome = apply_gate(baselines, current, args, labels=labels)
         if args.html is not None:
             write_text_atomic(args.html, render_html(current, comparison=outcome.comparison))
+        print_gate(outcome, args)
+        if args.html is not None:
             print(f"report: {args.html}")
         return outcome.exit_code
 

@@ -115,8 +115,11 @@ class RunCommand:
         output.add_argument(
             "--baseline",
             type=Path,
+            action="append",
             metavar="RECORD",
-            help="compare with a saved record (file or run folder); exit 6 on a regression",
+            help="compare with a saved record (file or run folder); exit 6 on a regression; "
+            "repeat it to give several baselines (the last green runs: the gate then sees the "
+            "runner's run-to-run drift)",
         )
         add_gate_options(parser)
 
@@ -163,13 +166,13 @@ class RunCommand:
         if config.data_dir is not None and not Path(config.data_dir).is_dir():
             raise DiagnoseError(f"--data {config.data_dir}: no such folder", ExitCode.BAD_INPUT)
 
-        baseline = None
-        if args.baseline is not None:
+        baselines = []
+        if args.baseline:
             from diagnose.commands.compare import check_gate_outputs
             from diagnose.record import RunRecord
 
             # Before the long run: a bad baseline or an existing --junit file fails fast.
-            baseline = RunRecord.load(args.baseline)
+            baselines = [RunRecord.load(path) for path in args.baseline]
             check_gate_outputs(args, force=args.force)
         out_dir = args.out if args.out is not None else default_out_dir("run")
         created = not out_dir.exists()
@@ -190,18 +193,31 @@ class RunCommand:
             if created and out_dir.is_dir() and not any(out_dir.iterdir()):
                 out_dir.rmdir()
             raise
+        outcome = None
+        refused: DiagnoseError | None = None
+        if baselines:
+            from diagnose.commands.compare import apply_gate
+            from diagnose.reports import write_html
+
+            # The record and report are saved first, so a refused comparison loses no
+            # measurement; the gate's files are written before anything is printed.
+            labels = [*map(str, args.baseline), str(outputs.record_path)]
+            try:
+                outcome = apply_gate(baselines, outputs.record, args, labels=labels)
+            except DiagnoseError as exc:
+                refused = exc  # said after the run's own summary
+            else:
+                write_html(outputs.record, outputs.report_path, comparison=outcome.comparison)
         print(terminal_summary(outputs.record, color=sys.stdout.isatty()))
         print(f"\nreport: {outputs.report_path}\nrecord: {outputs.record_path}")
         if outputs.trace_path is not None:
             print(f"trace:  {outputs.trace_path} (open it in Perfetto or chrome://tracing)")
-        if baseline is None:
+        if refused is not None:
+            raise refused
+        if outcome is None:
             return int(ExitCode.OK)
-        from diagnose.commands.compare import apply_gate
-        from diagnose.reports import write_html
+        from diagnose.commands.compare import print_gate
 
-        # The record and report are saved first, so a refused comparison loses no measurement.
-        outcome = apply_gate(
-            baseline, outputs.record, args, labels=(str(args.baseline), str(outputs.record_path))
-        )
-        write_html(outputs.record, outputs.report_path, comparison=outcome.comparison)
+        print()
+        print_gate(outcome, args)
         return int(outcome.exit_code)
