@@ -16,7 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
 
-SEQ, DIM, HEADS = 16, 64, 4
+# Big enough that a step takes ~10 ms on a CPU: a 1 ms scheduling hiccup while fetching a batch on
+# a loaded CI machine must not read as a data-starved loop in the clean twin.
+SEQ, DIM, HEADS = 128, 128, 4
 
 
 class TinyAttentionModel(torch.nn.Module):
