@@ -248,6 +248,27 @@ def test_junit_has_the_required_structure(tmp_path: Path) -> None:
     assert "slower" in (data_wait.findtext("system-out") or "")
 
 
+def test_junit_reads_back_in_an_independent_junit_reader(tmp_path: Path) -> None:
+    """junitparser (what many CI tools and scripts read JUnit with) must see the same cases,
+    results and counts the gate wrote."""
+    from junitparser import Failure, JUnitXml, Skipped
+
+    comparison = compare_records(RunRecord.load(BASELINE), RunRecord.load(SLOW))
+    path = tmp_path / "gate.xml"
+    path.write_text(compare_junit(comparison), encoding="utf-8")
+    suites = list(JUnitXml.fromfile(str(path)))
+    assert len(suites) == 1
+    suite = suites[0]
+    cases = list(suite)
+    assert suite.tests == len(cases) == len(comparison.metrics) + 1  # + the escalated finding
+    failed = {c.name for c in cases if any(isinstance(r, Failure) for r in c.result)}
+    skipped = {c.name for c in cases if any(isinstance(r, Skipped) for r in c.result)}
+    assert failed == {"s/it", "dataloader.gpu_starved"} and suite.failures == len(failed)
+    inconclusive = {m.label for m in comparison.metrics if m.verdict == "inconclusive"}
+    assert skipped == inconclusive and suite.skipped == len(skipped)
+    assert {p.name for p in suite.properties()} >= {"baseline", "current", "gate", "verdict"}
+
+
 def test_junit_escapes_hostile_record_strings() -> None:
     base = RunRecord.load(BASELINE)
     current = copy.deepcopy(base)
