@@ -243,6 +243,9 @@ class ProbeResult:
     data: dict[str, Any] = field(default_factory=dict)
     #: Things this probe checked and found fine, one line each (the report's "checked, fine").
     checked_ok: list[str] = field(default_factory=list)
+    #: Things this probe could not judge here, and why, one line each (the report's "could not be
+    #: checked"): a rule that needs device kernels on a CPU trace, a tool that is missing.
+    not_judged: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -348,6 +351,8 @@ class RunRecord:
         except (TypeError, ValueError) as exc:
             raise DiagnoseError(f"malformed record: {exc}") from None
         record.timing.summarize()
+        for probe in record.probes:
+            _adopt_not_judged(probe)
         return record
 
     @classmethod
@@ -369,6 +374,16 @@ class RunRecord:
             return cls.from_dict(data)
         except DiagnoseError as exc:
             raise DiagnoseError(f"{path}: {exc.message}", exc.code) from None
+
+
+def _adopt_not_judged(probe: ProbeResult) -> None:
+    """Version-1 records written before ProbeResult.not_judged existed kept those lines in
+    ``data["not_judged"]``: read them into the field (the one place the report looks)."""
+    old = probe.data.get("not_judged") if isinstance(probe.data, dict) else None
+    if isinstance(old, list):
+        if not probe.not_judged:
+            probe.not_judged = [str(line) for line in old]
+        del probe.data["not_judged"]
 
 
 #: schema_version -> function that upgrades a document of that version to the next one.

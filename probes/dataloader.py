@@ -1148,7 +1148,7 @@ class DataLoaderProbe:
         say = ctx.progress
         result = ProbeResult()
         data = result.data
-        not_judged: list[str] = data.setdefault("not_judged", [])
+        not_judged = result.not_judged
         has_device = ctx.device.type != "cpu"
         config = workload.config
 

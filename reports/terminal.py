@@ -10,6 +10,7 @@ from pathlib import Path
 from diagnose.record import RunRecord
 
 from .view import (
+    NOT_JUDGED,
     FindingView,
     build_breakdown,
     build_checks,
@@ -90,7 +91,13 @@ def terminal_summary(
     troubles = [
         f"{style(_clean(item.status), item.status)} {_clean(item.probe)} ({_clean(item.reason)})"
         for item in checks.not_checked
+        if item.status != NOT_JUDGED
     ]
+    unjudged = sum(item.status == NOT_JUDGED for item in checks.not_checked)
+    if unjudged:
+        troubles.append(
+            f"{unjudged} check{'s' if unjudged != 1 else ''} not judged here (see the report)"
+        )
     if troubles:
         probe_line += " — " + "; ".join(troubles)
     lines.append(probe_line)

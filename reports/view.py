@@ -465,6 +465,10 @@ def _saving_basis(basis: str, quantified: bool) -> str:
 # 4. What was checked
 
 
+#: NotChecked.status of one check a probe that ran could not make.
+NOT_JUDGED = "not judged"
+
+
 @dataclass(frozen=True)
 class CheckedOk:
     probe: str
@@ -474,6 +478,7 @@ class CheckedOk:
 @dataclass(frozen=True)
 class NotChecked:
     probe: str
+    #: "skipped" or "error" (the whole probe), or "not judged" (one check of a probe that ran).
     status: str
     reason: str
     traceback: str
@@ -523,6 +528,11 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
         )
         for p in probes
         if p.status != "ok"
+    ) + tuple(
+        NotChecked(probe=p.name, status=NOT_JUDGED, reason=_first_line(line), traceback="")
+        for p in probes
+        if p.status == "ok"
+        for line in p.not_judged
     )
     rows = tuple(
         ProbeRow(

@@ -314,9 +314,7 @@ def test_without_py_spy_the_probe_completes_and_says_why(
         "available": False,
         "reason": f"py-spy is not installed or not on PATH ({sampling.INSTALL_HINT})",
     }
-    assert any(
-        line.startswith("hot frames of the loader: py-spy") for line in result.data["not_judged"]
-    )
+    assert any(line.startswith("hot frames of the loader: py-spy") for line in result.not_judged)
     finding = next(f for f in result.findings if f.id == FINDING_ID)
     assert finding.evidence["hot_frames"] == []
     assert "py-spy is not installed" in finding.evidence["hot_frames_missing"]

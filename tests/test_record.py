@@ -90,6 +90,20 @@ def test_unknown_fields_are_ignored_and_missing_ones_defaulted() -> None:
     assert record.findings[0].id == "a.small"
 
 
+def test_not_judged_lines_round_trip_and_older_records_keep_theirs() -> None:
+    record = _sample_record()
+    record.probes = [ProbeResult(name="trace", not_judged=["optimizer: no device kernels"])]
+    again = RunRecord.from_dict(json.loads(record.to_json()))
+    assert again.probes[0].not_judged == ["optimizer: no device kernels"]
+    # Records written before the field existed kept the lines in the probe's data.
+    data = record.to_dict()
+    del data["probes"][0]["not_judged"]
+    data["probes"][0]["data"] = {"not_judged": ["launch overhead: one step only"], "x": 1}
+    old = RunRecord.from_dict(data)
+    assert old.probes[0].not_judged == ["launch overhead: one step only"]
+    assert old.probes[0].data == {"x": 1}
+
+
 def test_oldest_supported_record_fixture_loads() -> None:
     """A record of the first schema with only the fields the design asked for still loads."""
     record = RunRecord.load(FIXTURES / "records" / "v1_minimal.json")

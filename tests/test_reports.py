@@ -363,6 +363,25 @@ def test_checks_lists_fine_skipped_and_errored() -> None:
     assert checks.status_counts == "1 ok, 1 skipped, 1 error"
 
 
+def test_checks_list_what_a_probe_that_ran_could_not_judge() -> None:
+    """A probe that ran can still leave checks undone (a rule that needs device kernels on a CPU
+    trace): each such line is listed under "could not be checked", and the terminal counts them."""
+    record = full_record()
+    attention = next(p for p in record.probes if p.name == "attention")
+    attention.not_judged = ["flash vs math A/B: no fused backend on this device"]
+    checks = build_view(record).checks
+    unjudged = [n for n in checks.not_checked if n.status == "not judged"]
+    assert [(n.probe, n.reason) for n in unjudged] == [
+        ("attention", "flash vs math A/B: no fused backend on this device")
+    ]
+    assert checks.status_counts == "1 ok, 1 skipped, 1 error"  # still one probe each
+    assert "1 check not judged here (see the report)" in terminal_summary(record)
+    page = render_html(record)
+    assert "status-not-judged" in page and "no fused backend on this device" in page
+    attention.not_judged = []
+    assert not [n for n in build_view(record).checks.not_checked if n.status == "not judged"]
+
+
 def test_below_the_fold_parts() -> None:
     view = build_view(full_record())
     assert view.steps.summary[0].startswith("10 unprofiled steps: median 1.82 s")

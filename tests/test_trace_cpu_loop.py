@@ -183,6 +183,9 @@ def test_gpu_rules_say_they_could_not_judge(analysed: dict[str, TraceAnalysis]) 
     a = analysed["clean"]
     assert any(line.startswith("optimizer:") for line in a.not_judged)
     assert any(line.startswith("launch overhead") for line in a.not_judged)
+    # The record keeps them where the report's "could not be checked" reads them.
+    trace_result = analysis_to_record(a, Path(a.path)).probes[0]
+    assert trace_result.not_judged == a.not_judged and "not_judged" not in trace_result.data
 
 
 def test_diagnose_phase_labels_take_precedence(tmp_path: Path) -> None:

@@ -321,7 +321,6 @@ def analysis_to_record(analysis: TraceAnalysis, trace_path: Path) -> RunRecord:
             for name, seconds in analysis.unclassified_kernels[:_UNCLASSIFIED_LISTED]
         ],
         "unclassified_kernel_count": len(analysis.unclassified_kernels),
-        "not_judged": list(analysis.not_judged),
         "rules": analysis.rule_data,
         "metadata": analysis.metadata,
         "whole_trace_window": analysis.whole_trace_window,
@@ -335,6 +334,7 @@ def analysis_to_record(analysis: TraceAnalysis, trace_path: Path) -> RunRecord:
             + float(analysis.metadata.get("analysis_seconds", 0.0)),
             data=_jsonable(data),
             checked_ok=list(analysis.checked_ok),
+            not_judged=list(analysis.not_judged),
         )
     ]
     return record
