@@ -229,7 +229,7 @@ class CompareCommand:
         _refuse_duplicate_outputs(outputs)
         baselines = [RunRecord.load(path) for path in args.baseline]
         current = RunRecord.load(args.current)
-        labels = [_label(path) for path in (*args.baseline, args.current)]
+        labels = [record_label(path) for path in (*args.baseline, args.current)]
         outcome = apply_gate(baselines, current, args, labels=labels)
         if args.html is not None:
             write_text_atomic(args.html, render_html(current, comparison=outcome.comparison))
@@ -239,7 +239,8 @@ class CompareCommand:
         return outcome.exit_code
 
 
-def _label(path: Path) -> str:
+def record_label(path: Path) -> str:
+    """How the outputs name a record given as a file or a run folder."""
     return str(path / "record.json") if path.is_dir() else str(path)
 
 

@@ -196,12 +196,12 @@ class RunCommand:
         outcome = None
         refused: DiagnoseError | None = None
         if baselines:
-            from diagnose.commands.compare import apply_gate
+            from diagnose.commands.compare import apply_gate, record_label
             from diagnose.reports import write_html
 
             # The record and report are saved first, so a refused comparison loses no
             # measurement; the gate's files are written before anything is printed.
-            labels = [*map(str, args.baseline), str(outputs.record_path)]
+            labels = [*map(record_label, args.baseline), str(outputs.record_path)]
             try:
                 outcome = apply_gate(baselines, outputs.record, args, labels=labels)
             except DiagnoseError as exc:
