@@ -576,7 +576,7 @@ def test_a_slowdown_beyond_the_slowest_baseline_is_still_caught() -> None:
 
 def test_three_baselines_cut_false_alarms_between_separate_runs() -> None:
     """A/A between separate same-config runs on recorded quiet noise (the 16 idle_* runs carry a
-    +10% process-level drift): against one baseline run the gate false-alarms often; against
+    +10% drift between runs): against one baseline run the gate false-alarms often; against
     three, the drift it can see removes most of those alarms. (bench_compare_gate.py has the
     rates; this test holds the mechanism to its direction and size.)"""
     rng = random.Random(11)
