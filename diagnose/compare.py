@@ -388,6 +388,8 @@ class RecordSide:
     n_samples: int
     #: Median s/it of the compared steps, None when there are none.
     median_seconds: float | None = None
+    #: The compared steps' seconds, in run order (for the report's chart).
+    step_seconds: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -573,6 +575,7 @@ def _side(
         samples_kind=samples_kind,
         n_samples=len(samples),
         median_seconds=statistics.median([s.seconds for s in samples]) if samples else None,
+        step_seconds=tuple(s.seconds for s in samples),
     )
 
 

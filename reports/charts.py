@@ -193,6 +193,90 @@ def step_times_svg(
         return _to_svg(fig, chart_id, "Seconds of each step in run order")
 
 
+COMPARE_CURRENT_COLOR = "#D55E00"
+COMPARE_BASELINE_COLOR = "#0072B2"
+BAND_COLOR = "#E5E5E5"
+
+
+def compare_strip_svg(
+    rows: Sequence[Sequence[float]],
+    row_names: Sequence[str],
+    *,
+    band: tuple[float, float] | None,
+    chart_id: str = "compare",
+) -> str:
+    """Every compared step's seconds, one row per record (the last row is the current record),
+    each row's median as a vertical tick, and ``band`` (the threshold around the baseline median)
+    shaded: the picture of what the gate decided.
+
+    ``row_names`` are drawn inside the chart, so they must not come from a record (the caller
+    passes "baseline", "baseline 2", "current"). Points beyond the x range (a contended step 20x
+    the others) are drawn at the right edge as a triangle. Returns "" when no row has a value.
+    """
+    finite = [[v for v in row if math.isfinite(v) and v >= 0] for row in rows]
+    values = [v for row in finite for v in row]
+    if not values:
+        return ""
+    # Scale to the bulk of every row, not to a lone outlier.
+    highs = []
+    for row in finite:
+        if row:
+            ordered = sorted(row)
+            highs.append(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))])
+    right = max(highs) * 1.3
+    if band is not None:
+        right = max(right, band[1] * 1.1)
+    right = right or 1.0
+    import statistics
+
+    import matplotlib
+
+    with matplotlib.rc_context(_RC):
+        fig = _new_figure(7.5, 0.55 * len(rows) + 0.9)
+        ax = fig.add_subplot()
+        if band is not None:
+            ax.axvspan(band[0], band[1], color=BAND_COLOR, zorder=0, linewidth=0)
+        count = len(finite)
+        for index, row in enumerate(finite):
+            y = count - 1 - index
+            color = COMPARE_CURRENT_COLOR if index == count - 1 else COMPARE_BASELINE_COLOR
+            # Deterministic vertical jitter (golden-ratio steps) so equal times stay visible.
+            jitter = [((k * 0.618034) % 1.0 - 0.5) * 0.45 for k in range(len(row))]
+            inside = [(v, y + j) for v, j in zip(row, jitter, strict=True) if v <= right]
+            beyond = [(right, y + j) for v, j in zip(row, jitter, strict=True) if v > right]
+            if inside:
+                ax.scatter(
+                    [v for v, _ in inside],
+                    [yy for _, yy in inside],
+                    s=12,
+                    color=color,
+                    alpha=0.7,
+                    linewidths=0,
+                    clip_on=False,
+                )
+            if beyond:
+                ax.scatter(
+                    [v for v, _ in beyond],
+                    [yy for _, yy in beyond],
+                    s=22,
+                    marker=">",
+                    color=color,
+                    clip_on=False,
+                )
+            if row:
+                ax.plot([statistics.median(row)] * 2, [y - 0.35, y + 0.35], color="black", lw=1.6)
+        ax.set_yticks(range(count))
+        ax.set_yticklabels(list(reversed(row_names)))
+        ax.set_ylim(-0.6, count - 0.4)
+        ax.set_xlim(0, right)
+        ax.set_xlabel("seconds per step (black tick: median; grey band: ± the threshold)")
+        ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
+        ax.set_axisbelow(True)
+        height = 0.55 * count + 0.9
+        fig.subplots_adjust(left=0.13, right=0.97, top=1 - 0.1 / height, bottom=0.6 / height)
+        return _to_svg(fig, chart_id, "Seconds of every compared step, per record")
+
+
 def _new_figure(width_in: float, height_in: float) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -250,6 +334,7 @@ __all__ = [
     "StepPoint",
     "breakdown_bar_svg",
     "clean_svg",
+    "compare_strip_svg",
     "phase_color",
     "step_times_svg",
 ]

@@ -108,6 +108,8 @@ class CompareView:
     notes: tuple[str, ...]
     #: Set instead of everything else when the records could not be compared at all.
     refused: str = ""
+    #: The per-step chart (inline SVG), drawn for the HTML report only (see compare_chart_svg).
+    chart: str = ""
 
 
 def _value(metric: MetricComparison, value: float | None, like: float | None) -> str:
@@ -240,6 +242,24 @@ def build_compare_view(comparison: Comparison, fail_on: Iterable[str] | None = N
         environment_changes=tuple(_clean(c) for c in comparison.environment_changes),
         notes=tuple(_clean(n) for n in comparison.notes),
     )
+
+
+def compare_chart_svg(comparison: Comparison) -> str:
+    """Every compared step of each record on one axis, with the threshold band around the
+    baselines' median s/it: the HTML report's picture of the gate. "" when nothing was compared.
+    """
+    from .charts import compare_strip_svg
+
+    sides = [*comparison.baselines, comparison.current]
+    if not any(side.step_seconds for side in sides):
+        return ""
+    names = ["baseline" if i == 0 else f"baseline {i + 1}" for i in range(len(sides) - 1)]
+    step = comparison.step
+    band = None
+    if step is not None and step.baseline is not None and step.baseline > 0:
+        t = comparison.options.threshold
+        band = (step.baseline / (1 + t), step.baseline * (1 + t))
+    return compare_strip_svg([side.step_seconds for side in sides], [*names, "current"], band=band)
 
 
 def refused_view(reason: str) -> CompareView:
@@ -536,6 +556,7 @@ __all__ = [
     "FindingRow",
     "MetricRow",
     "build_compare_view",
+    "compare_chart_svg",
     "compare_junit",
     "compare_markdown",
     "compare_table",

@@ -9,6 +9,7 @@ hostile string in a record (an op name, a traceback) cannot run or fetch anythin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -57,19 +58,24 @@ def render_html(
     ``baseline`` (compared here with the default options), the page opens with the comparison.
     A baseline that cannot be compared (another device or config) is said so on the page.
     """
-    from .compare import build_compare_view, refused_view
+    from .compare import build_compare_view, compare_chart_svg, refused_view
 
     compare_view = None
-    if comparison is not None:
-        compare_view = build_compare_view(comparison)
-    elif baseline is not None:
+    if comparison is None and baseline is not None:
         from diagnose.compare import compare_records
         from diagnose.errors import DiagnoseError
 
         try:
-            compare_view = build_compare_view(compare_records(baseline, record))
+            comparison = compare_records(baseline, record)
         except DiagnoseError as exc:
             compare_view = refused_view(exc.message)
+    if comparison is not None:
+        compare_view = build_compare_view(comparison)
+        try:
+            chart = compare_chart_svg(comparison)
+        except Exception:  # a chart is optional: its numbers are in the table next to it
+            chart = ""
+        compare_view = dataclasses.replace(compare_view, chart=chart)
     view = build_view(record, comparison=compare_view)
     return _environment().get_template("report.html").render(view=view)
 

@@ -343,6 +343,22 @@ def test_terminal_table_and_html_agree() -> None:
         assert row in table and row in html
 
 
+def test_html_comparison_has_a_chart_of_every_compared_step_and_no_record_string_in_it(
+    tmp_path: Path,
+) -> None:
+    hostile = RunRecord.load(SLOW)
+    hostile.command = "diagnose run <script>alert(1)</script>"
+    current = write_record(tmp_path / "current.json", hostile)
+    html = tmp_path / "r.html"
+    assert run_compare([str(BASELINE), str(SAME), str(current), "--html", str(html)])[0] in (0, 6)
+    page = html.read_text(encoding="utf-8")
+    section = page[page.index('id="comparison"') :]
+    svg = section[section.index("<svg") : section.index("</svg>")]
+    assert 'aria-label="Seconds of every compared step, per record"' in svg
+    assert "<script" not in svg and str(tmp_path) not in svg and "compare/" not in svg
+    assert "<script>alert" not in page  # the record's command is escaped in the page
+
+
 def test_html_with_a_baseline_argument_and_an_incomparable_one() -> None:
     current = RunRecord.load(SLOW)
     html = render_html(current, baseline=RunRecord.load(BASELINE))

@@ -24,7 +24,13 @@ from diagnose.record import (
     Timing,
 )
 from diagnose.reports import render_html, terminal_summary, write_html
-from diagnose.reports.charts import Segment, StepPoint, breakdown_bar_svg, step_times_svg
+from diagnose.reports.charts import (
+    Segment,
+    StepPoint,
+    breakdown_bar_svg,
+    compare_strip_svg,
+    step_times_svg,
+)
 from diagnose.reports.format import (
     format_bytes,
     format_count,
@@ -433,7 +439,10 @@ def test_charts_are_inline_self_contained_svg() -> None:
         median=1.85,
         chart_id="s",
     )
-    for svg, prefix in ((bar, "b"), (steps, "s")):
+    strip = compare_strip_svg(
+        [[1.0, 1.1, 0.9], [1.3, 1.2, 40.0]], ["baseline", "current"], band=(0.9, 1.1), chart_id="c"
+    )
+    for svg, prefix in ((bar, "b"), (steps, "s"), (strip, "c")):
         assert svg.startswith('<svg role="img"')
         assert "<?xml" not in svg and "DOCTYPE" not in svg and "<metadata" not in svg
         assert "://" not in svg and "xmlns" not in svg and "<style" not in svg
@@ -441,6 +450,7 @@ def test_charts_are_inline_self_contained_svg() -> None:
         assert all(i.startswith(f"{prefix}-") for i in _ids(svg))
     assert breakdown_bar_svg([]) == ""
     assert step_times_svg(unprofiled=[], profiled=[], warmup=[], median=None) == ""
+    assert compare_strip_svg([[], [math.nan]], ["baseline", "current"], band=None) == ""
 
 
 def _ids(svg: str) -> list[str]:
