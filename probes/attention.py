@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from diagnose import attention_paths as ap
+from diagnose.compare import shift_interval
 from diagnose.probes.attention_bench import GPU_ONLY, SignatureTrials, Trial, benchmark_signature
 from diagnose.probes.attention_capture import (
     AttentionCall,
@@ -58,6 +59,9 @@ MIN_SHARE_OF_S_PER_IT = 0.01
 MIN_ABSOLUTE_SAVING_S = 0.5e-3
 WARN_SHARE = 0.05
 CRITICAL_SHARE = 0.20
+#: Severity follows the low end of the saving's confidence interval at this level (see
+#: Saving.sure_per_call), as the optimizer probe's does.
+SAVING_SIGNIFICANCE = 0.05
 #: Benchmark settings (per backend and signature).
 MIN_SAMPLES = 3
 MAX_SAMPLES = 15
@@ -283,6 +287,9 @@ class Saving:
     #: Whether the best is faster beyond the noise (MIN_RELATIVE_GAIN and quartiles apart).
     clearly: bool
     best_note: str = ""
+    #: The per-call saving the A/B is sure of: the low end of the 95% Hodges–Lehmann interval of
+    #: ran - best (severity is judged on it, so that it does not flip between runs).
+    sure_per_call: float = 0.0
 
     @property
     def per_call(self) -> float:
@@ -291,6 +298,10 @@ class Saving:
     @property
     def per_step(self) -> float:
         return max(0.0, self.per_call) * self.calls if self.clearly else 0.0
+
+    @property
+    def sure_per_step(self) -> float:
+        return max(0.0, self.sure_per_call) * self.calls if self.clearly else 0.0
 
 
 def clearly_faster(ran: Trial, other: Trial, min_relative: float = MIN_RELATIVE_GAIN) -> bool:
@@ -328,6 +339,7 @@ def group_saving(group: PathGroup, trials: SignatureTrials | None) -> Saving | N
     best = best_alternative(trials, group.backend)
     if ran is None or not ran.samples or best is None:
         return None
+    interval = shift_interval(best.samples, ran.samples, SAVING_SIGNIFICANCE)
     return Saving(
         ran=group.backend,
         best=best.backend,
@@ -336,6 +348,7 @@ def group_saving(group: PathGroup, trials: SignatureTrials | None) -> Saving | N
         calls=group.calls,
         clearly=clearly_faster(ran, best),
         best_note=best.note,
+        sure_per_call=interval[0] if interval is not None else 0.0,
     )
 
 
@@ -495,6 +508,11 @@ def _total_saving(judged: Sequence[Judged]) -> tuple[float | None, list[Saving]]
     return sum(s.per_step for s in savings), savings
 
 
+def _sure_saving(savings: Sequence[Saving]) -> float:
+    """The per-step saving the A/B is sure of (what severity is judged on)."""
+    return sum(s.sure_per_step for s in savings)
+
+
 def _best_backend(savings: Sequence[Saving]) -> str | None:
     weighted: dict[str, float] = {}
     for s in savings:
@@ -582,7 +600,7 @@ def math_rule(
     else:
         detail += " No fused backend could run these inputs here, so the saving was not measured."
     severity: Severity = (
-        severity_for(saving, s_per_it, "warn")
+        severity_for(_sure_saving(savings), s_per_it, "warn")
         if measured
         else ("info" if saving is not None else "warn")
     )
@@ -644,7 +662,7 @@ def manual_rule(judged: Sequence[Judged], *, s_per_it: float | None) -> Finding 
     return Finding(
         id=ap.MANUAL_ID,
         category="attention",
-        severity=severity_for(saving, s_per_it, "warn")
+        severity=severity_for(_sure_saving(savings), s_per_it, "warn")
         if measured
         else ("info" if saving is not None else "warn"),
         title=title,
@@ -686,7 +704,7 @@ def slower_backend_rule(judged: Sequence[Judged], *, s_per_it: float | None) -> 
     return Finding(
         id=ap.SLOWER_ID,
         category="attention",
-        severity=severity_for(saving, s_per_it, "info"),
+        severity=severity_for(_sure_saving(savings), s_per_it, "info"),
         title=(
             f"{ran_text} ran for {calls} attention calls per step; "
             f"{_best_label(best, savings)} is measured {_ms_text(saving)}/it faster"

@@ -440,6 +440,32 @@ def test_slower_backend_needs_a_clear_and_worthwhile_gain() -> None:
     assert slower_backend_rule([clear], s_per_it=100.0) is None
 
 
+def test_slower_backend_severity_follows_the_saving_the_ab_is_sure_of() -> None:
+    """10 calls saving 1.2 ms each by the median is 6% of a 0.2 s step (warn by the median); with
+    a loose spread the sure saving is under 5%, so the finding stays info and does not flip
+    between runs; measured tightly it is warn."""
+
+    def trial(backend: str, values_ms: list[float]) -> Trial:
+        return Trial(backend, runs=True, samples=[v / 1e3 for v in values_ms])
+
+    loose = _judged(
+        ap.FLASH,
+        "torch SDPA",
+        [trial("flash", [1.9, 2.0, 2.2, 2.6, 2.7]), trial("cudnn", [0.9, 0.95, 1.0, 1.0, 1.05])],
+    )
+    finding = slower_backend_rule([loose], s_per_it=0.2)
+    assert finding is not None and finding.est_seconds_saved_per_it == pytest.approx(0.012)
+    assert loose.saving is not None and loose.saving.sure_per_step < 0.05 * 0.2
+    assert finding.severity == "info"
+    tight = _judged(
+        ap.FLASH,
+        "torch SDPA",
+        [trial("flash", [2.19, 2.2, 2.2, 2.2, 2.21]), trial("cudnn", [0.99, 1.0, 1.0, 1.0, 1.01])],
+    )
+    tight_finding = slower_backend_rule([tight], s_per_it=0.2)
+    assert tight_finding is not None and tight_finding.severity == "warn"
+
+
 def test_math_rule_without_a_runnable_fused_backend_says_so() -> None:
     judged = _judged(ap.MATH, "torch SDPA", [Trial("flash", reasons=["nope"]), _trial("math", 3)])
     judged.why = ["gfx1100 needs TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1"]
