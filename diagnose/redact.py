@@ -17,7 +17,9 @@ What is masked (:func:`redact_text`):
 - credentials in URLs: ``scheme://user:pass@host`` → ``scheme://***@host``;
 - secret-named arguments and assignments: ``--token X``, ``--api-key=X``, ``token=X``,
   ``"password": "X"``;
-- optionally the home folder (→ ``~``) and the user name (→ ``<user>``), for ``--redact-paths``.
+- optionally the home folder (→ ``~``), the user name (→ ``<user>``) and the machine's host name
+  (→ ``<host>``: the value of every ``host_name``/``hostname``/``host`` field, and the name in any
+  text when it is at least :data:`MIN_HOST_LENGTH` characters long), for ``--redact-paths``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from diagnose.record import RunRecord
 
 #: Secret values shorter than this are not masked literally: "1", "true" or "on" would otherwise
@@ -38,6 +42,12 @@ if TYPE_CHECKING:
 MIN_SECRET_LENGTH = 6
 
 MASK = "***"
+HOST_MASK = "<host>"
+#: Host names shorter than this are masked only in host fields, not in free text ("vm" or "gpu1"
+#: would otherwise be replaced inside ordinary words and numbers' labels).
+MIN_HOST_LENGTH = 5
+#: Field names whose string value is a host name (profiler traces carry ``host_name``).
+HOST_KEYS: frozenset[str] = frozenset({"host_name", "hostname", "host"})
 
 #: Parts of a name that mark it as holding a secret. A name is split into words at ``_ - . /``,
 #: spaces and camelCase boundaries; a word that *contains* one of these stems marks the name
@@ -217,7 +227,10 @@ class Redactor:
     secrets: list[str] = field(default_factory=list)
     home: str | None = None
     user: str | None = None
+    #: This machine's host name (``--redact-paths``): host fields are masked, and the name in text.
+    host: str | None = None
     _literal: re.Pattern[str] | None = field(default=None, init=False, repr=False)
+    _host: re.Pattern[str] | None = field(default=None, init=False, repr=False)
     _home: re.Pattern[str] | None = field(default=None, init=False, repr=False)
     _user: re.Pattern[str] | None = field(default=None, init=False, repr=False)
 
@@ -231,6 +244,11 @@ class Redactor:
         home = (self.home or "").rstrip("/\\")
         if len(home) > 1:  # never "/" itself
             self._home = re.compile(re.escape(home) + r"(?=$|[/\\\s'\":;,)\]])")
+        names = {n for n in (self.host, (self.host or "").split(".")[0]) if n}
+        names = {n for n in names if len(n) >= MIN_HOST_LENGTH}
+        if names:
+            alternatives = "|".join(re.escape(n) for n in sorted(names, key=lambda n: -len(n)))
+            self._host = re.compile(r"(?<![A-Za-z0-9-])(?:" + alternatives + r")(?![A-Za-z0-9-])")
         if self.user and len(self.user) >= 2:
             self._user = re.compile(
                 # Not "_" in the guards: "/tmp/torchinductor_alice" names the user too.
@@ -251,7 +269,19 @@ class Redactor:
             text = self._home.sub("~", text)
         if self._user is not None:
             text = self._user.sub("<user>", text)
+        if self._host is not None:
+            text = self._host.sub(HOST_MASK, text)
         return text
+
+    def masks_host_field(self, key: object, value: object) -> bool:
+        """Whether ``key: value`` is a host field whose value this redactor replaces."""
+        return (
+            bool(self.host)
+            and isinstance(key, str)
+            and key.lower() in HOST_KEYS
+            and isinstance(value, str)
+            and bool(value)
+        )
 
     def obj(self, obj: Any, *, mask_secret_keys: bool = False) -> Any:
         """A copy of a JSON-like structure with every string (keys too) redacted.
@@ -271,6 +301,8 @@ class Redactor:
                 new_key = self.text(key) if isinstance(key, str) else key
                 if secret and value not in (None, "", [], {}):
                     out[new_key] = MASK
+                elif self.masks_host_field(key, value):
+                    out[new_key] = HOST_MASK
                 else:
                     out[new_key] = self.obj(value, mask_secret_keys=mask_secret_keys)
             return out
@@ -280,10 +312,14 @@ class Redactor:
 
 
 def make_redactor(
-    *, secrets: Iterable[str] = (), home: str | None = None, user: str | None = None
+    *,
+    secrets: Iterable[str] = (),
+    home: str | None = None,
+    user: str | None = None,
+    host: str | None = None,
 ) -> Redactor:
     """A redactor for the current environment's secrets plus ``secrets``."""
-    return Redactor(secrets=[*secret_env_values(), *secrets], home=home, user=user)
+    return Redactor(secrets=[*secret_env_values(), *secrets], home=home, user=user, host=host)
 
 
 def redact_text(
@@ -311,7 +347,8 @@ def redact_obj(
 
 def redactor_for(redact_paths: bool, *, secrets: Iterable[str] = ()) -> Redactor:
     """The redactor a saved record or report uses: secrets always; with ``redact_paths`` (the
-    ``--redact-paths`` option) also the home folder (-> ``~``) and the user name (-> ``<user>``)."""
+    ``--redact-paths`` option) also the home folder (-> ``~``), the user name (-> ``<user>``)
+    and the host name (-> ``<host>``)."""
     if not redact_paths:
         return make_redactor(secrets=secrets)
     user: str | None = None
@@ -319,7 +356,11 @@ def redactor_for(redact_paths: bool, *, secrets: Iterable[str] = ()) -> Redactor
         import getpass
 
         user = getpass.getuser()
-    return make_redactor(secrets=secrets, home=os.path.expanduser("~"), user=user)
+    import socket
+
+    return make_redactor(
+        secrets=secrets, home=os.path.expanduser("~"), user=user, host=socket.gethostname()
+    )
 
 
 _D = TypeVar("_D")
@@ -347,11 +388,32 @@ def _redact_value(value: Any, redactor: Redactor) -> Any:
             (redactor.text(k) if isinstance(k, str) else k): (
                 MASK
                 if isinstance(k, str) and is_secret_name(k) and v not in (None, "", [], {})
+                else HOST_MASK
+                if redactor.masks_host_field(k, v)
                 else _redact_value(v, redactor)
             )
             for k, v in value.items()
         }
     return value
+
+
+def redact_trace_file(path: Path, redactor: Redactor) -> None:
+    """Rewrite a profiler trace this tool wrote (``.json`` or ``.json.gz``) through ``redactor``:
+    the host field Kineto writes, and any string naming the home folder, user or host.
+
+    Only for traces ``diagnose run`` captured itself (small: a few profiled steps); a user's own
+    trace is read, never rewritten.
+    """
+    import gzip
+    import json
+
+    from diagnose.output import write_bytes_atomic
+
+    raw = path.read_bytes()
+    zipped = raw[:2] == b"\x1f\x8b"
+    data = json.loads(gzip.decompress(raw) if zipped else raw)
+    text = json.dumps(redactor.obj(data, mask_secret_keys=True)).encode("utf-8")
+    write_bytes_atomic(path, gzip.compress(text, mtime=0) if zipped else text)
 
 
 def redact_record(
@@ -378,6 +440,7 @@ __all__ = [
     "redact_obj",
     "redact_record",
     "redact_text",
+    "redact_trace_file",
     "redactor_for",
     "secret_env_values",
 ]

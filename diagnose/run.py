@@ -121,6 +121,24 @@ def _analyze_own_trace(trace_path: Path, record: RunRecord) -> ProbeResult | Non
     return result
 
 
+def _redact_own_trace(trace_path: Path, record: RunRecord) -> Path | None:
+    """--redact-paths covers the trace this run wrote too (Kineto stores the host name in it).
+    A trace that cannot be rewritten is removed rather than left unredacted."""
+    from diagnose.redact import redact_trace_file, redactor_for
+
+    try:
+        redact_trace_file(trace_path, redactor_for(True))
+    except Exception as exc:
+        trace_path.unlink(missing_ok=True)
+        record.trace_path = ""
+        record.notes.append(
+            f"The profiler trace was removed: --redact-paths could not rewrite it "
+            f"({type(exc).__name__}: {exc})."
+        )
+        return None
+    return trace_path
+
+
 def execute_run(
     config: RunConfig,
     out_dir: Path,
@@ -209,6 +227,9 @@ def execute_run(
     record.findings = _merge_findings([p.findings for p in record.probes])
     for result in record.probes:
         result.findings = []
+    saved_trace = measurement.trace_path
+    if redact_paths and saved_trace is not None:
+        saved_trace = _redact_own_trace(saved_trace, record)
     # Records and reports get attached to public tickets: no secret leaves this process.
     record = redact_record(record, redact_paths=redact_paths)
     record_path = out_dir / RECORD_NAME
@@ -220,5 +241,5 @@ def execute_run(
         record=record,
         record_path=record_path,
         report_path=report_path,
-        trace_path=measurement.trace_path,
+        trace_path=saved_trace,
     )

@@ -11,6 +11,7 @@ from diagnose.redact import (
     MASK,
     Redactor,
     is_secret_name,
+    make_redactor,
     redact_obj,
     redact_record,
     redact_text,
@@ -138,6 +139,24 @@ def test_home_and_user_only_on_request() -> None:
     assert redact_text(text) == text
     out = redact_text(text, home="/home/alice", user="alice")
     assert out == "~/venv/bin/python /tmp/torchinductor_<user> /home/alicex <user>"
+
+
+def test_host_name_is_masked_in_host_fields_and_long_names_in_text() -> None:
+    """--redact-paths also hides the machine: every host field, and the name (or its short form)
+    in text when it is long enough not to hit ordinary words; a longer name is left alone."""
+    redactor = make_redactor(host="gpu-node-17.corp.example")
+    text = "ran on gpu-node-17 (gpu-node-17.corp.example), not on gpu-node-170"
+    assert redactor.text(text) == "ran on <host> (<host>), not on gpu-node-170"
+    trace = {"host_name": "gpu-node-17", "args": {"hostname": "x"}, "other": "kept"}
+    assert redactor.obj(trace) == {
+        "host_name": "<host>",
+        "args": {"hostname": "<host>"},
+        "other": "kept",
+    }
+    short = make_redactor(host="vm")
+    assert short.text("vm.max_map_count on vm") == "vm.max_map_count on vm"
+    assert short.obj({"host_name": "vm"}) == {"host_name": "<host>"}
+    assert make_redactor().obj({"host_name": "vm"}) == {"host_name": "vm"}  # only on request
 
 
 def test_redact_obj_walks_structures_and_drops_secret_keys() -> None:

@@ -153,3 +153,27 @@ def test_cli_run_writes_and_prints_no_secret(
     assert_clean((out / "report.html").read_text(encoding="utf-8"), "report.html")
     record = json.loads((out / "record.json").read_text(encoding="utf-8"))
     assert MASK in record["config"]["data_dir"]
+
+
+def test_cli_run_with_redact_paths_hides_the_host_in_the_record_and_the_trace(
+    tmp_path: Path,
+) -> None:
+    """Kineto writes the host name into the trace, and the trace analysis copies it into the
+    record; with --redact-paths neither keeps it (the trace is rewritten, still a valid trace)."""
+    import gzip
+    import socket
+
+    out = tmp_path / "out"
+    assert main(["run", "--out", str(out), "--redact-paths", *QUICK]) == 0
+    trace = json.loads(gzip.decompress((out / "trace.json.gz").read_bytes()))
+    assert trace["host_name"] == "<host>" and trace["traceEvents"]
+    record = RunRecord.load(out)
+    host_fields = record.probes[0].data["metadata"]["trace_fields"]
+    assert host_fields["host_name"] == "<host>"
+    host = socket.gethostname()
+    if len(host) >= 5:  # shorter names are masked in host fields only
+        assert host not in (out / "record.json").read_text(encoding="utf-8")
+    # The rewritten trace still reads as a trace.
+    from diagnose.trace import analyze_trace
+
+    assert analyze_trace(out / "trace.json.gz").steps
