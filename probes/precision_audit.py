@@ -683,7 +683,7 @@ def _run_unchanged(workload: Any) -> Iterator[None]:
     """Swap in an optimizer that updates nothing; put back gradients, scaler and generator."""
     params: list[torch.nn.Parameter] = list(workload.lora_parameters())
     scaler = getattr(workload, "scaler", None)
-    generator = getattr(workload, "_generator", None)
+    generator = getattr(workload, "noise_generator", None)
     saved = _Saved(
         grads=[None if p.grad is None else p.grad.detach().clone() for p in params],
         scaler_state=scaler.state_dict() if scaler is not None else {},

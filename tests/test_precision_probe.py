@@ -344,7 +344,7 @@ def _snapshot(workload: Workload) -> dict[str, Any]:
             {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
             for s in (workload.optimizer.state[p] for p in params)
         ],
-        "generator": workload._generator.get_state(),
+        "generator": workload.noise_generator.get_state(),
         "optimizer": workload.optimizer,
     }
 

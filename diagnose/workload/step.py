@@ -535,8 +535,11 @@ class Workload:
         self.loader = make_loader(
             data, config.batch, config.workers, self.pin_memory, seed=config.seed
         )
-        self._generator = torch.Generator(device=device)
-        self._generator.manual_seed(config.seed)
+        #: The RNG behind the noise and the VAE sample of every step. Public so that a probe that
+        #: runs extra steps can save and restore it (WorkloadSnapshot does) and later steps see
+        #: the same noise as they would without that probe.
+        self.noise_generator = torch.Generator(device=device)
+        self.noise_generator.manual_seed(config.seed)
         self._latent_cache: dict[tuple[str, int], torch.Tensor] = {}
         self._text_cache: dict[str, Conditioning] = {}
         self._text_list_keys: frozenset[str] = frozenset()
@@ -597,7 +600,7 @@ class Workload:
         vae = self.components.vae
         dtype = next(vae.parameters()).dtype
         dist = vae.encode(pixels.to(dtype)).latent_dist  # type: ignore[operator]
-        latents = dist.sample(generator=self._generator)
+        latents = dist.sample(generator=self.noise_generator)
         config = model_config(vae)
         shift = getattr(config, "shift_factor", None) or 0.0
         scaled: torch.Tensor = (latents - shift) * config.scaling_factor
@@ -689,7 +692,7 @@ class Workload:
         assert latents is not None and cond is not None
         with self.attention:
             with timer.phase("forward"), self._autocast():
-                noised = self.family.add_noise(self.components, latents, self._generator)
+                noised = self.family.add_noise(self.components, latents, self.noise_generator)
                 prediction = self.family.predict(
                     self.components, noised.noisy, noised.timesteps, cond
                 )
@@ -754,7 +757,7 @@ class WorkloadSnapshot:
         scaler = workload.scaler
         # Restoring the noise generator keeps later probes seeing the same noise as without
         # this one.
-        generator = workload._generator
+        generator = workload.noise_generator
         return cls(
             workload=workload,
             params=params,
@@ -781,7 +784,7 @@ class WorkloadSnapshot:
         if self.scaler_state is not None:
             workload.scaler.load_state_dict(self.scaler_state)
         if self.generator_state is not None:
-            workload._generator.set_state(self.generator_state)
+            workload.noise_generator.set_state(self.generator_state)
 
 
 def build_workload(config: RunConfig, device: torch.device) -> Workload:
