@@ -107,7 +107,7 @@ def _state(workload: Workload) -> dict[str, Any]:
         ],
         "loader": workload.loader,
         "config": workload.config,
-        "rng": workload._generator.get_state(),
+        "rng": workload.noise_generator.get_state(),
     }
 
 
@@ -627,7 +627,7 @@ def test_judge_small_wait_but_cached_latents_much_faster_is_slow_loader() -> Non
     )
     [finding] = verdict.findings
     assert finding.id == SLOW_LOADER_ID and finding.saving_basis == "measured"
-    assert finding.title.startswith("Cached latents: measured 0.39 s/it faster")
+    assert finding.title.startswith("Cached latents: measured 390 ms/it faster")
     assert "VAE-encodes" in finding.title
 
 
