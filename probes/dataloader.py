@@ -50,7 +50,7 @@ from diagnose import sampling
 from diagnose.probes.base import ProbeContext, ProbeSkipped
 from diagnose.record import Finding, ProbeResult, Stats, StepSample, Timing
 from diagnose.timing import PhaseTimer, device_synchronizer
-from diagnose.trace.rules import ms, pct
+from diagnose.trace.rules import ms, pct, per_it
 from diagnose.trace.rules.dataloader import (
     CACHE_LATENTS_ADVICE,
     CORRUPT_IMAGES_ID,
@@ -982,7 +982,7 @@ def judge(
             saving: float = savings[best.key] or 0.0
             title = (
                 starved_title(share, wait_seconds, has_device)
-                + f"; {best.label}: measured {saving:.2f} s/it faster"
+                + f"; {best.label}: measured {per_it(saving)} faster"
             )
             basis: Literal["measured", "estimated"] = "measured"
         else:
@@ -1033,7 +1033,7 @@ def judge(
             category="dataloader",
             severity="warn" if gain_share >= 0.3 else "info",
             title=(
-                f"{best.label[0].upper() + best.label[1:]}: measured {saving:.2f} s/it faster "
+                f"{best.label[0].upper() + best.label[1:]}: measured {per_it(saving)} faster "
                 f"({pct(gain_share)}); {why}"
             ),
             evidence=evidence,
