@@ -696,32 +696,43 @@ def _comparable_samples(
     would read as a regression.
     """
 
+    invalid = 0
+
     def split(record: RunRecord) -> tuple[list[StepSample], list[StepSample]]:
-        samples = record.timing.samples
+        nonlocal invalid
+        samples = [s for s in record.timing.samples if _finite(s.seconds) and s.seconds >= 0]
+        invalid += len(record.timing.samples) - len(samples)
         return [s for s in samples if not s.profiled], [s for s in samples if s.profiled]
 
     base_split = [split(record) for record in baselines]
     cur_plain, cur_prof = split(current)
     empty: list[list[StepSample]] = [[] for _ in baselines]
+    dropped = (
+        f"{invalid} step{'s' if invalid != 1 else ''} with no valid time (not a finite, "
+        "non-negative number of seconds) left out. "
+        if invalid
+        else ""
+    )
     if cur_plain and all(plain for plain, _ in base_split):
-        return [plain for plain, _ in base_split], cur_plain, "unprofiled", ""
+        return [plain for plain, _ in base_split], cur_plain, "unprofiled", dropped.strip()
     if not cur_plain and not any(plain for plain, _ in base_split):
         if cur_prof and all(prof for _, prof in base_split):
             return (
                 [prof for _, prof in base_split],
                 cur_prof,
                 "profiled",
-                "No record has unprofiled steps: profiled steps are compared (all include the "
-                "profiler's overhead).",
+                dropped + "No record has unprofiled steps: profiled steps are compared (all "
+                "include the profiler's overhead).",
             )
-        return empty, [], "unprofiled", ""
+        return empty, [], "unprofiled", dropped.strip()
     lacking = "the current record" if not cur_plain else "a baseline record"
     return (
         empty,
         [],
         "unprofiled",
-        f"{lacking.capitalize()} has no unprofiled steps and another record has: profiled and "
-        "unprofiled steps are not compared (the profiler's overhead would read as a change).",
+        dropped + f"{lacking.capitalize()} has no unprofiled steps and another record has: "
+        "profiled and unprofiled steps are not compared (the profiler's overhead would read as "
+        "a change).",
     )
 
 

@@ -334,6 +334,19 @@ def test_profiled_steps_are_never_compared_with_unprofiled_ones(baseline: RunRec
     assert both.step is not None and both.step.label == "s/it (profiled steps)"
 
 
+def test_steps_without_a_valid_time_are_left_out_and_said(baseline: RunRecord) -> None:
+    """A hand-edited or corrupted record (NaN, infinity, a negative time) must not bend the
+    statistics: those steps are not samples, and a note says how many were left out."""
+    current = copy.deepcopy(baseline)
+    current.created = "2026-11-30T10:00:00+00:00"
+    for sample, bad in zip(current.timing.samples, (math.nan, math.inf, -1.0), strict=False):
+        sample.seconds = bad
+    comparison = compare_records(baseline, current)
+    valid = [s for s in baseline.timing.samples if not s.profiled]
+    assert comparison.step is not None and comparison.step.n_current == len(valid) - 3
+    assert any(note.startswith("3 steps with no valid time") for note in comparison.notes)
+
+
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [
