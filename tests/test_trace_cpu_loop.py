@@ -4,9 +4,12 @@ torch.profiler with a schedule), each with one planted fault and a clean twin.""
 from __future__ import annotations
 
 import contextlib
+import json
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -227,3 +230,62 @@ def test_diagnose_phase_labels_take_precedence(tmp_path: Path) -> None:
     assert a.breakdown.seconds["h2d"] > 0
     assert a.breakdown.seconds["forward"] >= 0.009
     assert a.breakdown.seconds["backward"] > 0 and a.breakdown.seconds["optimizer"] > 0
+
+
+class WrappingOptimizer(torch.optim.Optimizer):
+    """A wrapper that steps an inner optimizer inside its own step (as accelerate's does): its
+    Optimizer.step range holds the inner one."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        super().__init__(inner.param_groups, inner.defaults)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return self.inner.step(closure)
+
+
+def capture_unscheduled(path: Path, iterations: int, *, wrap: bool = False) -> Path:
+    """A loop profiled with a bare `with profile()`: no schedule, no prof.step() markers."""
+    torch.manual_seed(0)
+    model = TinyAttentionModel("clean")
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if wrap:
+        optimizer = WrappingOptimizer(optimizer)
+    x = torch.randn(8, SEQ, DIM)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(iterations):
+            model(x).float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_steps_are_read_from_optimizer_steps_without_profiler_step_markers(
+    tmp_path: Path, wrap: bool
+) -> None:
+    """Five iterations and no prof.step(): four steps, optimizer step end to optimizer step end
+    (a wrapping optimizer's nested step does not split them), each about one iteration long."""
+    a = analyze_trace(capture_unscheduled(tmp_path / "loop.json", 5, wrap=wrap))
+    assert [s.number for s in a.steps] == [1, 2, 3, 4]
+    assert not a.whole_trace_window
+    assert any("read from the optimizer steps" in note for note in a.notes)
+    for step in a.steps:
+        assert sum(step.phases.values()) == pytest.approx(step.wall_seconds)
+        assert step.phases.get("forward", 0) > 0 and step.phases.get("optimizer", 0) > 0
+    # Each step holds one iteration: four of the five fit in the trace, none holds two.
+    events = json.loads((tmp_path / "loop.json").read_text())["traceEvents"]
+    spans = [
+        (e["ts"], e["ts"] + e.get("dur", 0)) for e in events if "ts" in e and e.get("ph") == "X"
+    ]
+    whole = (max(end for _, end in spans) - min(start for start, _ in spans)) / 1e6
+    total = sum(s.wall_seconds for s in a.steps)
+    assert total < whole
+    assert statistics.median(s.wall_seconds for s in a.steps) < whole / 3
+
+
+def test_one_optimizer_step_and_no_markers_is_one_window(tmp_path: Path) -> None:
+    a = analyze_trace(capture_unscheduled(tmp_path / "once.json", 1))
+    assert a.whole_trace_window and len(a.steps) == 1
+    assert any("whole trace" in note for note in a.notes)
