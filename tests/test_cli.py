@@ -272,6 +272,16 @@ def test_run_with_a_baseline_gates_and_keeps_the_measurement(
     assert RunRecord.load(other).mode == "run"
 
 
+def test_a_gate_output_over_the_baseline_is_refused_before_the_run(tmp_path: Path) -> None:
+    baseline = FIXTURES / "compare" / "baseline.json"
+    copy = tmp_path / "baseline.json"
+    copy.write_bytes(baseline.read_bytes())
+    out = tmp_path / "out"
+    argv = ["run", "--out", str(out), *QUICK, "--baseline", str(copy), "--junit", str(copy)]
+    assert main([*argv, "--force"]) == ExitCode.USAGE
+    assert copy.read_bytes() == baseline.read_bytes() and not out.exists()
+
+
 def test_a_bad_baseline_fails_before_the_run(tmp_path: Path) -> None:
     argv = ["run", "--out", str(tmp_path / "out"), *QUICK, "--baseline", str(tmp_path / "nope")]
     assert main(argv) == ExitCode.BAD_INPUT

@@ -161,6 +161,15 @@ def test_several_baselines_on_the_command_line(tmp_path: Path) -> None:
     assert err.count("\n") == 1 and "the same run as" in err
 
 
+def test_an_output_over_a_compared_record_is_refused_even_with_force(tmp_path: Path) -> None:
+    current = write_record(tmp_path / "current.json", RunRecord.load(SLOW))
+    before = current.read_bytes()
+    code, out, err = run_compare([str(BASELINE), str(current), "--junit", str(current), "--force"])
+    assert code == ExitCode.USAGE and out == ""
+    assert "a record being compared" in err and err.count("\n") == 1
+    assert current.read_bytes() == before
+
+
 def test_usage_errors_exit_2() -> None:
     for argv in (
         [str(BASELINE), str(SAME), "--fail-on", "slower,sometimes"],

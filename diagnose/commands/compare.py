@@ -227,6 +227,7 @@ class CompareCommand:
             check_writable_file(args.html, force=args.force, option="--html")
         outputs = [p for p in (args.junit, args.markdown, args.html) if p is not None]
         _refuse_duplicate_outputs(outputs)
+        refuse_outputs_over_inputs(outputs, [*args.baseline, args.current])
         baselines = [RunRecord.load(path) for path in args.baseline]
         current = RunRecord.load(args.current)
         labels = [record_label(path) for path in (*args.baseline, args.current)]
@@ -242,6 +243,17 @@ class CompareCommand:
 def record_label(path: Path) -> str:
     """How the outputs name a record given as a file or a run folder."""
     return str(path / "record.json") if path.is_dir() else str(path)
+
+
+def refuse_outputs_over_inputs(outputs: Sequence[Path], records: Sequence[Path]) -> None:
+    """An output written over a record it compares would destroy that record, --force or not."""
+    inputs = {Path(record_label(path)).resolve() for path in records}
+    for path in outputs:
+        if path.resolve() in inputs:
+            raise DiagnoseError(
+                f"{path}: that is a record being compared; write the output elsewhere",
+                ExitCode.USAGE,
+            )
 
 
 def _refuse_duplicate_outputs(paths: Sequence[Path]) -> None:

@@ -168,12 +168,14 @@ class RunCommand:
 
         baselines = []
         if args.baseline:
-            from diagnose.commands.compare import check_gate_outputs
+            from diagnose.commands.compare import check_gate_outputs, refuse_outputs_over_inputs
             from diagnose.record import RunRecord
 
             # Before the long run: a bad baseline or an existing --junit file fails fast.
             baselines = [RunRecord.load(path) for path in args.baseline]
             check_gate_outputs(args, force=args.force)
+            gate_outputs = [p for p in (args.junit, args.markdown) if p is not None]
+            refuse_outputs_over_inputs(gate_outputs, args.baseline)
         out_dir = args.out if args.out is not None else default_out_dir("run")
         created = not out_dir.exists()
         prepare_out_dir(out_dir, force=args.force)
