@@ -280,6 +280,13 @@ def test_a_gate_output_over_the_baseline_is_refused_before_the_run(tmp_path: Pat
     argv = ["run", "--out", str(out), *QUICK, "--baseline", str(copy), "--junit", str(copy)]
     assert main([*argv, "--force"]) == ExitCode.USAGE
     assert copy.read_bytes() == baseline.read_bytes() and not out.exists()
+    # The record of an earlier run in the --out folder would be overwritten by this run.
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "record.json").write_bytes(baseline.read_bytes())
+    argv = ["run", "--out", str(earlier), *QUICK, "--baseline", str(earlier), "--force"]
+    assert main(argv) == ExitCode.USAGE
+    assert (earlier / "record.json").read_bytes() == baseline.read_bytes()
 
 
 def test_a_bad_baseline_fails_before_the_run(tmp_path: Path) -> None:

@@ -168,7 +168,11 @@ class RunCommand:
 
         baselines = []
         if args.baseline:
-            from diagnose.commands.compare import check_gate_outputs, refuse_outputs_over_inputs
+            from diagnose.commands.compare import (
+                check_gate_outputs,
+                record_label,
+                refuse_outputs_over_inputs,
+            )
             from diagnose.record import RunRecord
 
             # Before the long run: a bad baseline or an existing --junit file fails fast.
@@ -176,6 +180,17 @@ class RunCommand:
             check_gate_outputs(args, force=args.force)
             gate_outputs = [p for p in (args.junit, args.markdown) if p is not None]
             refuse_outputs_over_inputs(gate_outputs, args.baseline)
+            if args.out is not None:
+                from diagnose.output import RECORD_NAME
+
+                overwritten = (args.out / RECORD_NAME).resolve()
+                for path in args.baseline:
+                    if Path(record_label(path)).resolve() == overwritten:
+                        raise DiagnoseError(
+                            f"--baseline {path} is the record this run writes into --out "
+                            f"{args.out}; choose another --out",
+                            ExitCode.USAGE,
+                        )
         out_dir = args.out if args.out is not None else default_out_dir("run")
         created = not out_dir.exists()
         prepare_out_dir(out_dir, force=args.force)
