@@ -49,26 +49,18 @@ def _is_leaf(row: KV) -> bool:
 def render_html(
     record: RunRecord,
     *,
-    baseline: RunRecord | None = None,
     comparison: Comparison | None = None,
+    not_compared: str = "",
 ) -> str:
     """The report page for ``record`` as a string.
 
-    With ``comparison`` (the gate's, so the page shows the gate's own options and verdict) or
-    ``baseline`` (compared here with the default options), the page opens with the comparison.
-    A baseline that cannot be compared (another device or config) is said so on the page.
+    With ``comparison`` (the gate's, so the page shows the gate's own options and verdict) the
+    page opens with it; with ``not_compared`` (why the baselines could not be compared: another
+    device or config) it says so in that place instead.
     """
     from .compare import build_compare_view, compare_chart_svg, refused_view
 
-    compare_view = None
-    if comparison is None and baseline is not None:
-        from diagnose.compare import compare_records
-        from diagnose.errors import DiagnoseError
-
-        try:
-            comparison = compare_records(baseline, record)
-        except DiagnoseError as exc:
-            compare_view = refused_view(exc.message)
+    compare_view = refused_view(not_compared) if not_compared else None
     if comparison is not None:
         compare_view = build_compare_view(comparison)
         try:
@@ -84,11 +76,12 @@ def write_html(
     record: RunRecord,
     path: Path,
     *,
-    baseline: RunRecord | None = None,
     comparison: Comparison | None = None,
+    not_compared: str = "",
 ) -> None:
-    """Render ``record`` (with the comparison, if given) and write the page to ``path`` (UTF-8)."""
-    path.write_text(render_html(record, baseline=baseline, comparison=comparison), encoding="utf-8")
+    """Render ``record`` (see :func:`render_html`) and write the page to ``path`` (UTF-8)."""
+    page = render_html(record, comparison=comparison, not_compared=not_compared)
+    path.write_text(page, encoding="utf-8")
 
 
 __all__ = ["render_html", "write_html"]

@@ -270,6 +270,8 @@ def test_run_with_a_baseline_gates_and_keeps_the_measurement(
     assert main(["run", "--out", str(other), *QUICK, "--baseline", str(old)]) == ExitCode.BAD_INPUT
     assert capsys.readouterr().err.startswith("diagnose: error:")
     assert RunRecord.load(other).mode == "run"
+    page = (other / "report.html").read_text(encoding="utf-8")
+    assert "not compared" in page and "device" in page  # the report says why, too
 
 
 def test_a_gate_output_over_the_baseline_is_refused_before_the_run(tmp_path: Path) -> None:

@@ -368,13 +368,15 @@ def test_html_comparison_has_a_chart_of_every_compared_step_and_no_record_string
     assert "<script>alert" not in page  # the record's command is escaped in the page
 
 
-def test_html_with_a_baseline_argument_and_an_incomparable_one() -> None:
+def test_html_with_a_comparison_and_with_a_refused_one() -> None:
     current = RunRecord.load(SLOW)
-    html = render_html(current, baseline=RunRecord.load(BASELINE))
+    html = render_html(current, comparison=compare_records(RunRecord.load(BASELINE), current))
     assert 'id="comparison"' in html and "Compared with the baseline" in html
     other = RunRecord.load(BASELINE)
     other.device.name = "NVIDIA H100 80GB HBM3"
-    refused = render_html(current, baseline=other)
+    with pytest.raises(DiagnoseError) as raised:
+        compare_records(other, current)
+    refused = render_html(current, not_compared=raised.value.message)
     assert "not compared" in refused and "device name differs" in refused
     assert 'id="comparison"' not in render_html(current)
 
@@ -383,7 +385,7 @@ def test_html_escapes_hostile_finding_titles() -> None:
     base = RunRecord.load(BASELINE)
     current = copy.deepcopy(base)
     current.findings = [Finding(id="x", severity="critical", title="<img src=x onerror=alert(1)>")]
-    html = render_html(current, baseline=base)
+    html = render_html(current, comparison=compare_records(base, current))
     assert "<img src=x" not in html and "&lt;img src=x" in html
 
 

@@ -477,8 +477,9 @@ def test_a_saved_and_reloaded_record_renders_the_same(tmp_path: Path) -> None:
     assert (tmp_path / "report.html").read_text(encoding="utf-8") == render_html(record)
 
 
-def test_baseline_is_accepted() -> None:
-    assert render_html(full_record(), baseline=trace_record())
+def test_a_refused_comparison_is_said_in_the_page() -> None:
+    page = render_html(full_record(), not_compared="records are not comparable: mode differs")
+    assert "not compared" in page and "mode differs" in page
 
 
 def test_rendering_does_not_import_torch(tmp_path: Path) -> None:

@@ -222,7 +222,8 @@ class RunCommand:
             try:
                 outcome = apply_gate(baselines, outputs.record, args, labels=labels)
             except DiagnoseError as exc:
-                refused = exc  # said after the run's own summary
+                refused = exc  # said after the run's own summary, and in the report
+                write_html(outputs.record, outputs.report_path, not_compared=exc.message)
             else:
                 write_html(outputs.record, outputs.report_path, comparison=outcome.comparison)
         print(terminal_summary(outputs.record, color=sys.stdout.isatty()))
