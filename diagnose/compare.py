@@ -1260,11 +1260,10 @@ def gate_failures(
             "kernel_class": "kernel",
         }[metric.kind]
         if metric.regressed and criterion in criteria:
-            out.append(
-                GateFailure(
-                    criterion, metric.key, f"{metric.label} {metric.verdict}: {metric.reason}"
-                )
-            )
+            message = f"{metric.label} {metric.verdict}: {metric.reason}"
+            if metric.kind == "step":
+                message += _where_slower(comparison)
+            out.append(GateFailure(criterion, metric.key, message))
         if (
             metric.kind == "step"
             and metric.verdict == "inconclusive"
@@ -1289,6 +1288,16 @@ def gate_failures(
                 )
                 break  # one failure per finding, under the strictest criterion that fired
     return tuple(out)
+
+
+def _where_slower(comparison: Comparison) -> str:
+    """Which phases the slower step went into (they are judged at a stricter level; see the
+    module docstring), for the s/it failure message."""
+    phases = [m for m in comparison.metrics if m.kind == "phase" and m.verdict == "slower"]
+    if not phases:
+        return "; no single phase is significantly slower"
+    parts = [f"{m.label} {_pct(m.change)}" if m.change is not None else m.label for m in phases]
+    return "; slower phases: " + ", ".join(parts)
 
 
 def gate_exit_code(comparison: Comparison, fail_on: Iterable[str] | None = None) -> int:

@@ -306,6 +306,9 @@ def test_planted_slow_data_is_caught(baseline: RunRecord) -> None:
     assert gate_exit_code(comparison) == ExitCode.REGRESSION
     criteria = {f.criterion for f in gate_failures(comparison, {"slower", "phase", "new-critical"})}
     assert criteria == {"slower", "phase", "new-critical"}
+    # The s/it failure names the phase the time went into, even when phases do not gate.
+    [step_failure] = [f for f in gate_failures(comparison) if f.criterion == "slower"]
+    assert "slower phases: data wait +" in step_failure.message
     # Only the data changed: the data summary says so, and nothing refused the comparison.
     assert any(c.startswith("data median megapixels") for c in comparison.environment_changes)
     assert not comparison.differences
