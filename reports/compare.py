@@ -220,7 +220,9 @@ def build_compare_view(comparison: Comparison, fail_on: Iterable[str] | None = N
         s_it = f"s/it {step.verdict}"
         if step.change is not None:
             s_it += f" ({format_percent(step.change, signed=True)}"
-            s_it += f", p={_p_value(step)})" if step.p_value is not None else ")"
+            p_text = _p_value(step)
+            p_text = p_text if p_text.startswith("<") else f"={p_text}"
+            s_it += f", p{p_text})" if step.p_value is not None else ")"
     if passed:
         summary = f"No regression under the gate: {s_it}."
     else:

@@ -170,6 +170,17 @@ def test_an_output_over_a_compared_record_is_refused_even_with_force(tmp_path: P
     assert current.read_bytes() == before
 
 
+def test_the_summary_writes_a_tiny_p_value_as_an_inequality() -> None:
+    quiet = RunRecord.load(BASELINE)
+    slower = copy.deepcopy(quiet)
+    slower.created = "2026-11-30T10:00:00+00:00"
+    for sample in slower.timing.samples:
+        sample.seconds *= 2  # every step slower than every baseline step: p is tiny
+    table = compare_table(compare_records(quiet, slower))
+    assert "p<0.0001" in table.splitlines()[0]
+    assert "p=<" not in table
+
+
 def test_usage_errors_exit_2() -> None:
     for argv in (
         [str(BASELINE), str(SAME), "--fail-on", "slower,sometimes"],
