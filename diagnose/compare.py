@@ -198,14 +198,19 @@ def mann_whitney_u(baseline: Sequence[float], current: Sequence[float]) -> UTest
         high = 1.0 - (cdf[k - 1] if k > 0 else 0.0)
         return UTest(u=u, p_value=min(1.0, 2.0 * min(low, high)), method="exact", ties=False)
     mean = m * n / 2
-    total = m + n
-    tie_term = sum(t**3 - t for t in tie_sizes) / (total * (total - 1)) if total > 1 else 0.0
-    variance = m * n / 12 * ((total + 1) - tie_term)
+    variance = _u_variance(m, n, tie_sizes)
     method = "normal approximation" + (" with tie correction" if ties else "")
     if variance <= 0:  # every value equal: nothing to tell apart
         return UTest(u=u, p_value=1.0, method=method, ties=ties)
     z = max(0.0, abs(u - mean) - 0.5) / math.sqrt(variance)  # continuity-corrected
     return UTest(u=u, p_value=min(1.0, math.erfc(z / math.sqrt(2))), method=method, ties=ties)
+
+
+def _u_variance(m: int, n: int, tie_sizes: Sequence[int]) -> float:
+    """Variance of U under the null hypothesis, corrected for ties."""
+    total = m + n
+    tie_term = sum(t**3 - t for t in tie_sizes) / (total * (total - 1)) if total > 1 else 0.0
+    return m * n / 12 * ((total + 1) - tie_term)
 
 
 def _critical_count(m: int, n: int, significance: float, tie_sizes: Sequence[int]) -> int:
@@ -221,9 +226,7 @@ def _critical_count(m: int, n: int, significance: float, tie_sizes: Sequence[int
                 break
             c = k
         return c
-    total = m + n
-    tie_term = sum(t**3 - t for t in tie_sizes) / (total * (total - 1)) if total > 1 else 0.0
-    variance = m * n / 12 * ((total + 1) - tie_term)
+    variance = _u_variance(m, n, tie_sizes)
     if variance <= 0:
         return -1
     z = statistics.NormalDist().inv_cdf(1 - significance / 2)
@@ -257,25 +260,18 @@ def ratio_interval(
     taken on the raw values and divided by the baseline median. None when the samples are too
     few for any finite interval, or the baseline median is not positive.
     """
-    m, n = len(baseline), len(current)
-    if not m or not n:
+    if not baseline or not current:
         return None
-    _, tie_sizes = _ranks([*baseline, *current])
-    c = _critical_count(m, n, significance, tie_sizes)
-    if c < 0:
-        return None
-    use_log = min(baseline) > 0 and min(current) > 0
-    if use_log:
-        diffs = sorted(math.log(b) - math.log(a) for a in baseline for b in current)
-    else:
-        diffs = sorted(b - a for a in baseline for b in current)
-    low, high = diffs[c], diffs[len(diffs) - 1 - c]
-    if use_log:
-        return math.exp(low), math.exp(high)
+    if min(baseline) > 0 and min(current) > 0:
+        logs = shift_interval(
+            [math.log(a) for a in baseline], [math.log(b) for b in current], significance
+        )
+        return None if logs is None else (math.exp(logs[0]), math.exp(logs[1]))
+    shift = shift_interval(baseline, current, significance)
     base_median = statistics.median(baseline)
-    if base_median <= 0:
+    if shift is None or base_median <= 0:
         return None
-    return 1 + low / base_median, 1 + high / base_median
+    return 1 + shift[0] / base_median, 1 + shift[1] / base_median
 
 
 # --------------------------------------------------------------------------------------------
