@@ -383,17 +383,10 @@ def _redact_value(value: Any, redactor: Redactor) -> Any:
         return redactor.text(value)
     if isinstance(value, list):
         return [_redact_value(v, redactor) for v in value]
-    if isinstance(value, (dict, Mapping)):
-        return {
-            (redactor.text(k) if isinstance(k, str) else k): (
-                MASK
-                if isinstance(k, str) and is_secret_name(k) and v not in (None, "", [], {})
-                else HOST_MASK
-                if redactor.masks_host_field(k, v)
-                else _redact_value(v, redactor)
-            )
-            for k, v in value.items()
-        }
+    if isinstance(value, Mapping):
+        # A record's mappings hold JSON-like data: the redactor's own walk, keeping secret-named
+        # keys (masked) so the record keeps its shape.
+        return redactor.obj(value, mask_secret_keys=True)
     return value
 
 
