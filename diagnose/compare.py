@@ -553,8 +553,12 @@ def _labels(labels: Sequence[str], n_baselines: int) -> list[str]:
         if len(labels) != n_baselines + 1:
             raise ValueError(f"{len(labels)} labels for {n_baselines} baselines and one current")
         return list(labels)
-    names = ["baseline"] + [f"baseline {i}" for i in range(2, n_baselines + 1)]
-    return [*names, "current"]
+    return [*(baseline_name(i) for i in range(n_baselines)), "current"]
+
+
+def baseline_name(index: int) -> str:
+    """The generic name of the index-th baseline (0-based): "baseline", "baseline 2", ..."""
+    return "baseline" if index == 0 else f"baseline {index + 1}"
 
 
 def _side(
@@ -1315,6 +1319,7 @@ __all__ = [
     "MetricComparison",
     "RecordSide",
     "UTest",
+    "baseline_name",
     "compare_records",
     "compare_runs",
     "compare_samples",

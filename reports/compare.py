@@ -19,6 +19,7 @@ from diagnose.compare import (
     GateFailure,
     MetricComparison,
     RecordSide,
+    baseline_name,
     gate_failures,
 )
 
@@ -255,7 +256,7 @@ def compare_chart_svg(comparison: Comparison) -> str:
     sides = [*comparison.baselines, comparison.current]
     if not any(side.step_seconds for side in sides):
         return ""
-    names = ["baseline" if i == 0 else f"baseline {i + 1}" for i in range(len(sides) - 1)]
+    names = [baseline_name(i) for i in range(len(sides) - 1)]
     step = comparison.step
     band = None
     if step is not None and step.baseline is not None and step.baseline > 0:
@@ -412,10 +413,7 @@ def compare_junit(comparison: Comparison, fail_on: Iterable[str] | None = None) 
     root = ET.Element("testsuites", name=suite_name)
     suite = ET.SubElement(root, "testsuite", name=suite_name)
     properties = ET.SubElement(suite, "properties")
-    named = [
-        ("baseline" if i == 0 else f"baseline {i + 1}", line)
-        for i, line in enumerate(view.baselines)
-    ]
+    named = [(baseline_name(i), line) for i, line in enumerate(view.baselines)]
     named += [("current", view.current), ("gate", view.gate), ("verdict", view.status)]
     if view.drift:
         named.append(("drift", view.drift))
