@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from diagnose import attention_paths as ap
-from diagnose.compare import shift_interval
 from diagnose.probes.attention_bench import GPU_ONLY, SignatureTrials, Trial, benchmark_signature
 from diagnose.probes.attention_capture import (
     AttentionCall,
@@ -46,7 +45,7 @@ from diagnose.probes.attention_capture import (
     capture_step,
     sdpa_switches,
 )
-from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.probes.base import ProbeContext, ProbeSkipped, sure_saving
 from diagnose.record import Finding, ProbeResult, Severity
 from diagnose.timing import device_synchronizer
 
@@ -59,9 +58,6 @@ MIN_SHARE_OF_S_PER_IT = 0.01
 MIN_ABSOLUTE_SAVING_S = 0.5e-3
 WARN_SHARE = 0.05
 CRITICAL_SHARE = 0.20
-#: Severity follows the low end of the saving's confidence interval at this level (see
-#: Saving.sure_per_call), as the optimizer probe's does.
-SAVING_SIGNIFICANCE = 0.05
 #: Benchmark settings (per backend and signature).
 MIN_SAMPLES = 3
 MAX_SAMPLES = 15
@@ -339,7 +335,6 @@ def group_saving(group: PathGroup, trials: SignatureTrials | None) -> Saving | N
     best = best_alternative(trials, group.backend)
     if ran is None or not ran.samples or best is None:
         return None
-    interval = shift_interval(best.samples, ran.samples, SAVING_SIGNIFICANCE)
     return Saving(
         ran=group.backend,
         best=best.backend,
@@ -348,7 +343,7 @@ def group_saving(group: PathGroup, trials: SignatureTrials | None) -> Saving | N
         calls=group.calls,
         clearly=clearly_faster(ran, best),
         best_note=best.note,
-        sure_per_call=interval[0] if interval is not None else 0.0,
+        sure_per_call=sure_saving(best.samples, ran.samples),
     )
 
 

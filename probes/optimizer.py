@@ -42,8 +42,7 @@ from typing import Any
 
 import torch
 
-from diagnose.compare import shift_interval
-from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.probes.base import SAVING_SIGNIFICANCE, ProbeContext, ProbeSkipped, sure_saving
 from diagnose.probes.optimizer_numerics import (
     MAX_NUMERICS_TENSORS,
     AdamHyper,
@@ -73,10 +72,6 @@ MIN_SHARE_OF_S_PER_IT = 0.01
 #: Share of s/it the saving must reach for warn / critical.
 WARN_SHARE = 0.05
 CRITICAL_SHARE = 0.20
-#: The severity follows the low end of the saving's confidence interval at this level, not its
-#: median: a saving that hovers at a severity boundary would otherwise read warn in one run and
-#: info in the next, and `diagnose compare` reads a severity change as a regression.
-SAVING_SIGNIFICANCE = 0.05
 #: bitsandbytes' default: tensors with fewer elements keep fp32 state.
 BNB_DEFAULT_MIN_8BIT_SIZE = 4096
 #: Share of the 8-bit optimizer's moment bytes held in fp32 that makes the finding (info),
@@ -390,7 +385,8 @@ def slower_than_alternative_rule(
     (:func:`clearly_faster`) by at least ``min_share`` of s/it (when s/it is known).
 
     The saving reported is the difference of the medians; the severity is judged on the low end
-    of its Hodges–Lehmann interval (:data:`SAVING_SIGNIFICANCE`), the saving the A/B is sure of.
+    of its Hodges–Lehmann interval (:func:`~diagnose.probes.base.sure_saving`), the saving the A/B
+    is sure of.
     """
     best = clearly_faster(rows, min_relative=min_relative, min_absolute_s=min_absolute_s)
     configured = next((r for r in rows if r.configured), None)
@@ -402,9 +398,8 @@ def slower_than_alternative_rule(
     share = saving / s_per_it if s_per_it else None
     if share is not None and share < min_share:
         return None
-    interval = shift_interval(best.step_seconds, configured.step_seconds, SAVING_SIGNIFICANCE)
-    sure_saving = max(0.0, interval[0]) if interval is not None else 0.0
-    sure_share = sure_saving / s_per_it if s_per_it else None
+    sure = sure_saving(best.step_seconds, configured.step_seconds)
+    sure_share = sure / s_per_it if s_per_it else None
     speedup = base.median / fastest.median if fastest.median > 0 else math.inf
     share_text = f", {share:.1%} of s/it" if share is not None else ""
     evidence: dict[str, Any] = {
@@ -426,7 +421,7 @@ def slower_than_alternative_rule(
     }
     if share is not None:
         evidence["share_of_s_per_it"] = round(share, 4)
-    evidence["saving_ms_per_step_low"] = _ms(sure_saving)
+    evidence["saving_ms_per_step_low"] = _ms(sure)
     evidence["saving_interval_confidence"] = 1 - SAVING_SIGNIFICANCE
     if sure_share is not None:
         evidence["share_of_s_per_it_low"] = round(sure_share, 4)
@@ -449,7 +444,7 @@ def slower_than_alternative_rule(
             "optimizer step per iteration (divide by the gradient-accumulation steps if you "
             "accumulate). AdamW and AdamW8bit are the same algorithm; Adafactor is not. The "
             f"severity is judged on the saving the A/B is {1 - SAVING_SIGNIFICANCE:.0%} sure of "
-            f"({sure_saving * 1e3:.2f} ms, the low end of its confidence interval), so that it "
+            f"({sure * 1e3:.2f} ms, the low end of its confidence interval), so that it "
             "does not flip between runs of the same setup."
         ),
     )
