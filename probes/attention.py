@@ -283,8 +283,8 @@ class Saving:
     #: Whether the best is faster beyond the noise (MIN_RELATIVE_GAIN and quartiles apart).
     clearly: bool
     best_note: str = ""
-    #: The per-call saving the A/B is sure of: the low end of the 95% Hodges–Lehmann interval of
-    #: ran - best (severity is judged on it, so that it does not flip between runs).
+    #: The per-call saving the A/B is sure of (probes.base.sure_saving, never negative): severity
+    #: is judged on it, so that it does not flip between runs.
     sure_per_call: float = 0.0
 
     @property
@@ -297,7 +297,7 @@ class Saving:
 
     @property
     def sure_per_step(self) -> float:
-        return max(0.0, self.sure_per_call) * self.calls if self.clearly else 0.0
+        return self.sure_per_call * self.calls if self.clearly else 0.0
 
 
 def clearly_faster(ran: Trial, other: Trial, min_relative: float = MIN_RELATIVE_GAIN) -> bool:
