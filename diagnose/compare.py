@@ -413,9 +413,12 @@ class Comparison:
     #: because they are usually the cause of a regression.
     environment_changes: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
-    #: With several baselines: how far apart their s/it medians are (slowest / fastest - 1), the
-    #: runner's own run-to-run drift. None with one baseline.
-    baseline_drift: float | None = None
+
+    @property
+    def baseline_drift(self) -> float | None:
+        """With several baselines: how far apart their s/it medians are (slowest / fastest - 1),
+        the runner's own run-to-run drift. None with fewer than two measured baselines."""
+        return _drift([side.median_seconds for side in self.baselines])
 
     def metric(self, key: str) -> MetricComparison | None:
         return next((m for m in self.metrics if m.key == key), None)
@@ -503,11 +506,15 @@ def compare_records(
         )
     metrics.extend(_compare_kernel_classes(baselines, current, base_step, options, notes))
 
-    medians = [statistics.median([s.seconds for s in run]) for run in base_runs if run]
-    drift = max(medians) / min(medians) - 1 if len(medians) > 1 and min(medians) > 0 else None
+    sides = tuple(
+        _side(record, name, samples_kind, run)
+        for record, name, run in zip(baselines, base_names, base_runs, strict=True)
+    )
+    drift = _drift([side.median_seconds for side in sides])
     if drift is not None and drift > options.threshold:
+        measured = sum(side.median_seconds is not None for side in sides)
         notes.append(
-            f"The {len(medians)} baselines' s/it medians differ by {_pct(drift)} among "
+            f"The {measured} baselines' s/it medians differ by {_pct(drift)} among "
             f"themselves, more than the {options.threshold:.0%} threshold: this runner drifts "
             "between runs by more than the change the gate is asked to catch, so a slowdown "
             "counts only beyond the slowest baseline. Steady the runner (pinned clocks, no "
@@ -517,10 +524,7 @@ def compare_records(
     for record in baselines:
         environment.extend(c for c in environment_changes(record, current) if c not in environment)
     return Comparison(
-        baselines=tuple(
-            _side(record, name, samples_kind, run)
-            for record, name, run in zip(baselines, base_names, base_runs, strict=True)
-        ),
+        baselines=sides,
         current=_side(current, names[-1], samples_kind, cur_samples),
         options=options,
         metrics=tuple(metrics),
@@ -528,8 +532,15 @@ def compare_records(
         differences=tuple(differences),
         environment_changes=tuple(environment),
         notes=tuple(notes),
-        baseline_drift=drift,
     )
+
+
+def _drift(medians: Sequence[float | None]) -> float | None:
+    """Slowest / fastest - 1 of the measured medians; None with fewer than two."""
+    measured = [m for m in medians if m is not None]
+    if len(measured) < 2 or min(measured) <= 0:
+        return None
+    return max(measured) / min(measured) - 1
 
 
 def _refuse_repeated_runs(records: Sequence[RunRecord], names: Sequence[str]) -> None:
@@ -951,8 +962,7 @@ def compare_runs(
     versus = f"the {extreme} baseline alone ({pick[0]}: {alone.verdict}, {change}{p_text})"
     if alone.verdict == metric.verdict:
         return replace(metric, reason=f"{metric.reason}; also against {versus}")
-    medians = [statistics.median(run) for _, run in measured]
-    spread = max(medians) / min(medians) - 1 if min(medians) > 0 else None
+    spread = _drift([statistics.median(run) for _, run in measured])
     between = f" ({_pct(spread)} between them)" if spread is not None else ""
     return replace(
         metric,
