@@ -38,6 +38,7 @@ Category = Literal[
     "environment",
     "memory",
     "compute",
+    "distributed",
 ]
 ProbeStatus = Literal["ok", "skipped", "error"]
 #: How a number was obtained; every number in the report says which.
@@ -278,6 +279,33 @@ class ModelInfo:
 
 
 @dataclass
+class RankStat:
+    """One rank of a multi-process (DDP/FSDP) run or of a folder of rank traces."""
+
+    rank: int = 0
+    world_size: int | None = None
+    #: The trace file this rank was read from (its name), or "" for a run's own process.
+    source: str = ""
+    #: Seconds of each analysed step (profiled steps of a trace; timed steps of a run).
+    step_seconds: list[float] = field(default_factory=list)
+    #: Seconds per phase (median over the steps), as :attr:`Breakdown.seconds`.
+    phases: dict[str, float] = field(default_factory=dict)
+    #: Seconds per step inside collectives (all-reduce, all-gather, ...), overlaps counted once.
+    comm_seconds: float = 0.0
+    #: The part of ``comm_seconds`` during which this rank computed nothing else.
+    exposed_comm_seconds: float = 0.0
+    #: Seconds per step this rank spent in collectives beyond the least any rank spent in the
+    #: same step's collectives: its wait for slower ranks (clock-independent).
+    wait_seconds: float = 0.0
+    #: Collective seconds per step by kind ("all_reduce", "all_gather", ...).
+    comm_by_kind: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def median_seconds(self) -> float:
+        return Stats.of(self.step_seconds).median
+
+
+@dataclass
 class RunRecord:
     """The contract between measuring and reporting."""
 
@@ -300,6 +328,9 @@ class RunRecord:
     command: str = ""
     #: Things the reader should know that are not findings (e.g. "steps too few for a spread").
     notes: list[str] = field(default_factory=list)
+    #: Per-rank data of a multi-process run or a folder of rank traces (empty for one process).
+    #: ``timing`` then holds the slowest rank's steps: the job runs at that rank's pace.
+    ranks: list[RankStat] = field(default_factory=list)
 
     def ranked_findings(self) -> list[Finding]:
         """Findings by estimated saving (largest first), then severity, then id."""
@@ -481,6 +512,7 @@ __all__ = [
     "ModelInfo",
     "OpStat",
     "ProbeResult",
+    "RankStat",
     "RunRecord",
     "Stats",
     "StepSample",

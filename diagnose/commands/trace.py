@@ -1,11 +1,15 @@
-"""`diagnose trace FILE`: explain the step time of a profiler trace from any trainer."""
+"""`diagnose trace FILE|DIR ...`: explain the step time of profiler traces from any trainer.
+
+One file is one process's trace. A folder (or several files) is one trace per rank of a
+distributed run: the ranks are read in parallel and compared (see ``diagnose.distributed``).
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from diagnose.errors import ExitCode
+from diagnose.errors import DiagnoseError, ExitCode
 
 
 class TraceCommand:
@@ -13,7 +17,19 @@ class TraceCommand:
     help = "analyse a PyTorch profiler trace (Kineto JSON, .json or .json.gz) from any trainer"
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("trace", type=Path, help="the trace file")
+        parser.add_argument(
+            "traces",
+            type=Path,
+            nargs="+",
+            metavar="TRACE",
+            help="a trace file, or a folder (or several files) of one run's rank traces",
+        )
+        parser.add_argument(
+            "--jobs",
+            type=int,
+            metavar="N",
+            help="rank traces read at once, one process each (default: the CPU count)",
+        )
         parser.add_argument("--out", type=Path, metavar="DIR", help="output folder (default: new)")
         parser.add_argument(
             "--force", action="store_true", help="write into a non-empty --out folder"
@@ -25,18 +41,31 @@ class TraceCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
+        from diagnose.distributed.ranks import (
+            compare_ranks,
+            comparison_record,
+            read_ranks,
+            trace_files,
+        )
         from diagnose.output import RECORD_NAME, REPORT_NAME, default_out_dir, prepare_out_dir
         from diagnose.redact import redact_record
         from diagnose.reports import terminal_summary, write_html
         from diagnose.trace import analysis_to_record, analyze_trace
 
-        trace_path: Path = args.trace.resolve()
+        if args.jobs is not None and args.jobs < 1:
+            raise DiagnoseError("--jobs must be at least 1", ExitCode.USAGE)
         # Parse first: a bad trace must not leave an output folder behind.
-        analysis = analyze_trace(trace_path)
+        files = trace_files(args.traces)
+        if len(files) == 1:
+            trace_path = files[0]
+            record = analysis_to_record(analyze_trace(trace_path), trace_path)
+        else:
+            ranks, notes = read_ranks(files, jobs=args.jobs)
+            comparison = compare_ranks(ranks)
+            comparison.notes.extend(notes)
+            record = comparison_record(comparison)
         # Records and reports get attached to public tickets: no secret leaves this process.
-        record = redact_record(
-            analysis_to_record(analysis, trace_path), redact_paths=args.redact_paths
-        )
+        record = redact_record(record, redact_paths=args.redact_paths)
         out_dir = args.out if args.out is not None else default_out_dir("trace")
         prepare_out_dir(out_dir, force=args.force)
         record_path = out_dir / RECORD_NAME

@@ -10,11 +10,13 @@ it captures). Pure functions returning dataclasses; nothing here plots or prints
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diagnose.distributed.collectives import Communication, communication
 from diagnose.record import (
     Breakdown,
     DeviceInfo,
@@ -34,9 +36,7 @@ from diagnose.trace.breakdown import (
 )
 from diagnose.trace.context import TraceContext
 from diagnose.trace.device import detect_device
-from diagnose.trace.intervals import subtract, union
 from diagnose.trace.kernels import (
-    KERNEL_CLASSES,
     KernelClassStat,
     KernelStat,
     kernel_tables,
@@ -107,6 +107,11 @@ class TraceAnalysis:
     rule_data: dict[str, Any] = field(default_factory=dict)
     #: True when the trace had no ProfilerStep ranges and was analysed as one window.
     whole_trace_window: bool = False
+    #: Time in collectives per step (DDP/FSDP traces); ``where`` is empty without collectives.
+    communication: Communication = field(default_factory=lambda: Communication("", []))
+    #: Rank, world size and backend from the trace's ``distributedInfo`` (None when absent).
+    rank: int | None = None
+    world_size: int | None = None
 
 
 def analyze_trace(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> TraceAnalysis:
@@ -146,9 +151,10 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
         breakdown=breakdown,
     )
     results = run_rules(ctx)
+    comm = communication(ctx)
 
     notes = list(steps.notes)
-    notes.extend(_coverage_notes(ctx))
+    notes.extend(_coverage_notes(ctx, comm))
     findings = [f for r in results for f in r.findings]
     return TraceAnalysis(
         path=trace.path,
@@ -166,6 +172,9 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
         metadata=_metadata(ctx),
         rule_data={r.rule: r.data for r in results if r.data},
         whole_trace_window=steps.whole_trace,
+        communication=comm,
+        rank=device.rank,
+        world_size=device.world_size,
     )
 
 
@@ -189,7 +198,7 @@ def _step_stats(
     ]
 
 
-def _coverage_notes(ctx: TraceContext) -> list[str]:
+def _coverage_notes(ctx: TraceContext, comm: Communication) -> list[str]:
     """Say plainly what the trace lacks and therefore what could not be analysed."""
     notes: list[str] = []
     trace = ctx.trace
@@ -227,14 +236,19 @@ def _coverage_notes(ctx: TraceContext) -> list[str]:
                 f"{unlinked} device activities have no launch in the trace (queued before "
                 "profiling started); their time counts as 'other'."
             )
-    exposed = _exposed_communication(ctx)
+    exposed = comm.median("exposed_seconds")
     if exposed > 0:
-        step = ctx.wall_seconds / ctx.n_steps if ctx.wall_seconds else 0.0
+        step = statistics.median(s.wall_seconds for s in comm.steps)
         share = f" ({exposed / step:.0%} of the step)" if step else ""
+        unit = (
+            "the device ran only NCCL/RCCL kernels"
+            if comm.where == "device"
+            else ("the training thread ran no operator while a collective was in flight")
+        )
         notes.append(
-            f"Exposed communication: {exposed * 1e3:.2f} ms per step{share} the device ran only "
-            "NCCL/RCCL kernels (waiting for other ranks or transferring, with no compute beside "
-            "it); where those kernels were launched before profiling started it is under 'other'."
+            f"Exposed communication: {exposed * 1e3:.2f} ms per step{share} {unit} (waiting for "
+            "other ranks or transferring, with no compute beside it); read every rank's trace "
+            "together (diagnose trace DIR) to tell the wait from the transfer."
         )
     if ctx.kernel_tables.unclassified:
         names = ctx.kernel_tables.unclassified
@@ -243,23 +257,6 @@ def _coverage_notes(ctx: TraceContext) -> list[str]:
             f"(e.g. {short_kernel_name(names[0][0], 60)})."
         )
     return notes
-
-
-def _exposed_communication(ctx: TraceContext) -> float:
-    """Seconds per step in which only communication kernels ran on the primary device."""
-    device = ctx.trace.device
-    if not len(device) or ctx.device.primary_device < 0:
-        return 0.0
-    comm = ctx.kernels.classes == KERNEL_CLASSES.index("communication")
-    on_device = device.device == ctx.device.primary_device
-    if not (comm & on_device).any():
-        return 0.0
-    comm_busy = union(device.ts[comm & on_device], (device.ts + device.dur)[comm & on_device])
-    rest = on_device & ~comm
-    other_busy = union(device.ts[rest], (device.ts + device.dur)[rest])
-    alone = subtract(comm_busy, other_busy)
-    total = sum(alone.clip(s.start_us, s.end_us).total for s in ctx.steps.steps)
-    return total / 1e6 / ctx.n_steps
 
 
 def _metadata(ctx: TraceContext) -> dict[str, Any]:

@@ -1,0 +1,183 @@
+"""What the project knows about slow distributed steps: ids, thresholds, wording and fixes.
+
+Both the multi-rank trace analysis (``diagnose trace DIR``) and ``diagnose run --nproc`` build
+their findings here, so a straggler reads the same whichever way it was found.
+"""
+
+from __future__ import annotations
+
+from diagnose.record import PHASE_LABELS, Finding, Severity
+from diagnose.trace.rules import ms, pct
+from diagnose.trace.rules.dataloader import CACHE_LATENTS_ADVICE, DEFAULT_WORKERS, workers_advice
+
+#: One rank is slower than the others and they wait for it in every collective.
+STRAGGLER_ID = "distributed.straggler"
+#: The same, when the slow rank's extra time is its wait for data.
+DATA_WAIT_IMBALANCE_ID = "distributed.data_wait_imbalance"
+#: Collective time no compute hides, on the rank that waits least (so it is transfer, not wait).
+EXPOSED_COMM_ID = "distributed.exposed_communication"
+
+#: Share of the step lost to waiting (or exposed transfer) at which a finding is raised / critical.
+WARN_SHARE = 0.10
+CRITICAL_SHARE = 0.30
+#: Below this many seconds per step a difference between ranks is timer and scheduling noise.
+MIN_SECONDS = 1e-3
+#: A phase is named as the straggler's when it holds at least this share of the others' wait.
+PHASE_EXPLAINS = 0.5
+
+#: Phases in which a rank's extra time means its device (or its host) computes slower.
+_COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "encode"})
+
+
+def severity_for_share(share: float) -> Severity:
+    return "critical" if share >= CRITICAL_SHARE else "warn"
+
+
+def collective_words(by_kind: dict[str, float]) -> str:
+    """``all-reduce`` or ``all-gather and reduce-scatter``: the collectives that took the time."""
+    total = sum(by_kind.values())
+    # Only the kinds that hold a real part of the time: DDP's buffer broadcast is a sliver.
+    kinds = [
+        k
+        for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+        if k != "other" and v >= 0.2 * total
+    ][:2]
+    if not kinds:
+        return "collectives"
+    return " and ".join(k.replace("_", "-") for k in kinds)
+
+
+def straggler_finding(
+    *,
+    straggler: int,
+    world_size: int,
+    others_wait: float,
+    step_seconds: float,
+    phase: str | None,
+    phase_excess: float,
+    by_kind: dict[str, float],
+    evidence: dict[str, object],
+    source: str,
+) -> Finding:
+    """Rank ``straggler`` sets the pace; the others wait ``others_wait`` s per step for it."""
+    share = others_wait / step_seconds if step_seconds else 0.0
+    where = collective_words(by_kind)
+    others = "the other rank waits" if world_size == 2 else "the other ranks wait"
+    title = (
+        f"Rank {straggler} is the straggler: {others} {ms(others_wait)} per step "
+        f"({pct(share)} of the step) in {where} for it"
+    )
+    if phase is not None:
+        title += f"; its {PHASE_LABELS.get(phase, phase)} takes {ms(phase_excess)} longer"
+    data_bound = phase == "data_wait"
+    return Finding(
+        id=DATA_WAIT_IMBALANCE_ID if data_bound else STRAGGLER_ID,
+        category="dataloader" if data_bound else "distributed",
+        severity=severity_for_share(share),
+        title=title,
+        evidence=evidence,
+        # Were the straggler as fast as the others, none would wait: that is the whole saving,
+        # and it can never exceed the step (others_wait is a part of each waiting rank's step).
+        est_seconds_saved_per_it=min(others_wait, step_seconds),
+        saving_basis="trace",
+        fix=_straggler_fix(straggler, phase),
+        detail=(
+            "In synchronous data-parallel training every rank waits in each collective until "
+            "the slowest one arrives, so the job runs at the straggler's pace. The wait is read "
+            "from the traces without trusting their clocks: per step, each rank's time in "
+            "collectives minus the least any rank spent in the same step's collectives. The "
+            "phase is where the straggler spends more than the median of the other ranks."
+        ),
+        source=source,
+    )
+
+
+def _straggler_fix(rank: int, phase: str | None) -> str:
+    if phase == "data_wait":
+        return (
+            f"Give rank {rank} its batches as fast as the others: "
+            + workers_advice(DEFAULT_WORKERS, pin_memory=True)
+            + "; or "
+            + CACHE_LATENTS_ADVICE
+            + ". Check that its images are on a local disk like the other ranks'."
+        )
+    if phase in _COMPUTE_PHASES:
+        return (
+            f"Find why rank {rank}'s device computes slower: another process on that GPU, lower "
+            "clocks (power or thermal limits: nvidia-smi -q -d PERFORMANCE, amd-smi metric), a "
+            "narrower PCIe link, or a different GPU model. With aspect-ratio buckets, make every "
+            "rank draw the same bucket in a step (one bucket choice per step for all ranks), so "
+            "no rank trains a larger resolution while the others wait."
+        )
+    return (
+        f"Rank {rank} spends its extra time outside one phase: compare its trace with another "
+        "rank's (host load, CPU frequency, logging or checkpointing on that rank only)."
+    )
+
+
+def exposed_finding(
+    *,
+    rank: int,
+    exposed: float,
+    step_seconds: float,
+    by_kind: dict[str, float],
+    evidence: dict[str, object],
+    source: str,
+) -> Finding:
+    """``exposed`` seconds per step of collective time on ``rank`` that no compute hides."""
+    share = exposed / step_seconds if step_seconds else 0.0
+    where = collective_words(by_kind)
+    fsdp = "all_gather" in by_kind or "reduce_scatter" in by_kind
+    return Finding(
+        id=EXPOSED_COMM_ID,
+        category="distributed",
+        severity=severity_for_share(share),
+        title=(
+            f"Communication is not hidden behind compute: {ms(exposed)} per step "
+            f"({pct(share)} of the step) in {where} with nothing else running"
+        ),
+        evidence=evidence,
+        est_seconds_saved_per_it=min(exposed, step_seconds),
+        saving_basis="trace",
+        fix=_exposed_fix(fsdp),
+        detail=(
+            f"Read on rank {rank}, the rank that waits least for the others, so this is transfer "
+            "time rather than a wait for a straggler. Overlapping it with the backward pass "
+            "would save up to this much (an upper bound: some transfer cannot overlap)."
+        ),
+        source=source,
+    )
+
+
+def _exposed_fix(fsdp: bool) -> str:
+    if fsdp:
+        return (
+            "FSDP: prefetch the next all-gather (backward_prefetch=BackwardPrefetch.BACKWARD_PRE, "
+            "forward_prefetch=True); for a LoRA whose frozen base fits on one GPU, shard less "
+            "(ShardingStrategy.SHARD_GRAD_OP or NO_SHARD, or DDP): gathering frozen weights "
+            "every step is pure overhead."
+        )
+    return (
+        "DDP: let the gradient all-reduce run during backward, with "
+        "DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True) and a "
+        "bucket_cap_mb that splits the LoRA gradients into several buckets (kohya: "
+        "--ddp_gradient_as_bucket_view --ddp_static_graph); with gradient accumulation, "
+        "skip the all-reduce on the accumulation steps (accelerate's accumulate() or "
+        "model.no_sync())."
+    )
+
+
+def no_straggler_line(max_wait: float, step_seconds: float, world_size: int) -> str:
+    share = max_wait / step_seconds if step_seconds else 0.0
+    return (
+        f"ranks: {world_size} ranks keep pace; no rank waits for another more than "
+        f"{ms(max_wait)} per step ({pct(share)}, below {pct(WARN_SHARE)})"
+    )
+
+
+def hidden_comm_line(exposed: float, comm: float, step_seconds: float) -> str:
+    share = exposed / step_seconds if step_seconds else 0.0
+    return (
+        f"communication: {ms(comm)} per step in collectives, {ms(exposed)} of it exposed "
+        f"({pct(share)} of the step, below {pct(WARN_SHARE)})"
+    )
