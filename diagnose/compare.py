@@ -616,6 +616,10 @@ def record_differences(baseline: RunRecord, current: RunRecord) -> list[str]:
         differ("device kind", baseline.device.kind, current.device.kind)
     if baseline.device.name != current.device.name:
         differ("device name", baseline.device.name, current.device.name)
+    # The s/it of a multi-rank record is its pacing rank's: only a job of as many ranks compares.
+    base_ranks, cur_ranks = max(len(baseline.ranks), 1), max(len(current.ranks), 1)
+    if base_ranks != cur_ranks:
+        differ("number of ranks", base_ranks, cur_ranks)
     defaults = RunConfig().to_dict()
     for key in COMPARED_CONFIG_KEYS:
         # A key an older record lacks reads as the default it ran with.

@@ -299,6 +299,9 @@ class RankStat:
     wait_seconds: float = 0.0
     #: Collective seconds per step by kind ("all_reduce", "all_gather", ...).
     comm_by_kind: dict[str, float] = field(default_factory=dict)
+    #: True for the rank whose steps the record's ``timing`` holds: the one the job runs at the
+    #: pace of (the straggler, else the slowest median step).
+    paces: bool = False
 
     @property
     def median_seconds(self) -> float:

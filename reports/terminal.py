@@ -9,6 +9,7 @@ from pathlib import Path
 
 from diagnose.record import RunRecord
 
+from .ranks import build_ranks
 from .view import (
     NOT_JUDGED,
     FindingView,
@@ -32,6 +33,10 @@ _STYLES: dict[str, str] = {
     "skipped": "\033[2m",
     "error": "\033[31m",
 }
+
+
+#: Ranks listed on the terminal; the report's table has them all.
+_RANKS_LISTED = 8
 
 
 def terminal_summary(
@@ -68,6 +73,19 @@ def terminal_summary(
         lines.append(f"where it goes ({basis}, per step): {phases}")
     else:
         lines.append("where it goes: not measured")
+
+    ranks = build_ranks(record.ranks)
+    if ranks is not None:
+        cells = [
+            f"{row.rank}{' (paces)' if row.pacing else ''} {row.median}, waits {row.wait}"
+            for row in ranks.rows[:_RANKS_LISTED]
+        ]
+        more = len(ranks.rows) - _RANKS_LISTED
+        lines.append(
+            "ranks (s/it, wait for others per step): "
+            + " · ".join(cells)
+            + (f" (+{more} more in the report)" if more > 0 else "")
+        )
 
     findings = build_findings(record)
     checks = build_checks(record.probes, record.findings)

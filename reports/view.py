@@ -38,6 +38,7 @@ from .format import (
     format_value,
     is_number,
 )
+from .ranks import RanksView, build_ranks
 
 #: Relative spread (IQR / median) above which the headline is flagged noisy.
 NOISY_RELATIVE_SPREAD = 0.10
@@ -729,6 +730,8 @@ class ReportView:
     render_notes: tuple[str, ...] = field(default=())
     #: The comparison with a baseline record (the CI gate), when one was given.
     comparison: CompareView | None = None
+    #: Every rank beside the pacing one (multi-process runs, folders of rank traces).
+    ranks: RanksView | None = None
 
 
 def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> ReportView:
@@ -762,6 +765,7 @@ def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> R
         created=record.created,
         render_notes=tuple(problems),
         comparison=comparison,
+        ranks=build_ranks(record.ranks),
     )
     return view
 

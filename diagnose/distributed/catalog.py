@@ -29,6 +29,21 @@ PHASE_EXPLAINS = 0.5
 _COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "encode"})
 
 
+REPEATED_NOTE = (
+    "the smallest per-step value, leaving out the single smallest when there are 3 or more "
+    "steps: the findings are judged on what repeats in every step, not on one slow step"
+)
+
+
+def repeated(per_step: list[float]) -> float:
+    """The value that repeats: the smallest over the steps, leaving out the single smallest
+    when there are 3 or more (on a shared machine any rank is descheduled in some step)."""
+    values = sorted(per_step)
+    if not values:
+        return 0.0
+    return values[1] if len(values) >= 3 else values[0]
+
+
 def severity_for_share(share: float) -> Severity:
     return "critical" if share >= CRITICAL_SHARE else "warn"
 
@@ -52,6 +67,7 @@ def straggler_finding(
     straggler: int,
     world_size: int,
     others_wait: float,
+    sure_share: float,
     step_seconds: float,
     phase: str | None,
     phase_excess: float,
@@ -73,7 +89,7 @@ def straggler_finding(
     return Finding(
         id=DATA_WAIT_IMBALANCE_ID if data_bound else STRAGGLER_ID,
         category="dataloader" if data_bound else "distributed",
-        severity=severity_for_share(share),
+        severity=severity_for_share(sure_share),
         title=title,
         evidence=evidence,
         # Were the straggler as fast as the others, none would wait: that is the whole saving,
@@ -119,6 +135,7 @@ def exposed_finding(
     *,
     rank: int,
     exposed: float,
+    sure_share: float,
     step_seconds: float,
     by_kind: dict[str, float],
     evidence: dict[str, object],
@@ -131,7 +148,7 @@ def exposed_finding(
     return Finding(
         id=EXPOSED_COMM_ID,
         category="distributed",
-        severity=severity_for_share(share),
+        severity=severity_for_share(sure_share),
         title=(
             f"Communication is not hidden behind compute: {ms(exposed)} per step "
             f"({pct(share)} of the step) in {where} with nothing else running"
@@ -172,6 +189,16 @@ def no_straggler_line(max_wait: float, step_seconds: float, world_size: int) -> 
     return (
         f"ranks: {world_size} ranks keep pace; no rank waits for another more than "
         f"{ms(max_wait)} per step ({pct(share)}, below {pct(WARN_SHARE)})"
+    )
+
+
+def inconclusive_straggler_line(median_wait: float, step_seconds: float, waited: list[int]) -> str:
+    share = median_wait / step_seconds if step_seconds else 0.0
+    who = ", ".join(str(r) for r in waited)
+    return (
+        f"ranks: inconclusive: ranks wait for each other {ms(median_wait)} per step on the median "
+        f"({pct(share)}), but not for the same rank in every step (ranks {who} each waited in "
+        "some): a busy machine, not a straggler, or too few steps to tell; profile more steps"
     )
 
 

@@ -238,15 +238,21 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
     # The straggler waits least: every other rank waits for it.
     s = min(range(world), key=lambda i: (stats[i].wait_seconds, -stats[i].median_seconds))
     straggler = ranks[s]
-    result.pacing_rank = straggler.rank
+    # Without a straggler the ranks keep one pace; the slowest median stands for it.
+    result.pacing_rank = max(stats, key=lambda st: st.median_seconds).rank
     others = [i for i in range(world) if i != s]
     # Per step, the least any other rank waited: every other rank lost at least this.
     per_step = [min(waits[i][k] for i in others) for k in range(len(waits[0]))]
     others_wait = _median(per_step)
     step = _median([straggler.analysis.steps[k].wall_seconds for k in index[s]])
     share = others_wait / step if step else 0.0
+    # Judged on the wait that repeats, not the median: a rank descheduled in a step or two
+    # makes the others wait then; a straggler makes them wait in every step.
+    sure_share = catalog.repeated(per_step) / step if step else 0.0
+    every_step = all(d > 0 for d in per_step)
     source = "trace:ranks"
-    if others_wait >= catalog.MIN_SECONDS and share >= catalog.WARN_SHARE:
+    if every_step and others_wait >= catalog.MIN_SECONDS and sure_share >= catalog.WARN_SHARE:
+        result.pacing_rank = straggler.rank
         phase, excess = _slow_phase(stats, s, others)
         named = phase if excess >= catalog.PHASE_EXPLAINS * others_wait else None
         result.findings.append(
@@ -254,6 +260,7 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
                 straggler=straggler.rank,
                 world_size=world,
                 others_wait=others_wait,
+                sure_share=sure_share,
                 step_seconds=step,
                 phase=named,
                 phase_excess=excess,
@@ -262,6 +269,8 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
                     "straggler_rank": straggler.rank,
                     "others_wait_seconds_per_step": others_wait,
                     "share_of_step": share,
+                    "repeated_share_of_step": sure_share,
+                    "repeated_note": catalog.REPEATED_NOTE,
                     "slow_phase": named,
                     "slow_phase_excess_seconds": excess,
                     "wait_seconds_by_rank": {str(st.rank): st.wait_seconds for st in stats},
@@ -271,16 +280,22 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
                 source=source,
             )
         )
+    elif share >= catalog.WARN_SHARE:
+        waited = [ranks[i].rank for i in range(world) if any(w > 0 for w in waits[i])]
+        result.not_judged.append(catalog.inconclusive_straggler_line(others_wait, step, waited))
     else:
         worst = max(stats[i].wait_seconds for i in range(world))
         result.checked_ok.append(catalog.no_straggler_line(worst, step, world))
     exposed = stats[s].exposed_comm_seconds
     exposed_share = exposed / step if step else 0.0
-    if exposed >= catalog.MIN_SECONDS and exposed_share >= catalog.WARN_SHARE:
+    exposed_steps = [straggler.analysis.communication.steps[k].exposed_seconds for k in index[s]]
+    exposed_sure = catalog.repeated(exposed_steps) / step if step else 0.0
+    if exposed >= catalog.MIN_SECONDS and exposed_sure >= catalog.WARN_SHARE:
         result.findings.append(
             catalog.exposed_finding(
                 rank=straggler.rank,
                 exposed=exposed,
+                sure_share=exposed_sure,
                 step_seconds=step,
                 by_kind=stats[s].comm_by_kind,
                 evidence={
@@ -288,6 +303,8 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
                     "exposed_seconds_per_step": exposed,
                     "comm_seconds_per_step": stats[s].comm_seconds,
                     "share_of_step": exposed_share,
+                    "repeated_share_of_step": exposed_sure,
+                    "repeated_note": catalog.REPEATED_NOTE,
                     "by_kind_seconds": stats[s].comm_by_kind,
                 },
                 source=source,
@@ -320,6 +337,8 @@ def comparison_record(comparison: RankComparison) -> RunRecord:
     pacing = next(r for r in comparison.ranks if r.rank == comparison.pacing_rank)
     record = analysis_to_record(pacing.analysis, pacing.path)
     record.ranks = comparison.stats
+    for stat in record.ranks:
+        stat.paces = stat.rank == comparison.pacing_rank
     if len(comparison.ranks) > 1:
         record.trace_path = str(pacing.path.parent)
         record.findings = _without_restated(_merged_findings(comparison), comparison.findings)
