@@ -23,6 +23,8 @@ class RankRow:
     #: One cell per :attr:`RanksView.phase_labels`.
     phases: tuple[str, ...]
     comm: str
+    #: The collectives that took the time: "all-reduce 296 ms, broadcast 1.2 ms".
+    kinds: str
     exposed: str
     wait: str
     pacing: bool
@@ -54,6 +56,11 @@ def build_ranks(ranks: Sequence[RankStat]) -> RanksView | None:
             ),
             phases=tuple(format_seconds(r.phases.get(p, 0.0), missing="—") for p in phases),
             comm=format_seconds(r.comm_seconds, missing="—"),
+            kinds=", ".join(
+                f"{kind.replace('_', '-')} {format_seconds(seconds)}"
+                for kind, seconds in sorted(r.comm_by_kind.items(), key=lambda kv: -kv[1])
+                if seconds > 0
+            ),
             exposed=format_seconds(r.exposed_comm_seconds, missing="—"),
             wait=format_seconds(r.wait_seconds, missing="—"),
             pacing=r.rank == pacing_rank,
