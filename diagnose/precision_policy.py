@@ -278,12 +278,9 @@ def is_dtype_warning(message: str) -> bool:
 
 
 def device_bf16_native(info: DeviceInfo) -> bool | None:
-    """:func:`diagnose.device.bf16_native`, imported only when asked (it needs torch), None when
-    torch is not importable."""
-    try:
-        from diagnose.device import bf16_native
-    except ImportError:
-        return None
+    """Whether ``info``'s device computes bf16 natively (None when it cannot be told)."""
+    from diagnose.bf16_hardware import bf16_native
+
     return bf16_native(info)
 
 

@@ -22,6 +22,7 @@ from diagnose.distributed import catalog
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import PHASES, Finding, RankStat, RunRecord
 from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
+from diagnose.trace.rules import import_rules
 from diagnose.trace.rules.dataloader import FINDING_ID as STARVED_ID
 
 #: A rank number in a file name: ``rank3``, ``rank_3``, ``rank-3``, ``rank3_iter16.json``.
@@ -92,6 +93,7 @@ def analyze_files(paths: Sequence[Path], *, jobs: int | None = None) -> list[tup
     if len(paths) == 1:
         return [(paths[0], _analyze_one(paths[0]))]
     workers = max(1, min(len(paths), jobs or os.cpu_count() or 1))
+    import_rules()
     # fork where it exists: the workers need only numpy and orjson, already imported here.
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)

@@ -41,6 +41,12 @@ def _registry() -> list[tuple[str, Rule]]:
     ]
 
 
+def import_rules() -> None:
+    """Import every rule module now: a process about to fork workers calls this, so each worker
+    inherits them instead of importing them again."""
+    _registry()
+
+
 def run_rules(ctx: TraceContext) -> list[RuleResult]:
     results: list[RuleResult] = []
     for name, rule in _registry():
