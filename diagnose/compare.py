@@ -91,6 +91,7 @@ COMPARED_CONFIG_KEYS: tuple[str, ...] = (
     "attention",
     "cache_latents",
     "cache_text_embeddings",
+    "strategy",
 )
 
 #: Inventory packages whose version changes are listed (informational, never refused).

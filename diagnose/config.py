@@ -16,13 +16,17 @@ Precision = Literal["fp32", "fp16", "bf16-mixed", "bf16-full"]
 OptimizerName = Literal["adamw", "adamw8bit", "adafactor"]
 Attention = Literal["auto", "flash", "efficient", "cudnn", "math", "xformers"]
 Size = Literal["tiny", "full"]
+Strategy = Literal["ddp", "fsdp"]
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
 SIZES: tuple[str, ...] = get_args(Size)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
 #: Model presets: the architectures LoRA users train. Configs live in diagnose/workload/configs/.
 PRESETS: tuple[str, ...] = ("sd15", "sdxl", "zimage", "flux", "sd3")
+#: --device values that name no single GPU: what --nproc > 1 accepts (rank r uses GPU r).
+_WHOLE_DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "rocm", "hip")
 
 
 @dataclass
@@ -66,6 +70,11 @@ class RunConfig:
     seed: int = 0
     #: Probes turned off with --skip.
     skip_probes: list[str] = field(default_factory=list)
+    #: Processes (ranks) under torch.distributed: one per GPU, or N CPU processes with gloo.
+    #: 1 = the ordinary single-process run.
+    nproc: int = 1
+    #: How the ranks share the denoiser when nproc > 1: DistributedDataParallel or FSDP.
+    strategy: Strategy = "ddp"
 
     def validate(self) -> None:
         """Raise DiagnoseError(USAGE) on a value no run could use."""
@@ -105,6 +114,16 @@ class RunConfig:
             raise bad("--alpha must be positive")
         if self.learning_rate <= 0:
             raise bad("--lr must be positive")
+        if self.nproc < 1:
+            raise bad("--nproc must be at least 1")
+        if self.strategy not in STRATEGIES:
+            raise bad(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.nproc > 1 and self.device.strip().lower() not in _WHOLE_DEVICES:
+            raise bad(
+                f"--nproc {self.nproc} runs one process per GPU from the first one, so --device "
+                f"must be auto, cpu or cuda (not {self.device}); choose the GPUs with "
+                "CUDA_VISIBLE_DEVICES (HIP_VISIBLE_DEVICES on ROCm)"
+            )
 
     def command_line(self) -> str:
         """The `diagnose run` command that repeats this configuration (defaults left out)."""
@@ -132,6 +151,8 @@ class RunConfig:
             "data_dir": "--data",
             "learning_rate": "--lr",
             "seed": "--seed",
+            "nproc": "--nproc",
+            "strategy": "--strategy",
         }
         parts = ["diagnose", "run"]
         for name, flag in flags.items():

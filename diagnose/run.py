@@ -121,7 +121,7 @@ def _analyze_own_trace(trace_path: Path, record: RunRecord) -> ProbeResult | Non
     return result
 
 
-def _redact_own_trace(trace_path: Path, record: RunRecord) -> Path | None:
+def redact_own_trace(trace_path: Path, record: RunRecord) -> Path | None:
     """--redact-paths covers the trace this run wrote too (Kineto stores the host name in it).
     A trace that cannot be rewritten is removed rather than left unredacted."""
     from diagnose.redact import redact_trace_file, redactor_for
@@ -149,7 +149,6 @@ def execute_run(
     progress: Progress | None = None,
 ) -> RunOutputs:
     """Measure, analyse and record one run into ``out_dir`` (which must already exist)."""
-    from diagnose.reports import write_html
     from diagnose.workload import build_workload
 
     say = progress or (lambda message: None)
@@ -158,6 +157,18 @@ def execute_run(
     device_info = describe_device(device)
     config = resolve_config(config, device_info.kind, device_info.memory_bytes)
     refuse_full_size_on_cpu(config, device_info.kind, force)
+    if config.nproc > 1:
+        from diagnose.distributed.run_ranks import execute_distributed
+
+        return execute_distributed(
+            config,
+            out_dir,
+            device=device,
+            device_info=device_info,
+            redact_paths=redact_paths,
+            probes=REGISTRY if probes is None else probes,
+            say=say,
+        )
 
     say("collecting the inventory")
     record = new_record("run")
@@ -223,13 +234,22 @@ def execute_run(
         workload.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
+    saved_trace = measurement.trace_path
+    if redact_paths and saved_trace is not None:
+        saved_trace = redact_own_trace(saved_trace, record)
+    return finish_run(record, out_dir, saved_trace, redact_paths=redact_paths, say=say)
+
+
+def finish_run(
+    record: RunRecord, out_dir: Path, saved_trace: Path | None, *, redact_paths: bool, say: Progress
+) -> RunOutputs:
+    """Hand the probes' findings to the record, redact it, write the record and the report."""
+    from diagnose.reports import write_html
+
     # The record keeps one ranked list: probe results hand their findings over to it.
     record.findings = _merge_findings([p.findings for p in record.probes])
     for result in record.probes:
         result.findings = []
-    saved_trace = measurement.trace_path
-    if redact_paths and saved_trace is not None:
-        saved_trace = _redact_own_trace(saved_trace, record)
     # Records and reports get attached to public tickets: no secret leaves this process.
     record = redact_record(record, redact_paths=redact_paths)
     record_path = out_dir / RECORD_NAME

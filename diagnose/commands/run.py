@@ -6,7 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from diagnose.config import ATTENTIONS, OPTIMIZERS, PRECISIONS, PRESETS, SIZES, RunConfig
+from diagnose.config import (
+    ATTENTIONS,
+    OPTIMIZERS,
+    PRECISIONS,
+    PRESETS,
+    SIZES,
+    STRATEGIES,
+    RunConfig,
+)
 from diagnose.errors import DiagnoseError, ExitCode
 
 
@@ -86,6 +94,22 @@ class RunCommand:
             metavar="DIR",
             help="your image folder (default: generated photos)",
         )
+        distributed = parser.add_argument_group("distributed (torch.distributed)")
+        distributed.add_argument(
+            "--nproc",
+            type=int,
+            default=d.nproc,
+            metavar="N",
+            help="run N ranks, one process each: one per GPU (NCCL/RCCL), or N CPU processes "
+            "(gloo); the record holds every rank (default: 1, no torch.distributed)",
+        )
+        distributed.add_argument(
+            "--strategy",
+            choices=STRATEGIES,
+            default=d.strategy,
+            help="how the ranks share the denoiser with --nproc > 1: DistributedDataParallel or "
+            "FSDP (default: ddp)",
+        )
         measure = parser.add_argument_group("measurement")
         measure.add_argument("--steps", type=int, default=d.steps, help="timed steps")
         measure.add_argument(
@@ -153,6 +177,8 @@ class RunCommand:
             learning_rate=args.learning_rate,
             seed=args.seed,
             skip_probes=args.skip,
+            nproc=args.nproc,
+            strategy=args.strategy,
         )
         config.validate()
         unknown = sorted(set(args.skip) - set(probe_names()))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -567,6 +567,18 @@ class Workload:
 
     def lora_parameters(self) -> list[torch.nn.Parameter]:
         return trainable_parameters(self.components.denoiser)
+
+    def wrap_denoiser(self, wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        """Replace the denoiser by ``wrap(denoiser)`` (DDP, FSDP) and rebuild the optimizer over
+        the wrapped module's trainable parameters (FSDP replaces them by shards). Call it before
+        the first step: the optimizer starts afresh."""
+        self.components.denoiser = wrap(self.components.denoiser)
+        self.optimizer = build_optimizer(
+            self.config.optimizer,
+            trainable_parameters(self.components.denoiser),
+            self.config.learning_rate,
+            self.device,
+        )
 
     # ---------------------------------------------------------------- data
 
