@@ -335,6 +335,23 @@ class RunRecord:
     #: ``timing`` then holds the slowest rank's steps: the job runs at that rank's pace.
     ranks: list[RankStat] = field(default_factory=list)
 
+    def bound_savings(self) -> None:
+        """No finding saves more than the whole step it would shorten: an estimate above the
+        headline s/it (a probe's A/B scaled from another run, a single-process probe beside a
+        multi-rank step) is capped there, and its evidence keeps the uncapped figure."""
+        step = self.timing.headline.median
+        if not (self.timing.headline.n and math.isfinite(step) and step > 0):
+            return
+        for finding in self.findings:
+            saving = finding.est_seconds_saved_per_it
+            if saving is not None and saving > step:
+                finding.evidence = {
+                    **finding.evidence,
+                    "saving_before_cap_seconds": saving,
+                    "saving_cap": "capped at the step time: no fix saves more than the step",
+                }
+                finding.est_seconds_saved_per_it = step
+
     def ranked_findings(self) -> list[Finding]:
         """Findings by estimated saving (largest first), then severity, then id."""
         rank = {s: i for i, s in enumerate(reversed(SEVERITIES))}

@@ -248,6 +248,7 @@ def finish_run(
 
     # The record keeps one ranked list: probe results hand their findings over to it.
     record.findings = _merge_findings([p.findings for p in record.probes])
+    record.bound_savings()
     for result in record.probes:
         result.findings = []
     # Records and reports get attached to public tickets: no secret leaves this process.

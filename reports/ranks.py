@@ -70,9 +70,10 @@ def build_ranks(ranks: Sequence[RankStat]) -> RanksView | None:
     world = max([len(ranks)] + [r.world_size or 0 for r in ranks])
     of_world = f" of {world}" if world > len(ranks) else ""
     summary = (
-        f"{len(ranks)} ranks{of_world}. The numbers above are rank {pacing_rank}'s: the job "
-        "runs at its pace. 'Waits' is each rank's time in collectives beyond the least any rank "
-        "spent in the same step's collectives: its wait for slower ranks."
+        f"{len(ranks)} ranks{of_world}. The numbers above are rank {pacing_rank}'s (marked): "
+        "the rank the others wait for when one holds them back in every step, else the slowest "
+        "median step. 'Waits for others' is each rank's time in collectives beyond the least any "
+        "rank spent in the same step's collectives (a median over the steps)."
     )
     return RanksView(
         rows=rows, phase_labels=tuple(PHASE_LABELS.get(p, p) for p in phases), summary=summary

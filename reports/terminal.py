@@ -77,7 +77,7 @@ def terminal_summary(
     ranks = build_ranks(record.ranks)
     if ranks is not None:
         cells = [
-            f"{row.rank}{' (paces)' if row.pacing else ''} {row.median}, waits {row.wait}"
+            f"{row.rank}{' (shown above)' if row.pacing else ''} {row.median}, waits {row.wait}"
             for row in ranks.rows[:_RANKS_LISTED]
         ]
         more = len(ranks.rows) - _RANKS_LISTED

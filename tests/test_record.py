@@ -149,3 +149,26 @@ def test_schema_version_constant_matches_fixture() -> None:
     # keeps proving that old records load.
     data = json.loads((FIXTURES / "records" / "v1_minimal.json").read_text())
     assert data["schema_version"] <= SCHEMA_VERSION
+
+
+def _record_with_step(seconds: float, saving: float) -> RunRecord:
+    record = RunRecord()
+    record.timing.samples = [StepSample(index=i, seconds=seconds) for i in range(5)]
+    record.timing.summarize()
+    record.findings = [Finding(id="x.y", est_seconds_saved_per_it=saving)]
+    return record
+
+
+def test_a_saving_larger_than_the_step_is_capped_at_the_step() -> None:
+    record = _record_with_step(1.44, 2.62)
+    record.bound_savings()
+    finding = record.findings[0]
+    assert finding.est_seconds_saved_per_it == 1.44
+    assert finding.evidence["saving_before_cap_seconds"] == 2.62
+
+
+def test_a_saving_within_the_step_is_left_alone() -> None:
+    record = _record_with_step(1.44, 0.6)
+    record.bound_savings()
+    assert record.findings[0].est_seconds_saved_per_it == 0.6
+    assert "saving_before_cap_seconds" not in record.findings[0].evidence

@@ -150,7 +150,7 @@ def test_the_html_report_has_every_rank(runs: Path, tmp_path: Path) -> None:
     assert main(["trace", str(runs / "slow_data"), "--out", str(out)]) == 0
     html = (out / "report.html").read_text()
     assert 'id="ranks"' in html and "rank0.json.gz" in html and "rank1.json.gz" in html
-    assert "(paces)" in html and "all-reduce" in html
+    assert "(shown above)" in html and "all-reduce" in html
 
 
 @pytest.mark.slow

@@ -64,6 +64,7 @@ class TraceCommand:
             comparison = compare_ranks(ranks)
             comparison.notes.extend(notes)
             record = comparison_record(comparison)
+        record.bound_savings()
         # Records and reports get attached to public tickets: no secret leaves this process.
         record = redact_record(record, redact_paths=args.redact_paths)
         out_dir = args.out if args.out is not None else default_out_dir("trace")
