@@ -22,7 +22,8 @@ class ExitCode(IntEnum):
     #: The output folder exists and is not empty, and --force was not given.
     OUTPUT_EXISTS = 4
     #: The requested run cannot be done on this machine (no such device, a full-size model on a CPU
-    #: without --force, a missing required package).
+    #: without --force, a missing required package); for `diagnose sweep`, some points failed,
+    #: ran out of memory or timed out.
     UNSUPPORTED = 5
     #: A comparison found a regression (`diagnose compare`, `diagnose run --baseline`).
     REGRESSION = 6

@@ -46,7 +46,7 @@ PROFILED_COLOR = "#D55E00"
 WARMUP_COLOR = "#999999"
 
 # Typed loosely: matplotlib types rc keys as a Literal of every known name.
-_RC: dict[Any, Any] = {
+CHART_RC: dict[Any, Any] = {
     "svg.hashsalt": "diagnose-report",
     "svg.fonttype": "path",
     # Never interpret "$...$" as mathtext: a stray dollar sign must not break a chart.
@@ -88,8 +88,8 @@ def breakdown_bar_svg(segments: Sequence[Segment], *, chart_id: str = "breakdown
         return ""
     import matplotlib
 
-    with matplotlib.rc_context(_RC):
-        fig = _new_figure(7.5, 0.95)
+    with matplotlib.rc_context(CHART_RC):
+        fig = new_figure(7.5, 0.95)
         ax = fig.add_subplot()
         left = 0.0
         for segment in drawable:
@@ -109,7 +109,7 @@ def breakdown_bar_svg(segments: Sequence[Segment], *, chart_id: str = "breakdown
         ax.spines["left"].set_visible(False)
         ax.set_xlabel("seconds per step")
         fig.subplots_adjust(left=0.02, right=0.98, top=0.98, bottom=0.5)
-        return _to_svg(fig, chart_id, "Stacked bar of seconds per step by phase")
+        return figure_svg(fig, chart_id, "Stacked bar of seconds per step by phase")
 
 
 def step_times_svg(
@@ -141,10 +141,10 @@ def step_times_svg(
     top = (max(timed) if timed else max(every)) * 1.25 or 1.0
     import matplotlib
 
-    with matplotlib.rc_context(_RC):
+    with matplotlib.rc_context(CHART_RC):
         from matplotlib.ticker import MaxNLocator
 
-        fig = _new_figure(7.5, 2.8)
+        fig = new_figure(7.5, 2.8)
         ax = fig.add_subplot()
         for points, (_, color, marker, label) in zip(finite, series, strict=True):
             if not points:
@@ -190,7 +190,7 @@ def step_times_svg(
             loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False, fontsize=8
         )
         fig.subplots_adjust(left=0.08, right=0.98, top=0.9, bottom=0.3)
-        return _to_svg(fig, chart_id, "Seconds of each step in run order")
+        return figure_svg(fig, chart_id, "Seconds of each step in run order")
 
 
 COMPARE_CURRENT_COLOR = "#D55E00"
@@ -231,8 +231,8 @@ def compare_strip_svg(
 
     import matplotlib
 
-    with matplotlib.rc_context(_RC):
-        fig = _new_figure(7.5, 0.55 * len(rows) + 0.9)
+    with matplotlib.rc_context(CHART_RC):
+        fig = new_figure(7.5, 0.55 * len(rows) + 0.9)
         ax = fig.add_subplot()
         if band is not None:
             ax.axvspan(band[0], band[1], color=BAND_COLOR, zorder=0, linewidth=0)
@@ -274,10 +274,10 @@ def compare_strip_svg(
         ax.set_axisbelow(True)
         height = 0.55 * count + 0.9
         fig.subplots_adjust(left=0.13, right=0.97, top=1 - 0.1 / height, bottom=0.6 / height)
-        return _to_svg(fig, chart_id, "Seconds of every compared step, per record")
+        return figure_svg(fig, chart_id, "Seconds of every compared step, per record")
 
 
-def _new_figure(width_in: float, height_in: float) -> Figure:
+def new_figure(width_in: float, height_in: float) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -299,7 +299,7 @@ _URL_REF = re.compile(r"url\(#([^)]+)\)")
 _SPACE = re.compile(r"\s+")
 
 
-def _to_svg(fig: Figure, chart_id: str, label: str) -> str:
+def figure_svg(fig: Figure, chart_id: str, label: str) -> str:
     buffer = io.StringIO()
     fig.savefig(
         buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None}

@@ -23,7 +23,7 @@ from .view import KV, build_view
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> Environment:
+def template_environment() -> Environment:
     env = Environment(
         loader=PackageLoader("diagnose.reports", "templates"),
         autoescape=True,
@@ -69,7 +69,7 @@ def render_html(
             chart = ""
         compare_view = dataclasses.replace(compare_view, chart=chart)
     view = build_view(record, comparison=compare_view)
-    return _environment().get_template("report.html").render(view=view)
+    return template_environment().get_template("report.html").render(view=view)
 
 
 def write_html(

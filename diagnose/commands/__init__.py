@@ -34,11 +34,13 @@ def all_commands() -> list[Command]:
     from diagnose.commands.presets import PresetsCommand
     from diagnose.commands.report import ReportCommand
     from diagnose.commands.run import RunCommand
+    from diagnose.commands.sweep import SweepCommand
     from diagnose.commands.trace import TraceCommand
     from diagnose.commands.triton import TritonCommand
 
     return [
         RunCommand(),
+        SweepCommand(),
         TraceCommand(),
         ReportCommand(),
         CompareCommand(),
