@@ -17,9 +17,11 @@ and figure registry alone.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -55,6 +57,22 @@ CHART_RC: dict[Any, Any] = {
     "axes.spines.top": False,
     "axes.spines.right": False,
 }
+
+
+def import_in_background() -> threading.Thread:
+    """Start importing matplotlib (about half a second) on a thread, for a caller that waits on
+    other processes meanwhile (``diagnose trace DIR`` while its workers read the ranks): the
+    charts drawn later then find it imported. Import locks make a later import wait for it."""
+
+    def load() -> None:
+        with contextlib.suppress(Exception):  # the charts import it again and report failures
+            from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+            from matplotlib.figure import Figure  # noqa: F401
+            from matplotlib.ticker import MaxNLocator  # noqa: F401
+
+    thread = threading.Thread(target=load, name="import-matplotlib", daemon=True)
+    thread.start()
+    return thread
 
 
 def phase_color(phase: str, position: int) -> str:
