@@ -14,7 +14,6 @@ then it is an expected failure).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +75,9 @@ class RedactedRun:
     plain: RunRecord
     paths_too: RunRecord
     folder: Path
+    #: The home folder during the run: the run's own temporary folder, so the record holds a
+    #: path under it wherever Python and the venv live (under $HOME or not).
+    home: str
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +91,14 @@ def redacted_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedactedR
     root = tmp_path_factory.mktemp("redaction")
     with pytest.MonkeyPatch.context() as monkeypatch:
         plant_environment(monkeypatch)
+        monkeypatch.setenv("HOME", str(root))
         folder = data_folder(root)
         config = RunConfig(device="cpu", steps=2, warmup=0, profiled_steps=1, data_dir=str(folder))
         out = root / "out"
         out.mkdir()
         outputs = execute_run(config, out, probes=[EnvironmentProbe(), LeakyProbe()])
         paths_too = redact_record(outputs.record, redact_paths=True)
-    yield RedactedRun(outputs.record, paths_too, folder)
+    yield RedactedRun(outputs.record, paths_too, folder, str(root))
 
 
 @pytest.mark.slow
@@ -130,9 +133,9 @@ def test_redact_record_removes_every_secret(
 
 @pytest.mark.slow
 def test_redact_paths_also_hides_home_and_user(redacted_run: RedactedRun) -> None:
-    home = os.path.expanduser("~")
+    home = redacted_run.home
     # Not replaced without the option, and redact_record left its input as it was.
-    assert home in redacted_run.plain.to_json()  # python executable, package paths
+    assert home in redacted_run.plain.to_json()  # the data folder lies under it
     text = redacted_run.paths_too.to_json()
     assert_clean(text, "the --redact-paths record")
     assert home not in text
