@@ -398,6 +398,18 @@ class PointResult:
     def peak_bytes(self) -> int | None:
         return self.summary.peak_bytes if self.summary is not None else None
 
+    def per_image(self) -> tuple[float, float, float] | None:
+        """(median, q1, q3) seconds per trained image: s/it over the batch, so points of
+        different batch sizes compare by what each image costs. None when not measured."""
+        summary = self.summary
+        if summary is None or summary.seconds_per_it is None:
+            return None
+        batch = max(self.point.batch, 1)
+        median = summary.seconds_per_it
+        q1 = summary.q1 if summary.q1 is not None else median
+        q3 = summary.q3 if summary.q3 is not None else median
+        return median / batch, q1 / batch, q3 / batch
+
     def to_dict(self) -> dict[str, Any]:
         measured = self.status == "measured"
         return {

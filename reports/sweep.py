@@ -60,24 +60,45 @@ def point_label(result: PointResult, names: Sequence[str]) -> str:
 
 
 @dataclass(frozen=True)
+class Fastest:
+    """The point that trains an image fastest, and those the measurement cannot tell from it."""
+
+    point: PointResult
+    #: Points whose per-image interquartile range overlaps the fastest's: as fast within noise.
+    ties: tuple[PointResult, ...] = ()
+
+
+def fastest(points: Sequence[PointResult]) -> Fastest | None:
+    """The fastest measured point per trained image (s/it over the batch), and its ties.
+
+    Per image, because a point of batch 2 at 1.5x the s/it of batch 1 trains faster. Ties,
+    because two points whose step times overlap cannot be ranked by one run: the page names
+    both rather than let noise pick one."""
+    timed = [(p, r) for p in points if p.status == "measured" and (r := p.per_image())]
+    if not timed:
+        return None
+    best, (_, _, best_q3) = min(timed, key=lambda pr: pr[1][0])
+    ties = tuple(p for p, (_, q1, _) in timed if p is not best and q1 <= best_q3)
+    return Fastest(best, ties)
+
+
+@dataclass(frozen=True)
 class Fit:
     """The fastest measured point whose peak memory fits ``gib`` (None: none fits)."""
 
     gib: int
     point: PointResult | None
+    ties: tuple[PointResult, ...] = ()
 
 
 def vram_fits(points: Sequence[PointResult], sizes: Sequence[int] = VRAM_SIZES_GIB) -> list[Fit]:
-    measured = [
-        p
-        for p in points
-        if p.status == "measured" and p.seconds_per_it is not None and p.peak_bytes
-    ]
+    measured = [p for p in points if p.status == "measured" and p.peak_bytes]
     fits = []
     for gib in sizes:
-        fitting = [p for p in measured if (p.peak_bytes or 0) <= gib * _GIB]
-        best = min(fitting, key=lambda p: p.seconds_per_it or math.inf, default=None)
-        fits.append(Fit(gib=gib, point=best))
+        best = fastest([p for p in measured if (p.peak_bytes or 0) <= gib * _GIB])
+        fits.append(
+            Fit(gib=gib, point=best.point if best else None, ties=best.ties if best else ())
+        )
     return fits
 
 
@@ -292,6 +313,8 @@ class FitRow:
     seconds_per_it: str
     peak: str
     report_href: str
+    #: Points as fast within noise ("#3, #4"), "" when none.
+    ties: str = ""
 
 
 @dataclass(frozen=True)
@@ -320,15 +343,24 @@ def build_sweep_view(sweep: Sweep, *, with_charts: bool = True) -> SweepView:
     points = sweep.points
     measured = [p for p in points if p.status == "measured" and p.seconds_per_it is not None]
     kind = memory_kind(points)
-    fastest = min(measured, key=lambda p: p.seconds_per_it or math.inf, default=None)
+    best = fastest(points)
     index_of = {p.id: i + 1 for i, p in enumerate(points)}
-    if fastest is not None:
-        label = point_label(fastest, swept) or "the only point"
+    if best is not None:
+        top = best.point
+        label = point_label(top, swept) or "the only point"
+        per_image = " per image" if "batch" in swept else ""
+        rate = top.per_image()
+        images = f" ({1 / rate[0]:.3g} images/s)" if per_image and rate and rate[0] > 0 else ""
         headline = (
-            f"Fastest: #{index_of[fastest.id]} ({label}) at "
-            f"{format_per_iteration(fastest.seconds_per_it)}, peak "
-            f"{format_bytes(fastest.peak_bytes)} {_memory_word(kind)}."
+            f"Fastest{per_image}: #{index_of[top.id]} ({label}) at "
+            f"{format_per_iteration(top.seconds_per_it)}{images}, peak "
+            f"{format_bytes(top.peak_bytes)} {_memory_word(kind)}."
         )
+        if best.ties:
+            headline += (
+                f" {_tie_words(best.ties, index_of)} as fast within the noise of this "
+                "measurement (their step times overlap): rerun with more --steps to rank them."
+            )
     else:
         headline = "No point was measured yet."
     device = ""
@@ -384,6 +416,7 @@ def build_sweep_view(sweep: Sweep, *, with_charts: bool = True) -> SweepView:
             seconds_per_it=format_per_iteration(fit.point.seconds_per_it) if fit.point else "",
             peak=format_bytes(fit.point.peak_bytes) if fit.point else "",
             report_href=f"{fit.point.dir}/report.html" if fit.point else "",
+            ties=", ".join(f"#{index_of[t.id]}" for t in fit.ties),
         )
         for fit in vram_fits(points)
     ]
@@ -407,6 +440,11 @@ def build_sweep_view(sweep: Sweep, *, with_charts: bool = True) -> SweepView:
         charts=sweep_charts(sweep) if with_charts else [],
         command=sweep.command,
     )
+
+
+def _tie_words(ties: Sequence[PointResult], index_of: dict[str, int]) -> str:
+    names = ", ".join(f"#{index_of[t.id]}" for t in ties)
+    return f"{names} {'is' if len(ties) == 1 else 'are'}"
 
 
 def _memory_word(kind: str) -> str:

@@ -27,6 +27,7 @@ from diagnose.record import RunRecord, StepSample, new_record
 from diagnose.reports.sweep import (
     CSV_COLUMNS,
     build_sweep_view,
+    fastest,
     render_sweep_html,
     sweep_csv,
     vram_fits,
@@ -379,6 +380,24 @@ def test_vram_fits_pick_the_fastest_point_under_each_size() -> None:
     ]
     fits = {fit.gib: fit.point.point.rank if fit.point else None for fit in vram_fits(points)}
     assert fits == {8: None, 12: 32, 16: 32, 24: 8, 48: 16, 80: 16}
+
+
+def _spread(point: Point, median: float, q1: float, q3: float) -> PointResult:
+    summary = PointSummary(seconds_per_it=median, q1=q1, q3=q3, steps=5, peak_rss_bytes=1)
+    return PointResult(id=point.id, point=point, status="measured", summary=summary)
+
+
+def test_fastest_is_per_image_and_names_the_points_noise_cannot_rank() -> None:
+    # Batch 2 at 1.5x the step time of batch 1 trains an image faster.
+    one, two = _spread(Point(batch=1), 1.0, 0.98, 1.02), _spread(Point(batch=2), 1.5, 1.48, 1.52)
+    best = fastest([one, two])
+    assert best is not None and best.point is two and best.ties == ()
+    # Overlapping step times: the runner-up is named beside the fastest, not ranked below it.
+    close = _spread(Point(rank=8), 0.256, 0.255, 0.278)
+    near = _spread(Point(rank=16), 0.261, 0.253, 0.270)
+    apart = _spread(Point(rank=32), 0.400, 0.390, 0.410)
+    best = fastest([near, close, apart])
+    assert best is not None and best.point is close and best.ties == (near,)
 
 
 def test_page_escapes_reasons_and_sorts_without_script() -> None:
