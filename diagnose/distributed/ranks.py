@@ -97,14 +97,8 @@ def analyze_files(paths: Sequence[Path], *, jobs: int | None = None) -> list[tup
     # fork where it exists: the workers need only numpy and orjson, already imported here.
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    from diagnose.reports.charts import import_in_background
-
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        pending = pool.map(_analyze_one, paths)  # submits every file: the workers fork now
-        # The report's charts need matplotlib, and this process only waits while the workers
-        # read. Started after the fork, so no worker inherits a half-done import.
-        import_in_background()
-        results = list(pending)
+        results = list(pool.map(_analyze_one, paths))
     return list(zip(paths, results, strict=True))
 
 
