@@ -20,6 +20,14 @@ What is masked (:func:`redact_text`):
 - optionally the home folder (→ ``~``), the user name (→ ``<user>``) and the machine's host name
   (→ ``<host>``: the value of every ``host_name``/``hostname``/``host`` field, and the name in any
   text when it is at least :data:`MIN_HOST_LENGTH` characters long), for ``--redact-paths``.
+
+Redaction runs in time linear in the size of its input, whatever the input: kernel and op names in
+profiler traces are arbitrary text (a 90 KB ``'.-a' * 30000`` name once took a trace analysis from 4
+to 98 seconds). Every pattern below is written so that a failed match attempt costs no more than
+the characters it is anchored to (a run of name characters, a literal), and no position is
+re-scanned from each of its predecessors: matches start only at the beginning of such a run, and
+the position inside the run is chosen once, in an atomic group. ``benchmarks/bench_redact.py``
+times adversarial inputs from 1 KB to 100 MB and fails when the time per MB grows.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ _SECRET_STEMS: tuple[str, ...] = (
     "SECRET",
     "PASSWORD",
     "PASSWD",
+    "PASSPHRASE",
     "CREDENTIAL",
     "AUTH",
     "COOKIE",
@@ -65,6 +74,14 @@ _SECRET_STEMS: tuple[str, ...] = (
 )
 #: Whole words that mark a name but are too short to be stems (``BYPASS``, ``COMPASS`` are fine).
 _SECRET_WORDS: frozenset[str] = frozenset({"PASS", "CREDS", "BEARER"})
+
+#: Secret words that are also ordinary words of prose and data: "the backward pass: ...", an op
+#: table's ``"pass": "forward"``. Such a word, written alone as a name in a ``name: value`` pair
+#: or as a data key, marks its value as secret only when the value looks like a credential (see
+#: :func:`_masks_pair`); as an option (``--pass x``), an assignment (``pass=x``, ``PASS=x``, a URL
+#: query's ``&pass=x``), in capitals (``PASS: x``, an environment variable's name) or inside a
+#: longer name (``DB_PASS``, ``dbPass``) it is a secret name like any other.
+_AMBIGUOUS_NAMES: frozenset[str] = frozenset({"PASS"})
 
 #: Words that contain a stem but are not secrets. Decision: "contains" with this small allow-list
 #: rather than exact words, so that unknown spellings (``HFTOKEN``) are still masked.
@@ -143,42 +160,142 @@ def is_secret_name(name: str) -> bool:
     return False
 
 
-# --- patterns -------------------------------------------------------------------------------------
-
-#: (pattern, replacement) pairs for token shapes recognisable without context. The replacement
-#: keeps the public prefix so a reader can tell what kind of credential was there.
-_TOKEN_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (
-        re.compile(
-            r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.DOTALL
-        ),
-        "-----BEGIN PRIVATE KEY----- *** -----END PRIVATE KEY-----",
-    ),
-    (re.compile(r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{20,}"), "hf_" + MASK),
-    (re.compile(r"(?<![A-Za-z0-9_-])sk-[A-Za-z0-9_-]{20,}"), "sk-" + MASK),
-    (re.compile(r"(?<![A-Za-z0-9])github_pat_[A-Za-z0-9_]{20,}"), "github_pat_" + MASK),
-    (re.compile(r"(?<![A-Za-z0-9])(gh[pousr]_)[A-Za-z0-9]{20,}"), r"\1" + MASK),
-    (re.compile(r"(?<![A-Za-z0-9])glpat-[A-Za-z0-9_-]{20,}"), "glpat-" + MASK),
-    (re.compile(r"(?<![A-Za-z0-9])(xox[abprs]-)[A-Za-z0-9-]{10,}"), r"\1" + MASK),
-    (re.compile(r"(?<![A-Z0-9])(AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])"), r"\1" + MASK),
-    (re.compile(r"(?<![A-Za-z0-9])AIza[0-9A-Za-z_-]{35}"), "AIza" + MASK),
-    (
-        re.compile(r"(?<![A-Za-z0-9])eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
-        "eyJ" + MASK,
-    ),
-    (re.compile(r"(?i)\b((?:bearer|basic)\s+)[A-Za-z0-9._~+/-]{8,}=*"), r"\1" + MASK),
+#: A value that reads as a word of prose or as code rather than as a credential: a plain word
+#: ("forward", "backward", "it", "DDP") or a call ("DistributedDataParallel(...",
+#: "torch.compile(model"). Anything with a digit, a symbol, a space or a second token is not.
+_PLAIN_VALUE = re.compile(
+    r"[A-Za-z]++[.,;:!?]?+"
+    r"|[A-Za-z_][A-Za-z0-9_]*+(?:\.[A-Za-z_][A-Za-z0-9_]*+)*+\(.*",
+    re.DOTALL,
 )
 
+
+def _is_ambiguous_name(name: str) -> bool:
+    """Whether ``name`` is a bare word such as ``pass`` (not in capitals): see
+    :data:`_AMBIGUOUS_NAMES`."""
+    bare = name.strip()
+    return bare.upper() in _AMBIGUOUS_NAMES and not bare.isupper()
+
+
+def _masks_pair(name: str, value: object) -> bool:
+    """Whether the value of a ``name: value`` pair (in text, or a data key and its value) is
+    secret: ``name`` is a secret name and, when it is an ambiguous bare word such as ``pass``,
+    ``value`` looks like a credential rather than a plain word or a call."""
+    if not is_secret_name(name):
+        return False
+    if not _is_ambiguous_name(name):
+        return True
+    return not (isinstance(value, str) and _PLAIN_VALUE.fullmatch(value) is not None)
+
+
+# --- patterns -------------------------------------------------------------------------------------
+
+#: (hints, pattern, replacement) for token shapes recognisable without context. A pattern runs only
+#: when one of its hints (literal text every match contains) is in the text: a cheap pre-filter, as
+#: most text holds none of them. The replacement keeps the public prefix so a reader can tell what
+#: kind of credential was there. Every repetition is possessive (``{20,}+``: what follows it can
+#: never be one of its characters) and every pattern starts only where its token can start, so a
+#: failed attempt costs at most the run of characters it started on. Patterns open with their
+#: literal and check what precedes it after it (``hf_(?<![A-Za-z0-9]hf_)`` rather than
+#: ``(?<![A-Za-z0-9])hf_``: the same matches), so the regex engine can skip to the literal
+#: instead of trying every position (20 times faster).
+_TOKEN_PATTERNS: tuple[tuple[tuple[str, ...], re.Pattern[str], str], ...] = (
+    (("hf_",), re.compile(r"hf_(?<![A-Za-z0-9]hf_)[A-Za-z0-9]{20,}+"), "hf_" + MASK),
+    (("sk-",), re.compile(r"sk-(?<![A-Za-z0-9_-]sk-)[A-Za-z0-9_-]{20,}+"), "sk-" + MASK),
+    (
+        ("github_pat_",),
+        re.compile(r"github_pat_(?<![A-Za-z0-9]github_pat_)[A-Za-z0-9_]{20,}+"),
+        "github_pat_" + MASK,
+    ),
+    (("gh",), re.compile(r"(gh(?<![A-Za-z0-9]gh)[pousr]_)[A-Za-z0-9]{20,}+"), r"\1" + MASK),
+    (("glpat-",), re.compile(r"glpat-(?<![A-Za-z0-9]glpat-)[A-Za-z0-9_-]{20,}+"), "glpat-" + MASK),
+    (("xox",), re.compile(r"(xox(?<![A-Za-z0-9]xox)[abprs]-)[A-Za-z0-9-]{10,}+"), r"\1" + MASK),
+    (
+        ("AKIA", "ASIA"),
+        re.compile(r"(A(?<![A-Z0-9]A)(?:KIA|SIA))[A-Z0-9]{16}(?![A-Z0-9])"),
+        r"\1" + MASK,
+    ),
+    (("AIza",), re.compile(r"AIza(?<![A-Za-z0-9]AIza)[0-9A-Za-z_-]{35}"), "AIza" + MASK),
+    # A JSON web token may start anywhere in a run of [A-Za-z0-9_-] not after a letter or digit
+    # ("x-eyJ..."). Trying every such start would scan the rest of the run from each (quadratic
+    # on "-eyJ" * n); but a start that fails makes every later start in the same run fail too
+    # (the segments after it are the same, its first one shorter). So the match starts at the
+    # run and an atomic group picks the first "eyJ" in it, once.
+    (
+        ("eyJ",),
+        re.compile(
+            r"(?<![A-Za-z0-9_-])(?>([A-Za-z0-9_-]*?)(?<![A-Za-z0-9])eyJ)"
+            r"[A-Za-z0-9_-]{8,}+\.[A-Za-z0-9_-]{8,}+\.[A-Za-z0-9_-]{8,}+"
+        ),
+        r"\1eyJ" + MASK,
+    ),
+    # "Bearer"/"basic" in any case, after a word boundary (spelled out rather than (?i)\b, which
+    # would try every position).
+    (
+        (),
+        re.compile(
+            r"([Bb](?<!\w[Bb])(?:[Ee][Aa][Rr][Ee][Rr]|[Aa][Ss][Ii][Cc])\s++)"
+            r"[A-Za-z0-9._~+/-]{8,}+=*+"
+        ),
+        r"\1" + MASK,
+    ),
+)
+
+#: PEM private-key blocks (:func:`_mask_private_keys`): a lazy ``BEGIN.*?END`` regex scans from
+#: every BEGIN to the end of the text when no END follows (quadratic on a text of BEGIN lines).
+_PEM_BEGIN = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")
+_PEM_END = re.compile(r"-----END [A-Z ]*PRIVATE KEY-----")
+_PEM_MASK = "-----BEGIN PRIVATE KEY----- *** -----END PRIVATE KEY-----"
+
+
+def _mask_private_keys(text: str) -> str:
+    """``text`` with every PEM private-key block, BEGIN line to the first END line after it,
+    replaced by :data:`_PEM_MASK`. Linear: each stretch of text is searched once, and when no END
+    follows a BEGIN none follows any later BEGIN either."""
+    if "PRIVATE KEY-----" not in text:
+        return text
+    parts: list[str] = []
+    pos = 0
+    while (begin := _PEM_BEGIN.search(text, pos)) is not None:
+        end = _PEM_END.search(text, begin.end())
+        if end is None:
+            break
+        parts += (text[pos : begin.start()], _PEM_MASK)
+        pos = end.end()
+    if not parts:
+        return text
+    parts.append(text[pos:])
+    return "".join(parts)
+
+
 #: ``scheme://userinfo@`` — the user name alone can be a token (``https://TOKEN@github.com``).
-_URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^\s/@'\"<>]+@")
+#: The scheme starts at a word boundary inside a run of scheme characters that ends in "://"; the
+#: match starts at the run (checked to end in "://" once, by the lookahead), and the atomic group
+#: picks the first letter after a word boundary in it, so ``'.-a' * n`` (one run, every "a" after
+#: a boundary, no "://") costs one scan instead of one per "a". Group 1 is the text before the
+#: scheme, kept.
+_URL_USERINFO = re.compile(
+    r"(?<![A-Za-z0-9+.-])(?=[A-Za-z0-9+.-]*+://)"
+    r"(?>([A-Za-z0-9+.-]*?)\b([A-Za-z][A-Za-z0-9+.-]*+://))[^\s/@'\"<>]++@"
+)
 
 #: The name part of an option or assignment whose value is masked when the name is secret.
-_NAME = r"[A-Za-z_][A-Za-z0-9_.-]*"
-#: ``--token X``, ``--token=X``, ``-api-key X``: the separator may be a space.
-_FLAG = re.compile(r"(?<![A-Za-z0-9_-])(--?)(" + _NAME + r")(=|[ \t]+)(['\"]?)([^\s'\"]+)")
+_NAME = r"[A-Za-z_][A-Za-z0-9_.-]*+"
+#: ``--token X``, ``--token=X``, ``-api-key X``: the separator may be a space. An option starts at
+#: a dash not after a letter, digit, "_" or "-", which may be inside a run of name characters
+#: (``x.--token``); as for URLs, the match starts at the run, which must end in a separator (one
+#: lookahead), and the atomic group picks the first dash that starts an option. Groups: text
+#: before the option (kept), dashes, name, separator, opening quote, value.
+_FLAG = re.compile(
+    r"(?<![A-Za-z0-9_.-])(?=[A-Za-z0-9_.-]*+[= \t])"
+    r"(?>([A-Za-z0-9_.-]*?)(?<![A-Za-z0-9_-])(--?)(" + _NAME + r"))"
+    r"(=|[ \t]++)(['\"]?)([^\s'\"]++)"
+)
 #: ``token=X``, ``token: X``, ``"token": "X"``, ``token='X'`` (URL queries, reprs, JSON, YAML).
+#: Starts only at the beginning of a run of name characters (the lookbehind), so it is linear.
 _ASSIGN = re.compile(
-    r"(?<![A-Za-z0-9_.-])(" + _NAME + r")(['\"]?)(\s*(?:=|:(?!//))\s*)(['\"]?)([^\s'\"&,;}\])]+)"
+    r"(?<![A-Za-z0-9_.-])(" + _NAME + r")(['\"]?)(\s*+(?:=|:(?!//))\s*+)(['\"]?)"
+    r"([^\s'\"&,;}\])]++)"
 )
 
 
@@ -186,14 +303,18 @@ _AUTH_SCHEMES = frozenset({"bearer", "basic", "digest"})
 
 
 def _mask_flag(match: re.Match[str]) -> str:
-    dashes, name, sep, quote, value = match.groups()
+    before, dashes, name, sep, quote, value = match.groups()
     if not is_secret_name(name) or value.startswith("-") or value == MASK:
         return match.group(0)
-    return f"{dashes}{name}{sep}{quote}{MASK}"
+    return f"{before}{dashes}{name}{sep}{quote}{MASK}"
 
 
 def _mask_assignment(match: re.Match[str]) -> str:
     name, close_quote, sep, quote, value = match.groups()
+    if "=" not in sep and not _masks_pair(name, value):
+        # "the backward pass: DistributedDataParallel(...)": a bare "pass" before a colon is
+        # prose or a data key unless its value looks like a credential; "pass=x" is not prose.
+        return match.group(0)
     if not is_secret_name(name) or value == MASK or value.lower() in _AUTH_SCHEMES:
         # "Authorization: Bearer ***": the scheme word is not the secret, the token after it is
         # (masked by the Bearer/Basic pattern).
@@ -250,9 +371,11 @@ class Redactor:
             alternatives = "|".join(re.escape(n) for n in sorted(names, key=lambda n: -len(n)))
             self._host = re.compile(r"(?<![A-Za-z0-9-])(?:" + alternatives + r")(?![A-Za-z0-9-])")
         if self.user and len(self.user) >= 2:
+            user = re.escape(self.user)
             self._user = re.compile(
-                # Not "_" in the guards: "/tmp/torchinductor_alice" names the user too.
-                r"(?<![A-Za-z0-9])" + re.escape(self.user) + r"(?![A-Za-z0-9])"
+                # Not "_" in the guards: "/tmp/torchinductor_alice" names the user too. The name
+                # first, then what precedes it (fast: the engine skips to the name).
+                user + r"(?<![A-Za-z0-9]" + user + r")(?![A-Za-z0-9])"
             )
 
     def text(self, text: str) -> str:
@@ -260,11 +383,16 @@ class Redactor:
             return text
         if self._literal is not None:
             text = self._literal.sub(MASK, text)
-        for pattern, replacement in _TOKEN_PATTERNS:
-            text = pattern.sub(replacement, text)
-        text = _URL_USERINFO.sub(r"\1" + MASK + "@", text)
-        text = _FLAG.sub(_mask_flag, text)
-        text = _ASSIGN.sub(_mask_assignment, text)
+        text = _mask_private_keys(text)
+        for hints, pattern, replacement in _TOKEN_PATTERNS:
+            if not hints or any(hint in text for hint in hints):
+                text = pattern.sub(replacement, text)
+        if "://" in text:
+            text = _URL_USERINFO.sub(r"\1\2" + MASK + "@", text)
+        if "-" in text:
+            text = _FLAG.sub(_mask_flag, text)
+        if "=" in text or ":" in text:
+            text = _ASSIGN.sub(_mask_assignment, text)
         if self._home is not None:
             text = self._home.sub("~", text)
         if self._user is not None:
@@ -295,7 +423,7 @@ class Redactor:
         if isinstance(obj, Mapping):
             out: dict[Any, Any] = {}
             for key, value in obj.items():
-                secret = isinstance(key, str) and is_secret_name(key)
+                secret = isinstance(key, str) and _masks_pair(key, value)
                 if secret and not mask_secret_keys:
                     continue
                 new_key = self.text(key) if isinstance(key, str) else key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -41,6 +42,9 @@ HF = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz01234567"
         "SESSION_ID",
         "TRITON_API_KEY",  # secret even under a performance prefix
         "PYTORCH_SECRET",
+        "GPG_PASSPHRASE",
+        "pass",  # as an option or variable name; see the "pass" tests below for prose and data
+        "PASS",
     ],
 )
 def test_secret_names(name: str) -> None:
@@ -217,3 +221,190 @@ def test_redact_record_reaches_every_string_and_keeps_the_shape(
     assert redacted.findings[0].fix == f"--token {MASK}"
     assert record.command.endswith(HF)  # the input is left alone
     assert RunRecord.from_dict(redacted.to_dict()).trace_path == f"hf_{MASK}/trace.json.gz"
+
+
+# --- linear time on adversarial text -------------------------------------------------------------
+
+#: Texts built to defeat one pattern each (a run of name characters where an option, a URL scheme
+#: or a JSON web token could start at every step; a BEGIN line with no END; ...). Quadratic
+#: backtracking takes minutes on 1 MB of any of them; linear redaction well under a second.
+ADVERSARIAL_UNITS = {
+    "kernel name": ".-a",  # the ticket's '.-a' * 30000
+    "double dashes": ".--a",
+    "dashes": "-",
+    "assignments": "a=",
+    "spaced assignments": "a = ",
+    "colons": "a:",
+    "scheme characters": "a+",
+    "empty schemes": "x://",
+    "jwt starts": "-eyJ",
+    "options without values": "--token ",
+    "bearer words": "bearer ",
+    "one long line": "x.y-z_w/Q9:",
+    "short lines": "a\n--t=1\nk: v\n",
+}
+ADVERSARIAL_PREFIXED = {"url without @": ("http://", "a"), "jwt dots": ("eyJ", "a.")}
+ONE_MB = 1_000_000
+#: Generous: linear redaction takes 0.05-0.6 s (CPU) per MB on a busy machine; quadratic, minutes.
+LINEAR_BOUND_S = 5.0
+#: Sizes tried in turn, each against the bound scaled to its size (at least 0.5 s): a quadratic
+#: regression fails on a small size in seconds instead of running for hours on the megabyte.
+SIZES = (32_000, 256_000, ONE_MB)
+
+
+def _bound(size: int) -> float:
+    return max(0.5, LINEAR_BOUND_S * size / ONE_MB)
+
+
+PLANTED = (
+    f"login {HF}\n--token s3cr3tvalue\nhttps://bob:pw123456@host/x\npassword: hunter2hunter2\n"
+)
+
+
+def _adversarial(name: str, size: int) -> str:
+    if name in ADVERSARIAL_UNITS:
+        unit = ADVERSARIAL_UNITS[name]
+        return unit * (size // len(unit))
+    prefix, unit = ADVERSARIAL_PREFIXED[name]
+    return prefix + unit * (size // len(unit))
+
+
+def _timed_text(redactor: Redactor, text: str) -> tuple[str, float]:
+    start = time.process_time()  # CPU time: other work on the machine does not count
+    out = redactor.text(text)
+    return out, time.process_time() - start
+
+
+@pytest.mark.parametrize("name", [*ADVERSARIAL_UNITS, *ADVERSARIAL_PREFIXED])
+def test_adversarial_megabyte_redacts_in_linear_time_and_masks_stay_right(name: str) -> None:
+    redactor = Redactor(home="/home/alice", user="alice", host="gpu-node-17")
+    for size in SIZES:
+        filler = _adversarial(name, size)
+        out, seconds = _timed_text(redactor, f"{PLANTED}\n{filler}\n{PLANTED}")
+        assert seconds < _bound(size), f"{name}: {seconds:.1f} s for {size} B (quadratic?)"
+        for secret in (HF, "s3cr3tvalue", "pw123456", "hunter2hunter2"):
+            assert secret not in out
+        assert out.count(f"hf_{MASK}") == 2 and out.count(f"--token {MASK}") == 2
+        assert out.count(f"https://{MASK}@host/x") == 2
+        assert out.count(f"password: {MASK}") == 2
+        assert f"\n{filler}\n" in out  # nothing in the filler is a secret
+
+
+def test_private_key_begin_lines_without_end_are_linear_and_left_alone() -> None:
+    """A lazy BEGIN.*?END scans to the end of the text from every BEGIN line that has no END."""
+    key = "-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEA\n-----END RSA PRIVATE KEY-----"
+    for size in SIZES:
+        begins = "-----BEGIN RSA PRIVATE KEY-----\n" * (size // 32)
+        out, seconds = _timed_text(Redactor(), f"{key}\n{begins}")
+        assert seconds < _bound(size), f"{seconds:.1f} s for {size} B (quadratic?)"
+        assert out == f"-----BEGIN PRIVATE KEY----- *** -----END PRIVATE KEY-----\n{begins}"
+    # Every BEGIN up to the first END after it is one block, as before.
+    assert redact_text(f"{begins}{key} tail") == (
+        "-----BEGIN PRIVATE KEY----- *** -----END PRIVATE KEY----- tail"
+    )
+
+
+def test_tokens_inside_long_runs_are_still_masked() -> None:
+    """The linear rewrites start a match at the run of characters the token sits in and pick the
+    first place in it where the token can start: the same matches as trying every place."""
+    jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.SflKxwRJSMeKKF2QT4fwpMeJf36POk6y"
+    assert redact_text("a-" * 5000 + jwt) == "a-" * 5000 + "eyJ" + MASK
+    assert redact_text("x_eyJ-eyJ" + jwt[3:]) == "x_eyJ" + MASK
+    assert redact_text(".-a" * 5000 + "+git+https://tok@github.com/x") == (
+        ".-a" * 5000 + f"+git+https://{MASK}@github.com/x"
+    )
+    assert redact_text("_http://u:p@h") == "_http://u:p@h"  # no word boundary: not a URL
+    assert redact_text("a.b" * 5000 + ".--api-key=s3cr3tvalue") == (
+        "a.b" * 5000 + f".--api-key={MASK}"
+    )
+    assert redact_text("x.-a.--token s3cr3tvalue") == f"x.-a.--token {MASK}"  # "-a.--token"
+    assert redact_text("a-b--token s3cr3tvalue") == "a-b--token s3cr3tvalue"  # not an option
+    assert redact_text("xBearer abcdefghijklmnop") == "xBearer abcdefghijklmnop"
+    assert redact_text("BEARER abcdefghijklmnop") == f"BEARER {MASK}"
+    assert redact_text("XAKIAIOSFODNN7EXAMPLE AKIAIOSFODNN7EXAMPLE") == (
+        f"XAKIAIOSFODNN7EXAMPLE AKIA{MASK}"
+    )
+    assert redact_text("xhf_" + HF[3:]) == "xhf_" + HF[3:]
+
+
+# --- "pass": a secret word that is also a word of prose and data ---------------------------------
+
+PROSE = (
+    "overlap the gradient all-reduce with the backward pass: "
+    "DistributedDataParallel(model, bucket_cap_mb=25) does it"
+)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        PROSE,
+        "the forward pass: it fuses the two matmuls.",
+        "Pass: Forward",
+        'rows [{"op": "aten::mm", "pass": "backward", "calls_per_step": 2}]',
+        "{'pass': 'forward'}",
+        "the first pass: torch.compile(model) then",
+    ],
+)
+def test_pass_in_prose_and_data_is_not_a_secret(text: str) -> None:
+    assert redact_text(text) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("password: hunter2", f"password: {MASK}"),
+        ("--password x", f"--password {MASK}"),
+        ("--pass hunter", f"--pass {MASK}"),  # an option named pass holds a password
+        ("DB_PASS=x", f"DB_PASS={MASK}"),
+        ("db_pass: hunter", f"db_pass: {MASK}"),  # pass inside a longer name
+        ("dbPass: hunter", f"dbPass: {MASK}"),
+        ("PASS=hunter", f"PASS={MASK}"),  # an environment variable
+        ("PASS: hunter", f"PASS: {MASK}"),  # capitals: a name, not prose
+        ("pass=forward", f"pass={MASK}"),  # an assignment, not prose
+        ("https://h/login?user=bob&pass=hunter", f"https://h/login?user=bob&pass={MASK}"),
+        ("pass: hunter2", f"pass: {MASK}"),  # a digit: credential-like
+        ('{"pass": "s3cr3t!"}', f'{{"pass": "{MASK}"}}'),
+        ("pass: pr0xy-Passw0rd-42", f"pass: {MASK}"),
+        ("GPG_PASSPHRASE=correct-horse", f"GPG_PASSPHRASE={MASK}"),
+    ],
+)
+def test_real_passwords_stay_masked(text: str, expected: str) -> None:
+    assert redact_text(text) == expected
+
+
+def test_pass_evidence_key_is_kept_and_credential_like_values_are_masked() -> None:
+    rows = [{"op": "aten::mm", "pass": "forward"}, {"op": "aten::mm", "pass": "backward"}]
+    assert redact_obj(rows) == rows
+    assert make_redactor().obj(rows, mask_secret_keys=True) == rows
+    # Planted faults: the same key holding a credential, in capitals, inside a longer name.
+    assert redact_obj({"pass": "hunter2", "x": 1}) == {"x": 1}
+    masked = make_redactor().obj(
+        {"pass": "hunter2", "PASS": "hunter", "db_pass": "hunter", "pass ": 3},
+        mask_secret_keys=True,
+    )
+    assert masked == {"pass": MASK, "PASS": MASK, "db_pass": MASK, "pass ": MASK}
+
+
+def test_pass_evidence_in_a_record_is_kept() -> None:
+    record = RunRecord(
+        command="diagnose trace",
+        findings=[
+            Finding(
+                id="precision.fp32_matmul",
+                title="fp32 matmuls",
+                evidence={
+                    "ops": [
+                        {"op": "aten::mm", "pass": "backward", "seconds_per_step": 0.25},
+                        {"op": "aten::mm", "pass": "forward", "seconds_per_step": 0.125},
+                    ],
+                    "db_pass": "hunter",
+                },
+                fix=PROSE,
+            )
+        ],
+    )
+    finding = redact_record(record, redact_paths=False).findings[0]
+    assert finding.evidence["ops"] == record.findings[0].evidence["ops"]
+    assert finding.evidence["db_pass"] == MASK
+    assert finding.fix == PROSE
