@@ -1,6 +1,6 @@
 """The data-loading probe: the wait, the hot frames (py-spy), the A/B of the fixes, the folder.
 
-Planted fault: 1224x1800 PNGs (slow to decode) decoded and resized on the training thread
+Planted fault: 1836x2700 PNGs (slow to decode) decoded and resized on the training thread
 (num_workers=0, no cached latents) for a tiny model at 64 px, batch 4: the wait is most of the
 step. Clean twin: cached latents and small images. Timings are never asserted beyond large
 planted effects: several processes share this machine's cores.
@@ -166,17 +166,26 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def png_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Four 1224x1800 photo-like PNGs: about 4 MB each, tens of ms each to decode."""
+    """Four 1836x2700 photo-like PNGs: about 9 MB each, tens of ms each to decode (large
+    enough that the wait stays over the critical share on a CPU with fast PNG decoding)."""
     folder = tmp_path_factory.mktemp("pngs")
     for number in range(4):
-        generate_image(number).save(folder / f"photo_{number}.png", "PNG", compress_level=1)
+        image = generate_image(number, size=(1836, 2700))
+        image.save(folder / f"photo_{number}.png", "PNG", compress_level=1)
     return folder
 
 
 @pytest.fixture(scope="module")
 def starved(png_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Probed]:
+    # fp32: on a CPU without bf16 units, emulated bf16 compute would dwarf the planted decode.
     config = RunConfig(
-        preset="sd15", size="tiny", resolution=[64], batch=4, workers=0, data_dir=str(png_folder)
+        preset="sd15",
+        size="tiny",
+        precision="fp32",
+        resolution=[64],
+        batch=4,
+        workers=0,
+        data_dir=str(png_folder),
     )
     with _one_thread():
         workload = build_workload(config, CPU)
@@ -191,7 +200,12 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Probed]:
     folder = tmp_path_factory.mktemp("small")
     generate_images(folder, count=3, seed=1, size=(96, 80))
     config = RunConfig(
-        preset="sd15", size="tiny", resolution=[64], cache_latents=True, data_dir=str(folder)
+        preset="sd15",
+        size="tiny",
+        precision="fp32",
+        resolution=[64],
+        cache_latents=True,
+        data_dir=str(folder),
     )
     with _one_thread():
         workload = build_workload(config, CPU)
@@ -211,13 +225,13 @@ def test_decoding_big_pngs_on_the_training_thread_is_found(starved: Probed) -> N
     assert result.status == "ok", result.traceback
     finding = next(f for f in result.findings if f.id == FINDING_ID)
     evidence = finding.evidence
-    # The planted wait: four 2.2 MP PNG decodes per step against a tiny model at 64 px.
+    # The planted wait: four 5 MP PNG decodes per step against a tiny model at 64 px.
     assert evidence["data_wait_share_of_step"] >= 0.3
     assert finding.severity == "critical"
     assert evidence["dataloader"]["num_workers"] == 0
     assert evidence["dataset"]["formats"] == {"PNG": 4}
-    assert evidence["dataset"]["pixels_decoded_per_pixel_trained"] > 500  # 1224x1800 / 64^2
-    assert "num_workers=0" in finding.detail and "decodes 1224x1800" in finding.detail
+    assert evidence["dataset"]["pixels_decoded_per_pixel_trained"] > 500  # 1836x2700 / 64^2
+    assert "num_workers=0" in finding.detail and "decodes 1836x2700" in finding.detail
     # Shared wording with the trace rule.
     share = evidence["data_wait_share_of_step"]
     wait = evidence["data_wait_seconds_per_step"]

@@ -20,8 +20,12 @@ from diagnose.record import RunRecord
 from diagnose.run import execute_run, resolve_config
 
 PROBES = ("environment", "precision", "attention", "dataloader", "optimizer", "triton")
-#: Two timed steps per rank, one profiled, 64 px: a record with every part, fast on 2 cores.
-SHORT = ["--steps", "2", "--warmup", "0", "--profiled-steps", "1", "--resolution", "64"]
+#: Two timed steps per rank, one profiled, 64 px, fp32 (a CPU without bf16 units emulates bf16
+#: many times slower): a record with every part, fast on 2 cores.
+SHORT = [
+    *("--steps", "2", "--warmup", "0", "--profiled-steps", "1"),
+    *("--resolution", "64", "--precision", "fp32"),
+]
 SKIP_ALL = [arg for name in PROBES for arg in ("--skip", name)]
 
 
@@ -83,6 +87,7 @@ def test_fsdp_two_ranks(tmp_path: Path) -> None:
         warmup=0,
         profiled_steps=1,
         resolution=[64],
+        precision="fp32",
         nproc=2,
         strategy="fsdp",
         skip_probes=list(PROBES),

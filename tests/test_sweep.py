@@ -48,6 +48,10 @@ from diagnose.sweep import (
 
 #: The tiny SD1.5 on the CPU at the smallest resolution, one timed and one profiled step.
 TINY = [
+    # fp32: a CPU without bf16 units emulates bf16 matmuls many times slower, and the sweep's
+    # mechanics, not the precision, are under test.
+    "--precision",
+    "fp32",
     "--preset",
     "sd15",
     "--size",
