@@ -28,6 +28,19 @@ class ArgumentParser(argparse.ArgumentParser):
         raise DiagnoseError(f"{self.prog}: {message} (see {self.prog} --help)", ExitCode.USAGE)
 
 
+def comma_ints(text: str) -> list[int]:
+    """An option value of comma-separated whole numbers (``512,1024``), for argparse ``type=``."""
+    try:
+        values = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected whole numbers separated by commas, like 512,1024; got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
 def all_commands() -> list[Command]:
     from diagnose.commands.compare import CompareCommand
     from diagnose.commands.env import EnvCommand

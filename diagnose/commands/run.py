@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from diagnose.commands import comma_ints
 from diagnose.config import (
     ATTENTIONS,
     OPTIMIZERS,
@@ -16,16 +17,6 @@ from diagnose.config import (
     RunConfig,
 )
 from diagnose.errors import DiagnoseError, ExitCode
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 512,1024, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return values
 
 
 def _str_list(text: str) -> list[str]:
@@ -63,7 +54,7 @@ class RunCommand:
         train.add_argument("--batch", type=int, default=d.batch)
         train.add_argument(
             "--resolution",
-            type=_int_list,
+            type=comma_ints,
             metavar="PX[,PX...]",
             help="resolution buckets, e.g. 512,1024 (default: the preset's)",
         )

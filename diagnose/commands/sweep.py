@@ -10,6 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from diagnose.commands import comma_ints
 from diagnose.config import ATTENTIONS, OPTIMIZERS, PRECISIONS, PRESETS, SIZES
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.sweep import (
@@ -31,16 +32,6 @@ from diagnose.sweep import (
 #: The exit status of a sweep in which some point failed, ran out of memory or timed out (the
 #: others were measured): "not possible on this machine", as for a single run.
 SOME_POINTS_FAILED = ExitCode.UNSUPPORTED
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 8,16,32, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return values
 
 
 def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
@@ -77,15 +68,17 @@ class SweepCommand:
         grid = parser.add_argument_group(
             "swept settings (comma-separated values; one value = fixed)"
         )
-        grid.add_argument("--rank", type=_ints, metavar="N[,N...]", help="LoRA ranks (default: 16)")
+        grid.add_argument(
+            "--rank", type=comma_ints, metavar="N[,N...]", help="LoRA ranks (default: 16)"
+        )
         grid.add_argument(
             "--resolution",
-            type=_ints,
+            type=comma_ints,
             metavar="PX[,PX...]",
             help="one resolution per point (default: the preset's buckets)",
         )
         grid.add_argument(
-            "--batch", type=_ints, metavar="N[,N...]", help="batch sizes (default: 1)"
+            "--batch", type=comma_ints, metavar="N[,N...]", help="batch sizes (default: 1)"
         )
         grid.add_argument(
             "--optimizer",
