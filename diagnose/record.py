@@ -25,7 +25,7 @@ from diagnose.errors import DiagnoseError, ExitCode
 #: Bump when a field changes meaning or is removed, and add a migration for the previous version.
 #: Adding an optional field with a default needs no bump: older readers ignore it, newer readers
 #: default it.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 Mode = Literal["run", "trace"]
 Severity = Literal["info", "warn", "critical"]
@@ -41,10 +41,14 @@ Category = Literal[
     "distributed",
 ]
 ProbeStatus = Literal["ok", "skipped", "error"]
+#: The answer to one question a probe or a trace rule asked: a finding (time is lost here), ok
+#: (checked and found fine), or not judged (could not be checked here, and why).
+Outcome = Literal["finding", "ok", "not_judged"]
 #: How a number was obtained; every number in the report says which.
 Basis = Literal["measured", "estimated", "trace", "none"]
 
 SEVERITIES: tuple[Severity, ...] = get_args(Severity)
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 CATEGORIES: tuple[Category, ...] = get_args(Category)
 
 #: The phases of a training step, in the order the report draws them.
@@ -219,6 +223,13 @@ class Finding:
     est_seconds_saved_per_it: float | None = None
     #: Whether the saving was measured by an A/B run, estimated, or read off a trace.
     saving_basis: Basis = "none"
+    #: The part of the saving the measurement is sure of (the low end of an A/B's interval), when
+    #: it differs from the saving: severity is graded on it, so a saving that hovers at a
+    #: boundary does not flip severity between reruns. None: the saving itself.
+    sure_seconds_saved_per_it: float | None = None
+    #: The phases of the step (keys of :data:`PHASES`) the saving lives in: it is never more than
+    #: their time. Empty: bounded by the whole step only.
+    phases: list[str] = field(default_factory=list)
     #: The concrete setting, flag or command that fixes it.
     fix: str = ""
     #: A longer explanation for the report (plain text).
@@ -228,8 +239,29 @@ class Finding:
 
 
 @dataclass
+class Check:
+    """One question a probe or a trace rule asked, and its answer.
+
+    The report's findings, its "checked and found fine" and its "could not be checked" lists are
+    three views of the checks: a check id has one outcome in a record, so they cannot disagree.
+    The id of a question that can end in a finding is that finding's id.
+    """
+
+    id: str = ""
+    outcome: Outcome = "ok"
+    #: One line for the reader: the finding's title, what was found fine, or why it could not be
+    #: judged here.
+    text: str = ""
+    #: The probe or trace rule that asked ("optimizer", "trace:dataloader").
+    source: str = ""
+
+
+@dataclass
 class ProbeResult:
-    """What one probe reported. A probe never takes the run down: failures land here."""
+    """What one probe (or the trace rules) reported: the one result type of every check.
+
+    A probe never takes the run down: failures land here.
+    """
 
     name: str = ""
     status: ProbeStatus = "ok"
@@ -242,11 +274,43 @@ class ProbeResult:
     findings: list[Finding] = field(default_factory=list)
     #: Probe-specific measurements for the report (tables, A/B numbers). JSON-serialisable.
     data: dict[str, Any] = field(default_factory=dict)
-    #: Things this probe checked and found fine, one line each (the report's "checked, fine").
+    #: Every question it asked and the answer (findings included, by id and title).
+    checks: list[Check] = field(default_factory=list)
+    # TRANSITIONAL (issue 14): lines without a check id, turned into checks by settle_checks.
     checked_ok: list[str] = field(default_factory=list)
-    #: Things this probe could not judge here, and why, one line each (the report's "could not be
-    #: checked"): a rule that needs device kernels on a CPU trace, a tool that is missing.
     not_judged: list[str] = field(default_factory=list)
+
+    def add_ok(self, check_id: str, text: str, source: str = "") -> None:
+        """Record a check that was made and found fine."""
+        self.checks.append(Check(check_id, "ok", text, source))
+
+    def add_not_judged(self, check_id: str, text: str, source: str = "") -> None:
+        """Record a question that could not be judged here, and why."""
+        self.checks.append(Check(check_id, "not_judged", text, source))
+
+    def add_finding(self, finding: Finding) -> None:
+        """Record a finding (its check is added when the result is settled)."""
+        self.findings.append(finding)
+
+    def settle_checks(self, source: str) -> None:
+        """Every finding gets its check; every check names its source."""
+        have = {(c.id, c.outcome) for c in self.checks}
+        for finding in self.findings:
+            finding.source = finding.source or source
+            if (finding.id, "finding") not in have:
+                self.checks.append(
+                    Check(finding.id, "finding", finding.title or finding.id, finding.source)
+                )
+                have.add((finding.id, "finding"))
+        for outcome, lines in (("ok", self.checked_ok), ("not_judged", self.not_judged)):
+            for line in lines:
+                self.checks.append(Check(f"{source}.unnamed_{len(self.checks)}", outcome, line))  # type: ignore[arg-type]
+            lines.clear()
+        for check in self.checks:
+            check.source = check.source or source
+
+    def checks_with(self, outcome: Outcome) -> list[Check]:
+        return [c for c in self.checks if c.outcome == outcome]
 
 
 @dataclass
@@ -335,34 +399,15 @@ class RunRecord:
     #: ``timing`` then holds the slowest rank's steps: the job runs at that rank's pace.
     ranks: list[RankStat] = field(default_factory=list)
 
-    def bound_savings(self) -> None:
-        """No finding saves more than the whole step it would shorten: an estimate above the
-        headline s/it (a probe's A/B scaled from another run, a single-process probe beside a
-        multi-rank step) is capped there, and its evidence keeps the uncapped figure."""
-        step = self.timing.headline.median
-        if not (self.timing.headline.n and math.isfinite(step) and step > 0):
-            return
-        for finding in self.findings:
-            saving = finding.est_seconds_saved_per_it
-            if saving is not None and saving > step:
-                finding.evidence = {
-                    **finding.evidence,
-                    "saving_before_cap_seconds": saving,
-                    "saving_cap": "capped at the step time: no fix saves more than the step",
-                }
-                finding.est_seconds_saved_per_it = step
+    def all_checks(self) -> list[Check]:
+        """Every check of every probe and trace rule, in probe order."""
+        return [c for p in self.probes for c in p.checks]
 
     def ranked_findings(self) -> list[Finding]:
-        """Findings by estimated saving (largest first), then severity, then id."""
-        rank = {s: i for i, s in enumerate(reversed(SEVERITIES))}
-        return sorted(
-            self.findings,
-            key=lambda f: (
-                -(f.est_seconds_saved_per_it or 0.0),
-                rank.get(f.severity, len(rank)),
-                f.id,
-            ),
-        )
+        """Critical, then warn, then info; within a severity the largest saving first."""
+        from diagnose.verdicts import ranked
+
+        return ranked(self.findings)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_jsonable(dataclasses.asdict(self))  # type: ignore[no-any-return]
@@ -402,8 +447,6 @@ class RunRecord:
         except (TypeError, ValueError) as exc:
             raise DiagnoseError(f"malformed record: {exc}") from None
         record.timing.summarize()
-        for probe in record.probes:
-            _adopt_not_judged(probe)
         return record
 
     @classmethod
@@ -427,18 +470,55 @@ class RunRecord:
             raise DiagnoseError(f"{path}: {exc.message}", exc.code) from None
 
 
-def _adopt_not_judged(probe: ProbeResult) -> None:
-    """Version-1 records written before ProbeResult.not_judged existed kept those lines in
-    ``data["not_judged"]``: read them into the field (the one place the report looks)."""
-    old = probe.data.get("not_judged") if isinstance(probe.data, dict) else None
-    if isinstance(old, list):
-        if not probe.not_judged:
-            probe.not_judged = [str(line) for line in old]
-        del probe.data["not_judged"]
+def _checks_from_lines(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 kept a probe's checks as bare lines (``checked_ok``, ``not_judged``, and before
+    those ``data["not_judged"]``) and its findings only in the record's list: each becomes a
+    check, the lines with an id made from the probe's name."""
+    upgraded = dict(data, schema_version=2)
+    probes = [dict(p) for p in data.get("probes") or [] if isinstance(p, Mapping)]
+    by_name = {p.get("name", ""): p for p in probes}
+    for probe in probes:
+        name = str(probe.get("name", ""))
+        old_data = probe.get("data")
+        old_data = dict(old_data) if isinstance(old_data, Mapping) else {}
+        lines: list[tuple[str, Any]] = [("ok", line) for line in probe.pop("checked_ok", []) or []]
+        lines += [("not_judged", line) for line in probe.pop("not_judged", []) or []]
+        lines += [("not_judged", line) for line in old_data.pop("not_judged", []) or []]
+        probe["data"] = old_data
+        checks = list(probe.get("checks") or [])
+        for outcome, line in lines:
+            checks.append(
+                {
+                    "id": f"{name}.check_{len(checks) + 1}",
+                    "outcome": outcome,
+                    "text": str(line),
+                    "source": name,
+                }
+            )
+        probe["checks"] = checks
+    for finding in data.get("findings") or []:
+        if not isinstance(finding, Mapping):
+            continue
+        source = str(finding.get("source", "")).split(":", 1)[0]
+        owner = by_name.get(source)
+        if owner is None:
+            owner = {"name": source or "record", "status": "ok", "checks": []}
+            probes.append(owner)
+            by_name[owner["name"]] = owner
+        owner["checks"].append(
+            {
+                "id": finding.get("id", ""),
+                "outcome": "finding",
+                "text": finding.get("title", ""),
+                "source": finding.get("source", ""),
+            }
+        )
+    upgraded["probes"] = probes
+    return upgraded
 
 
 #: schema_version -> function that upgrades a document of that version to the next one.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _checks_from_lines}
 
 
 def utc_now_iso() -> str:
@@ -521,11 +601,13 @@ def new_record(mode: Mode) -> RunRecord:
 
 __all__ = [
     "CATEGORIES",
+    "OUTCOMES",
     "PHASES",
     "PHASE_LABELS",
     "SCHEMA_VERSION",
     "SEVERITIES",
     "Breakdown",
+    "Check",
     "DeviceInfo",
     "ExitCode",
     "Finding",

@@ -26,6 +26,7 @@ from diagnose.probes import REGISTRY, Probe, ProbeContext, run_probes
 from diagnose.record import Finding, ProbeResult, RunRecord, new_record
 from diagnose.redact import redact_record
 from diagnose.telemetry import TelemetrySampler
+from diagnose.verdicts import settle
 
 Progress = Callable[[str], None]
 
@@ -248,7 +249,7 @@ def finish_run(
 
     # The record keeps one ranked list: probe results hand their findings over to it.
     record.findings = _merge_findings([p.findings for p in record.probes])
-    record.bound_savings()
+    settle(record)
     for result in record.probes:
         result.findings = []
     # Records and reports get attached to public tickets: no secret leaves this process.

@@ -130,8 +130,7 @@ def run_probe(probe: Probe, ctx: ProbeContext) -> ProbeResult:
     def done(result: ProbeResult) -> ProbeResult:
         result.name = probe.name
         result.duration_seconds = time.perf_counter() - start
-        for finding in result.findings:
-            finding.source = finding.source or probe.name
+        result.settle_checks(probe.name)
         return result
 
     if probe.device_kinds and ctx.device_info.kind not in probe.device_kinds:

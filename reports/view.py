@@ -514,7 +514,8 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
         # Trace rules name themselves "trace:<rule>"; they belong to the "trace" row.
         source = finding.source.split(":", 1)[0]
         by_source[source] = by_source.get(source, 0) + 1
-    checked_ok = tuple(CheckedOk(p.name, line) for p in probes for line in p.checked_ok)
+    # Findings, "checked and found fine" and "could not be checked" are views of one check list.
+    checked_ok = tuple(CheckedOk(p.name, c.text) for p in probes for c in p.checks_with("ok"))
     not_checked = tuple(
         NotChecked(
             probe=p.name,
@@ -530,10 +531,9 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
         for p in probes
         if p.status != "ok"
     ) + tuple(
-        NotChecked(probe=p.name, status=NOT_JUDGED, reason=_first_line(line), traceback="")
+        NotChecked(probe=p.name, status=NOT_JUDGED, reason=_first_line(c.text), traceback="")
         for p in probes
-        if p.status == "ok"
-        for line in p.not_judged
+        for c in p.checks_with("not_judged")
     )
     rows = tuple(
         ProbeRow(

@@ -73,9 +73,9 @@ def test_stats_of_nothing_is_nan_and_serialises_as_null() -> None:
     assert RunRecord.from_dict(json.loads(text)).timing.unprofiled.n == 0
 
 
-def test_ranked_findings_by_saving_then_severity() -> None:
+def test_ranked_findings_by_severity_then_saving() -> None:
     ids = [f.id for f in _sample_record().ranked_findings()]
-    assert ids == ["b.big", "a.small", "c.none"]
+    assert ids == ["c.none", "a.small", "b.big"]
 
 
 def test_unknown_fields_are_ignored_and_missing_ones_defaulted() -> None:
@@ -90,18 +90,14 @@ def test_unknown_fields_are_ignored_and_missing_ones_defaulted() -> None:
     assert record.findings[0].id == "a.small"
 
 
-def test_not_judged_lines_round_trip_and_older_records_keep_theirs() -> None:
+def test_checks_round_trip() -> None:
     record = _sample_record()
-    record.probes = [ProbeResult(name="trace", not_judged=["optimizer: no device kernels"])]
+    probe = ProbeResult(name="trace")
+    probe.add_not_judged("optimizer.sync_in_step", "optimizer: no device kernels", "trace:optimizer")
+    probe.add_ok("compute.launch_bound", "host overhead: 2% of the step", "trace:launch")
+    record.probes = [probe]
     again = RunRecord.from_dict(json.loads(record.to_json()))
-    assert again.probes[0].not_judged == ["optimizer: no device kernels"]
-    # Records written before the field existed kept the lines in the probe's data.
-    data = record.to_dict()
-    del data["probes"][0]["not_judged"]
-    data["probes"][0]["data"] = {"not_judged": ["launch overhead: one step only"], "x": 1}
-    old = RunRecord.from_dict(data)
-    assert old.probes[0].not_judged == ["launch overhead: one step only"]
-    assert old.probes[0].data == {"x": 1}
+    assert again.probes[0].checks == probe.checks
 
 
 def test_oldest_supported_record_fixture_loads() -> None:
@@ -151,24 +147,14 @@ def test_schema_version_constant_matches_fixture() -> None:
     assert data["schema_version"] <= SCHEMA_VERSION
 
 
-def _record_with_step(seconds: float, saving: float) -> RunRecord:
-    record = RunRecord()
-    record.timing.samples = [StepSample(index=i, seconds=seconds) for i in range(5)]
-    record.timing.summarize()
-    record.findings = [Finding(id="x.y", est_seconds_saved_per_it=saving)]
-    return record
-
-
-def test_a_saving_larger_than_the_step_is_capped_at_the_step() -> None:
-    record = _record_with_step(1.44, 2.62)
-    record.bound_savings()
-    finding = record.findings[0]
-    assert finding.est_seconds_saved_per_it == 1.44
-    assert finding.evidence["saving_before_cap_seconds"] == 2.62
-
-
-def test_a_saving_within_the_step_is_left_alone() -> None:
-    record = _record_with_step(1.44, 0.6)
-    record.bound_savings()
-    assert record.findings[0].est_seconds_saved_per_it == 0.6
-    assert "saving_before_cap_seconds" not in record.findings[0].evidence
+def test_a_version_1_record_gets_its_lines_and_findings_as_checks() -> None:
+    data = json.loads((FIXTURES / "records" / "v1_minimal.json").read_text())
+    data["probes"][0]["checked_ok"] = ["optimizer: no sync inside the step"]
+    data["probes"][0]["data"] = {"not_judged": ["optimizer: bitsandbytes missing"]}
+    record = RunRecord.from_dict(data)
+    assert record.schema_version == SCHEMA_VERSION
+    by_outcome = {c.outcome: c for c in record.all_checks()}
+    assert by_outcome["ok"].text == "optimizer: no sync inside the step"
+    assert by_outcome["not_judged"].text == "optimizer: bitsandbytes missing"
+    assert by_outcome["finding"].id == "attention.math_fallback"
+    assert "not_judged" not in record.probes[0].data

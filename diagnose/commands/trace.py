@@ -51,6 +51,7 @@ class TraceCommand:
         from diagnose.redact import redact_record
         from diagnose.reports import terminal_summary, write_html
         from diagnose.trace import analysis_to_record, analyze_trace
+        from diagnose.verdicts import settle
 
         if args.jobs is not None and args.jobs < 1:
             raise DiagnoseError("--jobs must be at least 1", ExitCode.USAGE)
@@ -64,7 +65,7 @@ class TraceCommand:
             comparison = compare_ranks(ranks)
             comparison.notes.extend(notes)
             record = comparison_record(comparison)
-        record.bound_savings()
+        settle(record)
         # Records and reports get attached to public tickets: no secret leaves this process.
         record = redact_record(record, redact_paths=args.redact_paths)
         out_dir = args.out if args.out is not None else default_out_dir("trace")

@@ -20,7 +20,7 @@ from typing import Any
 
 from diagnose.distributed import catalog
 from diagnose.errors import DiagnoseError, ExitCode
-from diagnose.record import PHASES, Finding, RankStat, RunRecord
+from diagnose.record import PHASES, Check, Finding, RankStat, RunRecord
 from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.trace.rules import import_rules
 from diagnose.trace.rules.dataloader import FINDING_ID as STARVED_ID
@@ -28,6 +28,10 @@ from diagnose.trace.rules.dataloader import FINDING_ID as STARVED_ID
 #: A rank number in a file name: ``rank3``, ``rank_3``, ``rank-3``, ``rank3_iter16.json``.
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _TRACE_SUFFIXES = (".json", ".json.gz")
+
+
+#: The source of the cross-rank findings and checks.
+SOURCE = "trace:ranks"
 
 
 @dataclass
@@ -50,8 +54,8 @@ class RankComparison:
     #: The rank whose pace the job runs at (the straggler, else the slowest by median step).
     pacing_rank: int
     findings: list[Finding] = field(default_factory=list)
-    checked_ok: list[str] = field(default_factory=list)
-    not_judged: list[str] = field(default_factory=list)
+    #: The cross-rank questions asked and their answers (findings are added when settled).
+    checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     #: Per aligned step: {"step": n, "wait_ms": {rank: ms}, "comm_ms": {rank: ms}}.
     aligned: list[dict[str, Any]] = field(default_factory=list)
@@ -190,9 +194,11 @@ def compare_ranks(ranks: list[RankTrace]) -> RankComparison:
     ]
     result = RankComparison(ranks=ranks, stats=stats, pacing_rank=ranks[0].rank, aligned=aligned)
     if len(ranks) == 1:
-        result.not_judged.append(
-            "ranks: one trace only; give every rank's trace (diagnose trace DIR) to find a "
-            "straggler and the wait between ranks"
+        result.checks.append(
+            _unjudged(
+                "ranks: one trace only; give every rank's trace (diagnose trace DIR) to find a "
+                "straggler and the wait between ranks"
+            )
         )
         return result
     if how:
@@ -203,14 +209,16 @@ def compare_ranks(ranks: list[RankTrace]) -> RankComparison:
             "shows only as a wait here."
         )
     if not index:
-        result.not_judged.append(f"ranks: {how}; each rank is reported on its own")
+        result.checks.append(_unjudged(f"ranks: {how}; each rank is reported on its own"))
         result.pacing_rank = max(stats, key=lambda s: s.median_seconds).rank
         return result
     if not has_comm:
-        result.not_judged.append(
-            "ranks: no collectives (NCCL/RCCL kernels or gloo ranges) in "
-            + ("every trace" if not any(c.found for c in comms) else "some of the traces")
-            + ": the wait between ranks cannot be read"
+        result.checks.append(
+            _unjudged(
+                "ranks: no collectives (NCCL/RCCL kernels or gloo ranges) in "
+                + ("every trace" if not any(c.found for c in comms) else "some of the traces")
+                + ": the wait between ranks cannot be read"
+            )
         )
         result.pacing_rank = max(stats, key=lambda s: s.median_seconds).rank
         return result
@@ -252,7 +260,7 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
     # makes the others wait then; a straggler makes them wait in every step.
     sure_share = catalog.repeated(per_step) / step if step else 0.0
     every_step = all(d > 0 for d in per_step)
-    source = "trace:ranks"
+    source = SOURCE
     if every_step and others_wait >= catalog.MIN_SECONDS and sure_share >= catalog.WARN_SHARE:
         result.pacing_rank = straggler.rank
         phase, excess = _slow_phase(stats, s, others)
@@ -284,10 +292,14 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
         )
     elif share >= catalog.WARN_SHARE:
         waited = [ranks[i].rank for i in range(world) if any(w > 0 for w in waits[i])]
-        result.not_judged.append(catalog.inconclusive_straggler_line(others_wait, step, waited))
+        result.checks.append(
+            _unjudged(catalog.inconclusive_straggler_line(others_wait, step, waited))
+        )
     else:
         worst = max(stats[i].wait_seconds for i in range(world))
-        result.checked_ok.append(catalog.no_straggler_line(worst, step, world))
+        result.checks.append(
+            Check(catalog.STRAGGLER_ID, "ok", catalog.no_straggler_line(worst, step, world), SOURCE)
+        )
     exposed = stats[s].exposed_comm_seconds
     exposed_share = exposed / step if step else 0.0
     exposed_steps = [straggler.analysis.communication.steps[k].exposed_seconds for k in index[s]]
@@ -313,7 +325,13 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
             )
         )
     else:
-        result.checked_ok.append(catalog.hidden_comm_line(exposed, stats[s].comm_seconds, step))
+        line = catalog.hidden_comm_line(exposed, stats[s].comm_seconds, step)
+        result.checks.append(Check(catalog.EXPOSED_COMM_ID, "ok", line, SOURCE))
+
+
+def _unjudged(text: str) -> Check:
+    """The straggler question, not answerable from these traces."""
+    return Check(catalog.STRAGGLER_ID, "not_judged", text, SOURCE)
 
 
 def _slow_phase(stats: list[RankStat], s: int, others: list[int]) -> tuple[str, float]:
@@ -356,8 +374,7 @@ def comparison_record(comparison: RankComparison) -> RunRecord:
         record.findings = record.findings + comparison.findings
         record.notes = record.notes + comparison.notes
     trace_probe = next(p for p in record.probes if p.name == "trace")
-    trace_probe.checked_ok.extend(comparison.checked_ok)
-    trace_probe.not_judged.extend(comparison.not_judged)
+    trace_probe.checks.extend(comparison.checks)
     if comparison.aligned:
         trace_probe.data["ranks"] = {
             "pacing_rank": comparison.pacing_rank,

@@ -19,6 +19,7 @@ from typing import Any
 from diagnose.distributed.collectives import Communication, communication
 from diagnose.record import (
     Breakdown,
+    Check,
     DeviceInfo,
     Finding,
     OpStat,
@@ -98,8 +99,8 @@ class TraceAnalysis:
     unclassified_kernels: list[tuple[str, float]]
     top_ops: list[OpStat]
     findings: list[Finding]
-    checked_ok: list[str]
-    not_judged: list[str]
+    #: Every check of every rule (findings included), each sourced ``trace:<rule>``.
+    checks: list[Check]
     notes: list[str]
     #: Trace facts: schema, versions, event counts, distributed info, analysis time.
     metadata: dict[str, Any]
@@ -166,11 +167,10 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
         unclassified_kernels=tables.unclassified,
         top_ops=top_ops(trace, structure, steps, has_device),
         findings=findings,
-        checked_ok=[line for r in results for line in r.checked_ok],
-        not_judged=[line for r in results for line in r.not_judged],
+        checks=[c for r in results for c in r.checks],
         notes=notes,
         metadata=_metadata(ctx),
-        rule_data={r.rule: r.data for r in results if r.data},
+        rule_data={r.name: r.data for r in results if r.data},
         whole_trace_window=steps.whole_trace,
         communication=comm,
         rank=device.rank,
@@ -330,8 +330,7 @@ def analysis_to_record(analysis: TraceAnalysis, trace_path: Path) -> RunRecord:
             duration_seconds=float(analysis.metadata.get("read_seconds", 0.0))
             + float(analysis.metadata.get("analysis_seconds", 0.0)),
             data=_jsonable(data),
-            checked_ok=list(analysis.checked_ok),
-            not_judged=list(analysis.not_judged),
+            checks=list(analysis.checks),
         )
     ]
     return record

@@ -7,26 +7,12 @@ unexpected error becomes a "could not judge" line naming the rule.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-from diagnose.record import Finding
+from diagnose.record import ProbeResult
 from diagnose.trace.context import TraceContext
 
-
-@dataclass
-class RuleResult:
-    rule: str
-    findings: list[Finding] = field(default_factory=list)
-    #: Things the rule judged and found fine, one line each.
-    checked_ok: list[str] = field(default_factory=list)
-    #: Things the rule could not judge on this trace, and why.
-    not_judged: list[str] = field(default_factory=list)
-    #: Tables for the report (JSON-serialisable).
-    data: dict[str, Any] = field(default_factory=dict)
-
-
-Rule = Callable[[TraceContext], RuleResult]
+#: A rule reads the trace and returns the same result type as a probe (named after the rule).
+Rule = Callable[[TraceContext], ProbeResult]
 
 
 def _registry() -> list[tuple[str, Rule]]:
@@ -47,16 +33,20 @@ def import_rules() -> None:
     _registry()
 
 
-def run_rules(ctx: TraceContext) -> list[RuleResult]:
-    results: list[RuleResult] = []
+def run_rules(ctx: TraceContext) -> list[ProbeResult]:
+    """Every rule's result, named after the rule, its findings and checks sourced
+    ``trace:<rule>``."""
+    results: list[ProbeResult] = []
     for name, rule in _registry():
         try:
             result = rule(ctx)
         except Exception as exc:  # a rule bug must not hide the rest of the analysis
-            result = RuleResult(
-                rule=name,
-                not_judged=[f"{name}: the rule failed on this trace ({type(exc).__name__}: {exc})"],
+            result = ProbeResult(name=name, status="error", reason=f"{type(exc).__name__}: {exc}")
+            result.add_not_judged(
+                f"trace.{name}", f"{name}: the rule failed on this trace ({result.reason})"
             )
+        result.name = name
+        result.settle_checks(f"trace:{name}")
         results.append(result)
     return results
 

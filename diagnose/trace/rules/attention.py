@@ -17,11 +17,11 @@ import numpy as np
 
 from diagnose import attention_paths
 from diagnose.attention_paths import classify_op, kernel_family
-from diagnose.record import Finding
+from diagnose.record import Finding, ProbeResult
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
 from diagnose.trace.kernels import KERNEL_CLASSES, short_kernel_name
-from diagnose.trace.rules import RuleResult, ms
+from diagnose.trace.rules import ms
 
 RULE = "attention"
 MATH_ID = attention_paths.MATH_ID
@@ -49,8 +49,8 @@ def _path_of(name: str) -> str | None:
     return kind.path if kind else None
 
 
-def check(ctx: TraceContext) -> RuleResult:
-    result = RuleResult(rule=RULE)
+def check(ctx: TraceContext) -> ProbeResult:
+    result = ProbeResult(name=RULE)
     trace, structure = ctx.trace, ctx.structure
     host = trace.host
     n = ctx.n_steps
@@ -110,7 +110,9 @@ def check(ctx: TraceContext) -> RuleResult:
         ]
     }
     if not stats:
-        result.not_judged.append("attention: no attention ops or attention kernels in the trace")
+        result.add_not_judged(
+            MATH_ID, "attention: no attention ops or attention kernels in the trace"
+        )
         return result
 
     for path, stat in stats.items():
@@ -122,8 +124,9 @@ def check(ctx: TraceContext) -> RuleResult:
             kernel = stat.kernels.most_common(1)[0][0] if stat.kernels else ""
             via = f" (`{short_kernel_name(kernel, 60)}`)" if kernel else ""
             calls = f"{stat.calls / n:.0f} calls/step, " if stat.calls else ""
-            result.checked_ok.append(
-                f"attention: the fused {path} path ran{via}: {calls}{ms(stat.seconds / n)}/step"
+            result.add_ok(
+                MATH_ID,
+                f"attention: the fused {path} path ran{via}: {calls}{ms(stat.seconds / n)}/step",
             )
     return result
 

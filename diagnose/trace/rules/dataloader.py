@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from diagnose.record import Finding, Severity
+from diagnose.record import Finding, ProbeResult, Severity
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import complement, intersect
-from diagnose.trace.rules import RuleResult, ms, pct
+from diagnose.trace.rules import ms, pct
 
 RULE = "dataloader"
 #: The loop waits for batches while the device has nothing to do (trace rule and probe).
@@ -132,13 +132,14 @@ def _robust_share(per_step: list[dict[str, float]]) -> float:
     return sum(r["device_idle_while_waiting_ms"] for r in rows) / wall if wall else 0.0
 
 
-def check(ctx: TraceContext) -> RuleResult:
-    result = RuleResult(rule=RULE)
+def check(ctx: TraceContext) -> ProbeResult:
+    result = ProbeResult(name=RULE)
     waits = ctx.phases.host.get("data_wait")
     if waits is None or not len(waits):
-        result.not_judged.append(
+        result.add_not_judged(
+            FINDING_ID,
             "data loading: no DataLoader iteration ranges in the profiled steps (the loop does "
-            "not iterate a torch DataLoader there, or the batch was fetched outside them)"
+            "not iterate a torch DataLoader there, or the batch was fetched outside them)",
         )
         return result
 
@@ -173,7 +174,7 @@ def check(ctx: TraceContext) -> RuleResult:
     }
     word = device_word(ctx.has_device)
     if starved_share < WARN_SHARE:
-        result.checked_ok.append(not_waiting_line(wait_share, ctx.has_device, starved_share))
+        result.add_ok(FINDING_ID, not_waiting_line(wait_share, ctx.has_device, starved_share))
         return result
 
     workers_hint = (

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from diagnose.record import Finding, Severity
+from diagnose.record import Finding, ProbeResult, Severity
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import EMPTY, Intervals, subtract, union_of
 from diagnose.trace.reader import KERNEL
-from diagnose.trace.rules import RuleResult, ms, pct
+from diagnose.trace.rules import ms, pct
 
 RULE = "launch"
 FINDING_ID = "compute.launch_bound"
@@ -31,10 +31,10 @@ LONG_GAP_US = 1000.0
 RECOVERABLE = 0.5
 
 
-def check(ctx: TraceContext) -> RuleResult:
-    result = RuleResult(rule=RULE)
+def check(ctx: TraceContext) -> ProbeResult:
+    result = ProbeResult(name=RULE)
     if not ctx.has_device:
-        result.not_judged.append("launch overhead: no device activity in the trace")
+        result.add_not_judged(FINDING_ID, "launch overhead: no device activity in the trace")
         return result
     n = ctx.n_steps
     host_gaps = _host_bound_gaps(ctx)
@@ -86,9 +86,10 @@ def check(ctx: TraceContext) -> RuleResult:
     }
     result.data = evidence
     if share < WARN_SHARE:
-        result.checked_ok.append(
+        result.add_ok(
+            FINDING_ID,
             f"host overhead: the device is busy {pct(busy_share)} of step time and waits for the "
-            f"host (not for data or syncs) {pct(share)} of it"
+            f"host (not for data or syncs) {pct(share)} of it",
         )
         return result
 

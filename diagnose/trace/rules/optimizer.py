@@ -13,10 +13,10 @@ from collections import Counter
 
 import numpy as np
 
-from diagnose.record import Finding, Severity
+from diagnose.record import Finding, ProbeResult, Severity
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import FloatArray, Intervals
-from diagnose.trace.rules import RuleResult, ms, pct
+from diagnose.trace.rules import ms, pct
 
 RULE = "optimizer"
 FINDING_ID = "optimizer.sync_in_step"
@@ -40,8 +40,8 @@ def idle_after(busy: Intervals, points: FloatArray, limit: FloatArray) -> FloatA
     return np.asarray(np.where(running, 0.0, np.maximum(gap, 0.0)), dtype=np.float64)
 
 
-def check(ctx: TraceContext) -> RuleResult:
-    result = RuleResult(rule=RULE)
+def check(ctx: TraceContext) -> ProbeResult:
+    result = ProbeResult(name=RULE)
     trace = ctx.trace
     host = trace.host
     ids = (
@@ -50,17 +50,21 @@ def check(ctx: TraceContext) -> RuleResult:
         else []
     )
     if not ids:
-        result.not_judged.append("optimizer: no Optimizer.step ranges in the profiled steps")
+        result.add_not_judged(
+            FINDING_ID, "optimizer: no Optimizer.step ranges in the profiled steps"
+        )
         return result
     if not ctx.has_device:
-        result.not_judged.append(
-            "optimizer: a CPU trace has no host-device synchronisation to look for"
+        result.add_not_judged(
+            FINDING_ID, "optimizer: a CPU trace has no host-device synchronisation to look for"
         )
         return result
     mask = np.isin(host.name, np.asarray(ids, dtype=np.int32)) & (ctx.step_of(host.ts) >= 0)
     spans = np.flatnonzero(mask)
     if not spans.size:
-        result.not_judged.append("optimizer: no Optimizer.step ranges in the profiled steps")
+        result.add_not_judged(
+            FINDING_ID, "optimizer: no Optimizer.step ranges in the profiled steps"
+        )
         return result
     optimizers = sorted({ctx.op_name(i) for i in spans.tolist()})
     syncs = ctx.phases.syncs
@@ -71,9 +75,10 @@ def check(ctx: TraceContext) -> RuleResult:
     count = int(inside.sum())
     n = ctx.n_steps
     if not count:
-        result.checked_ok.append(
+        result.add_ok(
+            FINDING_ID,
             f"optimizer: no host-device syncs inside {', '.join(optimizers)} "
-            f"({spans.size} optimizer steps)"
+            f"({spans.size} optimizer steps)",
         )
         return result
 

@@ -35,10 +35,10 @@ from diagnose.precision_policy import (
     op_kind,
     recommended_low_dtype,
 )
-from diagnose.record import Finding
+from diagnose.record import Finding, ProbeResult
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
-from diagnose.trace.rules import RuleResult, ms, pct
+from diagnose.trace.rules import ms, pct
 
 RULE = "precision"
 #: The run counts as low-precision when this share of its compute calls ran in bf16/fp16/fp8.
@@ -55,8 +55,8 @@ def _is_aten_compute(name: str) -> bool:
     return name.startswith("aten::") and is_compute_op(name)
 
 
-def check(ctx: TraceContext) -> RuleResult:
-    result = RuleResult(rule=RULE)
+def check(ctx: TraceContext) -> ProbeResult:
+    result = ProbeResult(name=RULE)
     trace, structure = ctx.trace, ctx.structure
     host = trace.host
     compute_ids = (
@@ -65,15 +65,17 @@ def check(ctx: TraceContext) -> RuleResult:
         else []
     )
     if not compute_ids:
-        result.not_judged.append(
-            "precision: no matmul, convolution or attention ops in the trace to judge"
+        result.add_not_judged(
+            UPCAST_ID, "precision: no matmul, convolution or attention ops in the trace to judge"
         )
         return result
     is_compute = np.isin(host.name, np.asarray(compute_ids, dtype=np.int32))
     in_steps = ctx.step_of(host.ts) >= 0
     compute = np.flatnonzero(is_compute & in_steps)
     if not compute.size:
-        result.not_judged.append("precision: no matmul/convolution ops inside the profiled steps")
+        result.add_not_judged(
+            UPCAST_ID, "precision: no matmul/convolution ops inside the profiled steps"
+        )
         return result
 
     # Lowest-level compute ops: no compute op below them. An attention op is judged as a whole
@@ -109,9 +111,10 @@ def check(ctx: TraceContext) -> RuleResult:
         leaves = forward
     typed = leaves[host.input_types[leaves] >= 0]
     if not typed.size:
-        result.not_judged.append(
+        result.add_not_judged(
+            UPCAST_ID,
             "precision: the trace records no input dtypes; capture it with "
-            "torch.profiler.profile(record_shapes=True) to check for fp32 compute"
+            "torch.profiler.profile(record_shapes=True) to check for fp32 compute",
         )
         return result
 
@@ -128,7 +131,9 @@ def check(ctx: TraceContext) -> RuleResult:
     judged_time = sum(time_by_dtype.values())
     judged_count = sum(count_by_dtype.values())
     if not judged_count:
-        result.not_judged.append("precision: compute ops have no floating-point inputs recorded")
+        result.add_not_judged(
+            UPCAST_ID, "precision: compute ops have no floating-point inputs recorded"
+        )
         return result
     low_count = sum(c for d, c in count_by_dtype.items() if d in LOW_PRECISION_DTYPES)
     # Judged by calls, not time: the question is how the code is configured, and one slow fp32
@@ -162,7 +167,8 @@ def check(ctx: TraceContext) -> RuleResult:
         if deliberate:
             result.data["deliberate_fp32"] = deliberate
         if not unexpected:
-            result.checked_ok.append(
+            result.add_ok(
+                UPCAST_ID,
                 f"precision: all {judged_count - len(fp32)} matmul/convolution/attention calls "
                 f"that should run in {low_names} did"
                 + (
@@ -170,21 +176,22 @@ def check(ctx: TraceContext) -> RuleResult:
                     if fp32
                     else ""
                 )
-                + f"; no fp32 upcasts ({actual})"
+                + f"; no fp32 upcasts ({actual})",
             )
             return result
         result.findings.append(_upcast_finding(ctx, unexpected, cost, low_names, judged_time))
         return result
 
     if not ctx.is_training:
-        result.not_judged.append(
+        result.add_not_judged(
+            FP32_TRAINING_ID,
             f"precision: an inference trace computing in fp32 ({pct(1 - low_share)} of compute "
-            "calls); the training precision cannot be judged from it"
+            "calls); the training precision cannot be judged from it",
         )
         return result
     fp32_time = time_by_dtype.get("fp32", 0.0)
     if not fp32_time and not count_by_dtype.get("fp32"):
-        result.not_judged.append("precision: compute ran in neither fp32 nor bf16/fp16")
+        result.add_not_judged(UPCAST_ID, "precision: compute ran in neither fp32 nor bf16/fp16")
         return result
     result.findings.append(_fp32_training_finding(ctx, fp32, cost, fp32_time, judged_time))
     return result

@@ -1,0 +1,266 @@
+"""One rule for every verdict: how a finding's saving is bounded, how severe it is, how findings
+rank, and how the checks of several probes and trace rules become one answer per question.
+
+Probes and trace rules say what they measured (a saving, its basis, how sure it is, the phases it
+lives in); this module alone turns that into severity and order when the record is settled, so two
+findings of the same size always read the same, whoever raised them. Torch-free: reports and the
+CI gate import it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from diagnose.record import (
+    SEVERITIES,
+    Check,
+    Finding,
+    Outcome,
+    ProbeResult,
+    RunRecord,
+    Severity,
+)
+
+#: Share of the step a finding's (sure) saving must reach to be a warning, and to be critical.
+WARN_SHARE = 0.10
+CRITICAL_SHARE = 0.30
+#: An estimate (a model of what a fix would save, not a measurement) is never graded above this:
+#: critical needs an A/B measurement or time read off a trace.
+ESTIMATE_CEILING: Severity = "warn"
+#: Slack when checking a bound, for rounding in the recorded numbers.
+_TOLERANCE = 1e-9
+
+_SEVERITY_ORDER = {s: i for i, s in enumerate(SEVERITIES)}
+#: When two sources answer one question differently, the answer kept: a finding (time measured
+#: lost) over ok (found fine) over not judged (no answer here).
+_OUTCOME_STRENGTH: dict[Outcome, int] = {"finding": 2, "ok": 1, "not_judged": 0}
+
+
+def grade(share: float | None, basis: str, fallback: Severity = "info") -> Severity:
+    """The severity of a saving of ``share`` of the step, obtained on ``basis``.
+
+    ``share`` is the part of the step the measurement is sure the fix saves; None when no saving
+    can be said (then ``fallback``, the severity the finding's own kind carries)."""
+    if share is None or not math.isfinite(share):
+        return fallback
+    if share >= CRITICAL_SHARE:
+        severity: Severity = "critical"
+    elif share >= WARN_SHARE:
+        severity = "warn"
+    else:
+        severity = "info"
+    if basis == "estimated" and _SEVERITY_ORDER[severity] > _SEVERITY_ORDER[ESTIMATE_CEILING]:
+        severity = ESTIMATE_CEILING
+    return severity
+
+
+def step_seconds(record: RunRecord) -> float | None:
+    """The step the savings are shares of: the headline s/it, when there is one."""
+    headline = record.timing.headline
+    if headline.n and math.isfinite(headline.median) and headline.median > 0:
+        return headline.median
+    return None
+
+
+def phase_bound(record: RunRecord, phases: Sequence[str]) -> float | None:
+    """Seconds per step of ``phases`` as the report's phase bar shows them (scaled to the headline
+    step when the bar was measured on other steps), or None when none of them was measured."""
+    seconds = record.breakdown.seconds
+    known = [seconds[p] for p in phases if p in seconds and math.isfinite(seconds[p])]
+    if not known:
+        return None
+    total = sum(v for v in seconds.values() if math.isfinite(v))
+    step = step_seconds(record)
+    scale = step / total if step is not None and total > step else 1.0
+    return sum(known) * scale
+
+
+def saving_bound(record: RunRecord, finding: Finding) -> tuple[float | None, str]:
+    """The most ``finding`` could save, and what bounds it ("the step", "its phases: ...")."""
+    step = step_seconds(record)
+    bound, why = step, "the step"
+    if finding.phases:
+        in_phases = phase_bound(record, finding.phases)
+        if in_phases is not None and (bound is None or in_phases < bound):
+            bound, why = in_phases, "the time of " + " + ".join(finding.phases)
+    return bound, why
+
+
+def settle_findings(record: RunRecord) -> None:
+    """Bound every saving by its step and phases, then grade every finding by the one rule."""
+    step = step_seconds(record)
+    for finding in record.findings:
+        bound, why = saving_bound(record, finding)
+        saving = finding.est_seconds_saved_per_it
+        if saving is not None and bound is not None and saving > bound + _TOLERANCE:
+            finding.evidence = {
+                **finding.evidence,
+                "saving_before_cap_seconds": saving,
+                "saving_cap": f"capped at {why}: a fix cannot save more than that",
+            }
+            finding.est_seconds_saved_per_it = bound
+        sure = finding.sure_seconds_saved_per_it
+        if sure is not None and finding.est_seconds_saved_per_it is not None:
+            finding.sure_seconds_saved_per_it = min(sure, finding.est_seconds_saved_per_it)
+        finding.severity = grade(_sure_share(finding, step), finding.saving_basis, finding.severity)
+
+
+def _sure_share(finding: Finding, step: float | None) -> float | None:
+    saving = finding.sure_seconds_saved_per_it
+    if saving is None:
+        saving = finding.est_seconds_saved_per_it
+    if saving is None or step is None:
+        return None
+    return max(0.0, saving) / step
+
+
+def ranked(findings: Iterable[Finding]) -> list[Finding]:
+    """Critical, then warn, then info; within a severity the largest saving first, then by id."""
+    return sorted(
+        findings,
+        key=lambda f: (
+            -_SEVERITY_ORDER.get(f.severity, -1),
+            -(f.est_seconds_saved_per_it or 0.0),
+            f.id,
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# One answer per question
+
+
+def reconcile_checks(record: RunRecord) -> None:
+    """Give every check id one outcome in the record.
+
+    Sources can disagree (a probe that measured a slow loader, a trace rule that saw little wait
+    in the profiled steps): the strongest answer stands, a finding over ok over not judged, and a
+    finding keeps what the weaker answers said in its evidence so the reader sees both numbers.
+    A finding check without a finding in the record (its finding was merged away) is dropped.
+    """
+    finding_ids = {f.id for f in record.findings}
+    best: dict[str, int] = {}
+    for check in record.all_checks():
+        if check.outcome == "finding" and check.id not in finding_ids:
+            continue
+        best[check.id] = max(best.get(check.id, -1), _OUTCOME_STRENGTH[check.outcome])
+    overruled: dict[str, list[Check]] = {}
+    for probe in record.probes:
+        kept: list[Check] = []
+        seen_finding: set[str] = set()
+        for check in probe.checks:
+            if check.outcome == "finding" and check.id not in finding_ids:
+                continue
+            if _OUTCOME_STRENGTH[check.outcome] < best.get(check.id, -1):
+                overruled.setdefault(check.id, []).append(check)
+                continue
+            if check.outcome == "finding":
+                if check.id in seen_finding:
+                    continue
+                seen_finding.add(check.id)
+            kept.append(check)
+        probe.checks = kept
+    # A finding whose probe was merged away still has its check, under the source that raised it.
+    present = {c.id for c in record.all_checks() if c.outcome == "finding"}
+    for finding in record.findings:
+        if finding.id in present:
+            continue
+        owner = _owner(record, finding.source)
+        owner.checks.append(Check(finding.id, "finding", finding.title, finding.source))
+        present.add(finding.id)
+    for finding in record.findings:
+        others = overruled.get(finding.id)
+        if others:
+            finding.evidence = {
+                **finding.evidence,
+                "also_checked": [f"{c.source}: {c.text}" for c in others if c.outcome == "ok"],
+            }
+            if not finding.evidence["also_checked"]:
+                del finding.evidence["also_checked"]
+
+
+def _owner(record: RunRecord, source: str) -> ProbeResult:
+    name = source.split(":", 1)[0] or "record"
+    for probe in record.probes:
+        if probe.name == name:
+            return probe
+    probe = ProbeResult(name=name, status="ok")
+    record.probes.append(probe)
+    return probe
+
+
+def settle(record: RunRecord) -> None:
+    """What every record goes through before it is saved: one answer per question, savings
+    bounded, severities graded by the one rule."""
+    for probe in record.probes:
+        probe.settle_checks(probe.name)
+    settle_findings(record)
+    reconcile_checks(record)
+
+
+# --------------------------------------------------------------------------------------------
+# The consistency a settled record must have
+
+
+@dataclass(frozen=True)
+class Contradiction:
+    check_id: str
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.check_id}: {self.problem}"
+
+
+def contradictions(record: RunRecord) -> list[Contradiction]:
+    """Everything on the page that disagrees with something else on it (empty for a sound
+    record): a question with two answers, a finding without its check or a check without its
+    finding, a saving above its step or phases, a severity the one rule would not give."""
+    problems: list[Contradiction] = []
+    outcomes: dict[str, set[str]] = {}
+    for check in record.all_checks():
+        outcomes.setdefault(check.id, set()).add(check.outcome)
+    for check_id, found in sorted(outcomes.items()):
+        if len(found) > 1:
+            problems.append(Contradiction(check_id, f"answered {' and '.join(sorted(found))}"))
+    finding_ids = {f.id for f in record.findings}
+    for check_id, found in outcomes.items():
+        if "finding" in found and check_id not in finding_ids:
+            problems.append(Contradiction(check_id, "a finding check without its finding"))
+    for finding in record.findings:
+        if "finding" not in outcomes.get(finding.id, set()):
+            problems.append(Contradiction(finding.id, "a finding without its check"))
+    if len(finding_ids) != len(record.findings):
+        problems.append(Contradiction("findings", "one id raised twice"))
+    step = step_seconds(record)
+    for finding in record.findings:
+        saving = finding.est_seconds_saved_per_it
+        bound, why = saving_bound(record, finding)
+        if saving is not None and bound is not None and saving > bound * (1 + 1e-6) + _TOLERANCE:
+            problems.append(
+                Contradiction(finding.id, f"saves {saving:.6g} s/it, more than {why} ({bound:.6g})")
+            )
+        expected = grade(_sure_share(finding, step), finding.saving_basis, finding.severity)
+        if expected != finding.severity:
+            problems.append(
+                Contradiction(finding.id, f"severity {finding.severity}, the rule gives {expected}")
+            )
+    return problems
+
+
+__all__ = [
+    "CRITICAL_SHARE",
+    "ESTIMATE_CEILING",
+    "WARN_SHARE",
+    "Contradiction",
+    "contradictions",
+    "grade",
+    "phase_bound",
+    "ranked",
+    "reconcile_checks",
+    "saving_bound",
+    "settle",
+    "settle_findings",
+    "step_seconds",
+]
