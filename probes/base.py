@@ -18,27 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord
+from diagnose.stats import SAVING_SIGNIFICANCE, sure_saving  # noqa: F401  (TRANSITIONAL re-export)
 
 if TYPE_CHECKING:
     import torch
 
     from diagnose.config import RunConfig
-
-
-#: A/B probes judge a finding's severity on the low end of the saving's confidence interval at this
-#: level, not on its median: a saving that hovers at a severity boundary would otherwise read warn
-#: in one run and info in the next, and `diagnose compare` reads a severity change as a regression.
-SAVING_SIGNIFICANCE = 0.05
-
-
-def sure_saving(faster: Sequence[float], slower: Sequence[float]) -> float:
-    """Seconds the A/B is sure ``faster`` saves over ``slower`` (per call): the low end of the
-    Hodges–Lehmann interval of slower - faster at :data:`SAVING_SIGNIFICANCE`, never below 0.
-    0 when the samples are too few for an interval."""
-    from diagnose.compare import shift_interval
-
-    interval = shift_interval(faster, slower, SAVING_SIGNIFICANCE)
-    return max(0.0, interval[0]) if interval is not None else 0.0
 
 
 class ProbeSkipped(Exception):

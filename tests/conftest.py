@@ -59,3 +59,13 @@ def shared_traces() -> Path:
     if not SHARED_TRACES.is_dir():
         pytest.skip(f"real GPU traces not present at {SHARED_TRACES}")
     return SHARED_TRACES
+
+
+def ok_lines(result: object) -> list[str]:
+    """The text of the checks found fine, of a ProbeResult or a TraceAnalysis."""
+    return [c.text for c in result.checks if c.outcome == "ok"]
+
+
+def unjudged_lines(result: object) -> list[str]:
+    """The text of the checks that could not be judged, of a ProbeResult or a TraceAnalysis."""
+    return [c.text for c in result.checks if c.outcome == "not_judged"]

@@ -22,16 +22,13 @@ from diagnose.compare import (
     diff_findings,
     gate_exit_code,
     gate_failures,
-    mann_whitney_u,
-    minimum_samples,
     parse_fail_on,
-    ratio_interval,
     record_differences,
-    smallest_p_value,
 )
 from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import Breakdown, Finding, RunRecord, Stats, StepSample
+from diagnose.stats import mann_whitney_u, minimum_samples, ratio_interval, smallest_p_value
 from tests.conftest import FIXTURES
 
 COMPARE = FIXTURES / "compare"
@@ -79,7 +76,7 @@ def _brute_force_counts(m: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize(("m", "n"), [(1, 1), (2, 3), (4, 4), (3, 6), (5, 5)])
 def test_exact_u_distribution_matches_enumeration(m: int, n: int) -> None:
-    from diagnose.compare import _u_counts
+    from diagnose.stats import _u_counts
 
     assert list(_u_counts(m, n)) == _brute_force_counts(m, n)
 

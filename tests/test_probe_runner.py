@@ -27,7 +27,9 @@ class _Probe:
             torch.backends.cuda.enable_math_sdp(False)
             torch.backends.cuda.enable_flash_sdp(False)
             torch.set_grad_enabled(False)
-            return ProbeResult(checked_ok=["flags flipped"])
+            result = ProbeResult()
+            result.add_ok("test.flags", "flags flipped")
+            return result
         if self.behaviour == "wrong-type":
             return "not a result"  # type: ignore[return-value]
         if self.behaviour == "exit":

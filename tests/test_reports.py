@@ -14,6 +14,7 @@ import pytest
 
 from diagnose.record import (
     Breakdown,
+    Check,
     DeviceInfo,
     Finding,
     ModelInfo,
@@ -151,7 +152,9 @@ def full_record() -> RunRecord:
                 name="attention",
                 status="ok",
                 duration_seconds=12.3,
-                checked_ok=["SDPA is used, not eager attention"],
+                checks=[
+                    Check("attention.math_fallback", "ok", "SDPA is used, not eager attention")
+                ],
             ),
             ProbeResult(name="xformers", status="skipped", reason="xformers is not installed"),
             ProbeResult(
@@ -374,7 +377,9 @@ def test_checks_list_what_a_probe_that_ran_could_not_judge() -> None:
     trace): each such line is listed under "could not be checked", and the terminal counts them."""
     record = full_record()
     attention = next(p for p in record.probes if p.name == "attention")
-    attention.not_judged = ["flash vs math A/B: no fused backend on this device"]
+    attention.add_not_judged(
+        "attention.slower_backend", "flash vs math A/B: no fused backend on this device"
+    )
     checks = build_view(record).checks
     unjudged = [n for n in checks.not_checked if n.status == "not judged"]
     assert [(n.probe, n.reason) for n in unjudged] == [
@@ -384,7 +389,7 @@ def test_checks_list_what_a_probe_that_ran_could_not_judge() -> None:
     assert "1 check not judged here (see the report)" in terminal_summary(record)
     page = render_html(record)
     assert "status-not-judged" in page and "no fused backend on this device" in page
-    attention.not_judged = []
+    attention.checks = [c for c in attention.checks if c.outcome != "not_judged"]
     assert not [n for n in build_view(record).checks.not_checked if n.status == "not judged"]
 
 

@@ -18,6 +18,7 @@ from diagnose.distributed.run_ranks import RANKS_DIR
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import RunRecord
 from diagnose.run import execute_run, resolve_config
+from tests.conftest import ok_lines, unjudged_lines
 
 PROBES = ("environment", "precision", "attention", "dataloader", "optimizer", "triton")
 #: Two timed steps per rank, one profiled, 64 px, fp32 (a CPU without bf16 units emulates bf16
@@ -59,8 +60,8 @@ def _check_ranks_record(record: RunRecord, out: Path, strategy: str, wrapped_as:
     trace = next(p for p in record.probes if p.name == "trace")
     assert trace.status == "ok"
     # The ranks were compared: found in step, or one found slower than the others.
-    judged = [line for line in trace.checked_ok if line.startswith("ranks:")]
-    assert judged or straggler, (trace.checked_ok, trace.not_judged)
+    judged = [line for line in ok_lines(trace) if line.startswith("ranks:")]
+    assert judged or straggler, (ok_lines(trace), unjudged_lines(trace))
     assert {p.name for p in record.probes if p.status == "skipped"} == set(PROBES)
     assert RunRecord.load(out).ranks == record.ranks
     assert (out / "report.html").is_file()

@@ -11,6 +11,7 @@ import pytest
 
 from diagnose.record import (
     Breakdown,
+    Check,
     DeviceInfo,
     Finding,
     ModelInfo,
@@ -73,7 +74,11 @@ def run_record() -> RunRecord:
             ),
         ],
         probes=[
-            ProbeResult(name="precision", status="ok", checked_ok=["GEMMs run in fp16"]),
+            ProbeResult(
+                name="precision",
+                status="ok",
+                checks=[Check("precision.fp32_training", "ok", "GEMMs run in fp16")],
+            ),
             ProbeResult(
                 name="bnb",
                 status="error",
@@ -118,7 +123,7 @@ def hostile_record() -> RunRecord:
             status="error",
             reason=HOSTILE,
             traceback=HOSTILE,
-            checked_ok=[HOSTILE],
+            checks=[Check(HOSTILE, "ok", HOSTILE, HOSTILE)],
             data={HOSTILE: HOSTILE},
         )
     )
@@ -188,7 +193,8 @@ def test_findings_appear_in_ranked_order() -> None:
     html = render_html(run_record())
     positions = [
         html.index(t)
-        for t in ("First biggest cost", "Second biggest cost", "Third: not quantified")
+        # Critical first, then warn, then info, whatever the saving.
+        for t in ("Third: not quantified", "Second biggest cost", "First biggest cost")
     ]
     assert positions == sorted(positions)
     assert "measured (A/B)" in html and "estimated" in html and "not quantified" in html

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.data import DataLoader, TensorDataset
 
 from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
+from tests.conftest import ok_lines, unjudged_lines
 
 # Big enough that a step takes ~10 ms on a CPU: a 1 ms scheduling hiccup while fetching a batch on
 # a loaded CI machine must not read as a data-starved loop in the clean twin.
@@ -126,7 +127,7 @@ def test_steps_and_phases_of_a_user_loop(analysed: dict[str, TraceAnalysis]) -> 
 def test_clean_loop_has_no_findings(analysed: dict[str, TraceAnalysis]) -> None:
     a = analysed["clean"]
     assert not finding_ids(a)
-    ok = " | ".join(a.checked_ok)
+    ok = " | ".join(ok_lines(a))
     assert "attention: the fused flash path ran" in ok
     assert "precision: all" in ok and "bf16" in ok
     assert "data loading:" in ok
@@ -170,7 +171,7 @@ def test_float_under_autocast_is_lowered_and_not_flagged(
     autocast casts them and the aten::mm that runs is bf16; children decide, so no finding."""
     a = analysed["float_under_autocast"]
     assert not any(f.category == "precision" for f in a.findings)
-    assert any(line.startswith("precision: all") for line in a.checked_ok)
+    assert any(line.startswith("precision: all") for line in ok_lines(a))
 
 
 def test_slow_loader_is_found(analysed: dict[str, TraceAnalysis]) -> None:
@@ -184,11 +185,13 @@ def test_slow_loader_is_found(analysed: dict[str, TraceAnalysis]) -> None:
 
 def test_gpu_rules_say_they_could_not_judge(analysed: dict[str, TraceAnalysis]) -> None:
     a = analysed["clean"]
-    assert any(line.startswith("optimizer:") for line in a.not_judged)
-    assert any(line.startswith("launch overhead") for line in a.not_judged)
+    assert any(line.startswith("optimizer:") for line in unjudged_lines(a))
+    assert any(line.startswith("launch overhead") for line in unjudged_lines(a))
     # The record keeps them where the report's "could not be checked" reads them.
     trace_result = analysis_to_record(a, Path(a.path)).probes[0]
-    assert trace_result.not_judged == a.not_judged and "not_judged" not in trace_result.data
+    assert (
+        unjudged_lines(trace_result) == unjudged_lines(a) and "not_judged" not in trace_result.data
+    )
 
 
 def test_diagnose_phase_labels_take_precedence(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from diagnose.trace import analysis_to_record, analyze_trace
+from tests.conftest import ok_lines
 
 TRACES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"
 EXPECTED = {
@@ -24,4 +25,4 @@ def test_fixture_trace(name: str) -> None:
     assert len(analysis.steps) == 3
     record = analysis_to_record(analysis, TRACES / name)
     assert record.mode == "trace" and record.timing.profiled.n == 3
-    assert record.probes[0].checked_ok
+    assert ok_lines(record.probes[0])

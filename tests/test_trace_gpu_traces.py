@@ -11,6 +11,7 @@ import pytest
 
 from diagnose.record import PHASES, RunRecord
 from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
+from tests.conftest import ok_lines, unjudged_lines
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "gpu-traces"
 
@@ -72,7 +73,7 @@ def test_analyses_with_device_and_a_valid_record(traces: Path, name: str, tmp_pa
         assert sum(c.share for c in a.kernel_classes) == pytest.approx(1.0)
         assert a.top_kernels
     # No rule may crash on a real trace.
-    assert not [line for line in a.not_judged if "rule failed" in line]
+    assert not [line for line in unjudged_lines(a) if "rule failed" in line]
     for finding in a.findings:
         assert finding.fix and finding.title and finding.evidence
         assert finding.saving_basis in ("estimated", "trace", "none")
@@ -110,7 +111,7 @@ def test_fused_attention_is_recognised(traces: Path) -> None:
         classes = {c.name for c in a.kernel_classes}
         assert "attention_fused" in classes
         assert not ids(a) & {"attention.math_fallback", "attention.unfused_manual"}
-        line = next(line for line in a.checked_ok if line.startswith("attention:"))
+        line = next(line for line in ok_lines(a) if line.startswith("attention:"))
         assert "flash" in line and kernel in line
         paths = a.rule_data["attention"]["paths"]
         assert paths[0]["path"] == "flash" and paths[0]["calls_per_step"] == 4
@@ -125,7 +126,7 @@ def test_dataloader_before_and_after(traces: Path) -> None:
     assert 0.2 < finding.evidence["starved_share_of_step"] < 0.6
     assert finding.est_seconds_saved_per_it and finding.est_seconds_saved_per_it > 0.01
     assert "dataloader.gpu_starved" not in ids(fed)
-    assert any(line.startswith("data loading:") for line in fed.checked_ok)
+    assert any(line.startswith("data loading:") for line in ok_lines(fed))
     # The breakdown shows the wait: data_wait is a large phase with 0 workers, tiny with 4.
     assert starved.breakdown.seconds["data_wait"] > 10 * fed.breakdown.seconds.get("data_wait", 0)
     assert len(starved.steps) == 6 and {s.number for s in starved.steps} == set(range(5, 11))
@@ -154,7 +155,7 @@ def test_bf16_traces_raise_no_upcast_finding(traces: Path) -> None:
     ):
         a = analysis(traces, name)
         assert not any(f.category == "precision" for f in a.findings), name
-        assert any(line.startswith("precision:") and "bf16" in line for line in a.checked_ok)
+        assert any(line.startswith("precision:") and "bf16" in line for line in ok_lines(a))
 
 
 def test_fp32_training_is_reported_as_such(traces: Path) -> None:
@@ -169,7 +170,7 @@ def test_fp32_training_is_reported_as_such(traces: Path) -> None:
 
 def test_no_dtypes_means_not_judged(traces: Path) -> None:
     a = analysis(traces, "cuda/a100_alexnet_train.json.gz")
-    assert any("record_shapes" in line for line in a.not_judged)
+    assert any("record_shapes" in line for line in unjudged_lines(a))
     assert a.whole_trace_window and any("No ProfilerStep" in n for n in a.notes)
 
 
@@ -177,7 +178,7 @@ def test_cpu_only_trace(traces: Path) -> None:
     a = analysis(traces, "edge/cpu_only.json.gz")
     assert a.device.kind == "cpu" and not a.kernel_classes
     assert any("No GPU kernels" in n for n in a.notes)
-    assert any(line.startswith("launch overhead") for line in a.not_judged)
+    assert any(line.startswith("launch overhead") for line in unjudged_lines(a))
     assert "idle" not in a.breakdown.seconds
 
 
@@ -185,8 +186,8 @@ def test_gpu_only_trace(traces: Path) -> None:
     a = analysis(traces, "edge/mi210_gpu_only.json.gz")
     assert a.kernel_classes and not a.top_ops
     assert any("No CPU ops" in n for n in a.notes)
-    assert any(line.startswith("precision") for line in a.not_judged)
-    assert any(line.startswith("data loading") for line in a.not_judged)
+    assert any(line.startswith("precision") for line in unjudged_lines(a))
+    assert any(line.startswith("data loading") for line in unjudged_lines(a))
     # Without ops the device time cannot be split by phase.
     assert set(a.breakdown.seconds) <= {"other", "idle", "sync"}
 

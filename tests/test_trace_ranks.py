@@ -21,7 +21,7 @@ from diagnose.distributed import catalog
 from diagnose.distributed.collectives import collective_kind
 from diagnose.record import RunRecord
 from diagnose.trace import analyze_trace
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, ok_lines, unjudged_lines
 
 TRAINER = FIXTURES / "distributed" / "ddp_trainer.py"
 SCENARIOS = ("balanced", "slow_data", "slow_forward", "comm_bound", "compute_bound")
@@ -61,7 +61,7 @@ def _ids(record: RunRecord) -> set[str]:
 
 
 def _checked(record: RunRecord) -> list[str]:
-    return [line for p in record.probes for line in p.checked_ok]
+    return [line for p in record.probes for line in ok_lines(p)]
 
 
 @pytest.mark.slow
@@ -101,7 +101,7 @@ def test_a_rank_slow_in_its_forward_is_named_with_its_phase(runs: Path, tmp_path
 def test_balanced_ranks_raise_no_straggler(runs: Path, tmp_path: Path) -> None:
     record = _trace(runs / "balanced", tmp_path)
     assert not {catalog.STRAGGLER_ID, catalog.DATA_WAIT_IMBALANCE_ID} & _ids(record)
-    judged = _checked(record) + [line for p in record.probes for line in p.not_judged]
+    judged = _checked(record) + [line for p in record.probes for line in unjudged_lines(p)]
     # Either "keep pace" or, on a very busy machine, "inconclusive": never a named straggler.
     assert any(line.startswith("ranks:") for line in judged)
     assert len(record.ranks) == 2
