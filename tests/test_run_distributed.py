@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from diagnose.catalogs.distributed_catalog import DATA_WAIT_IMBALANCE_ID, STRAGGLER_ID
 from diagnose.cli import main
 from diagnose.config import RunConfig
-from diagnose.distributed.catalog import DATA_WAIT_IMBALANCE_ID, STRAGGLER_ID
 from diagnose.distributed.launch import RankJob, cpu_threads_per_rank, free_port
 from diagnose.distributed.run_ranks import RANKS_DIR
 from diagnose.errors import DiagnoseError, ExitCode

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from diagnose.catalogs import distributed_catalog as catalog
 from diagnose.cli import main
-from diagnose.distributed import catalog
 from diagnose.distributed.collectives import collective_kind
 from diagnose.record import RunRecord
 from diagnose.trace import analyze_trace

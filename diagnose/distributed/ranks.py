@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diagnose.distributed import catalog
+from diagnose.catalogs import distributed_catalog as catalog
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import PHASES, Check, Finding, RankStat, RunRecord
 from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace

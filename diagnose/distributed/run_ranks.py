@@ -79,7 +79,7 @@ def _compare_rank_traces(
 
 
 def _has_straggler(comparison: RankComparison) -> bool:
-    from diagnose.distributed import catalog
+    from diagnose.catalogs import distributed_catalog as catalog
 
     ids = {catalog.STRAGGLER_ID, catalog.DATA_WAIT_IMBALANCE_ID}
     return any(f.id in ids for f in comparison.findings)

@@ -6,20 +6,38 @@ their findings here, so a straggler reads the same whichever way it was found.
 
 from __future__ import annotations
 
-from diagnose.record import PHASE_LABELS, Finding, Severity
+from diagnose.catalogs import FindingSpec
+from diagnose.record import PHASE_LABELS, Finding
 from diagnose.trace.rules import ms, pct
 from diagnose.trace.rules.dataloader import CACHE_LATENTS_ADVICE, DEFAULT_WORKERS, workers_advice
+from diagnose.verdicts import WARN_SHARE  # a finding is raised from a warning's share up
 
-#: One rank is slower than the others and they wait for it in every collective.
-STRAGGLER_ID = "distributed.straggler"
-#: The same, when the slow rank's extra time is its wait for data.
-DATA_WAIT_IMBALANCE_ID = "distributed.data_wait_imbalance"
-#: Collective time no compute hides, on the rank that waits least (so it is transfer, not wait).
-EXPOSED_COMM_ID = "distributed.exposed_communication"
+STRAGGLER = FindingSpec(
+    "distributed.straggler",
+    "distributed",
+    "(rank traces, `run --nproc`) one rank is slower in a compute phase and the others wait for "
+    "it in every step's collectives",
+    ("trace",),
+)
+DATA_WAIT_IMBALANCE = FindingSpec(
+    "distributed.data_wait_imbalance",
+    "distributed",
+    "(rank traces, `run --nproc`) the same, when the slow rank's extra time is its wait for data",
+    ("trace",),
+    phases=("data_wait",),
+)
+EXPOSED_COMM = FindingSpec(
+    "distributed.exposed_communication",
+    "distributed",
+    "(rank traces, `run --nproc`) collective time with nothing else running, on the rank that "
+    "waits least (transfer, not a wait)",
+    ("trace",),
+)
+SPECS = (STRAGGLER, DATA_WAIT_IMBALANCE, EXPOSED_COMM)
+STRAGGLER_ID = STRAGGLER.id
+DATA_WAIT_IMBALANCE_ID = DATA_WAIT_IMBALANCE.id
+EXPOSED_COMM_ID = EXPOSED_COMM.id
 
-#: Share of the step lost to waiting (or exposed transfer) at which a finding is raised / critical.
-WARN_SHARE = 0.10
-CRITICAL_SHARE = 0.30
 #: Below this many seconds per step a difference between ranks is timer and scheduling noise.
 MIN_SECONDS = 1e-3
 #: A phase is named as the straggler's when it holds at least this share of the others' wait.
@@ -42,10 +60,6 @@ def repeated(per_step: list[float]) -> float:
     if not values:
         return 0.0
     return values[1] if len(values) >= 3 else values[0]
-
-
-def severity_for_share(share: float) -> Severity:
-    return "critical" if share >= CRITICAL_SHARE else "warn"
 
 
 def collective_words(by_kind: dict[str, float]) -> str:
@@ -85,17 +99,15 @@ def straggler_finding(
     )
     if phase is not None:
         title += f"; its {PHASE_LABELS.get(phase, phase)} takes {ms(phase_excess)} longer"
-    data_bound = phase == "data_wait"
-    return Finding(
-        id=DATA_WAIT_IMBALANCE_ID if data_bound else STRAGGLER_ID,
-        category="dataloader" if data_bound else "distributed",
-        severity=severity_for_share(sure_share),
-        title=title,
+    spec = DATA_WAIT_IMBALANCE if phase == "data_wait" else STRAGGLER
+    return spec.build(
+        title,
         evidence=evidence,
         # Were the straggler as fast as the others, none would wait: that is the whole saving,
         # and it can never exceed the step (others_wait is a part of each waiting rank's step).
-        est_seconds_saved_per_it=min(others_wait, step_seconds),
-        saving_basis="trace",
+        saving=min(others_wait, step_seconds),
+        sure_saving=sure_share * step_seconds,
+        basis="trace",
         fix=_straggler_fix(straggler, phase),
         detail=(
             "In synchronous data-parallel training every rank waits in each collective until "
@@ -145,17 +157,15 @@ def exposed_finding(
     share = exposed / step_seconds if step_seconds else 0.0
     where = collective_words(by_kind)
     fsdp = "all_gather" in by_kind or "reduce_scatter" in by_kind
-    return Finding(
-        id=EXPOSED_COMM_ID,
-        category="distributed",
-        severity=severity_for_share(sure_share),
-        title=(
+    return EXPOSED_COMM.build(
+        (
             f"Communication is not hidden behind compute: {ms(exposed)} per step "
             f"({pct(share)} of the step) in {where} with nothing else running"
         ),
         evidence=evidence,
-        est_seconds_saved_per_it=min(exposed, step_seconds),
-        saving_basis="trace",
+        saving=min(exposed, step_seconds),
+        sure_saving=sure_share * step_seconds,
+        basis="trace",
         fix=_exposed_fix(fsdp),
         detail=(
             f"Read on rank {rank}, the rank that waits least for the others, so this is transfer "

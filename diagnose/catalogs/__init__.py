@@ -1,0 +1,155 @@
+"""The findings catalog: every finding id the tool can raise, one module per concern.
+
+A concern (precision, attention, optimizer, dataloader, memory, environment, triton, compute,
+distributed) keeps in its ``<concern>_catalog.py`` the ids it raises, their thresholds, their
+wording, their fixes in each trainer's vocabulary, and one builder per id. Its probe and its trace
+rule both build findings from there, so one phenomenon has one id and one wording however it was
+found. A finding is only ever made by :meth:`FindingSpec.build`, which fills in what the catalog
+knows (category, the phases the saving lives in); severity is left to :mod:`diagnose.verdicts`.
+
+``python -m diagnose.catalogs`` prints the README's table of findings; a test keeps the two equal.
+Torch-free: the report and the CI gate import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from diagnose.record import PHASES, Basis, Category, Finding, Severity
+
+#: Where a finding can come from: an active probe of ``diagnose run``, or a rule that reads any
+#: trace (``diagnose trace`` and the trace ``diagnose run`` captures).
+FoundBy = Literal["probe", "trace"]
+
+#: The trainers whose vocabulary fixes are written in, in the order a fix lists them.
+TRAINERS: dict[str, str] = {
+    "kohya": "kohya/sd-scripts",
+    "diffusers": "diffusers scripts",
+    "onetrainer": "OneTrainer",
+    "ai-toolkit": "ai-toolkit",
+    "lightning": "Lightning",
+}
+
+#: The concern modules, in the README's order.
+CONCERN_MODULES: tuple[str, ...] = (
+    "diagnose.catalogs.dataloader_catalog",
+    "diagnose.catalogs.precision_catalog",
+    "diagnose.catalogs.attention_catalog",
+    "diagnose.catalogs.optimizer_catalog",
+    "diagnose.catalogs.compute_catalog",
+    "diagnose.catalogs.memory_catalog",
+    "diagnose.catalogs.environment_catalog",
+    "diagnose.catalogs.triton_catalog",
+    "diagnose.catalogs.distributed_catalog",
+)
+
+
+@dataclass(frozen=True)
+class FindingSpec:
+    """What the project knows about one finding id."""
+
+    id: str
+    category: Category
+    #: One line: what it means (the README's table).
+    meaning: str
+    #: Which kinds of check can raise it.
+    found_by: tuple[FoundBy, ...]
+    #: The phases of the step its saving lives in (a fix cannot save more than their time).
+    phases: tuple[str, ...] = ()
+    #: The severity when no saving can be said (a correctness fault is critical without one).
+    severity_without_saving: Severity = "info"
+
+    def __post_init__(self) -> None:
+        concern = self.id.split(".", 1)[0]
+        if concern != self.category:
+            raise ValueError(f"finding id {self.id!r} is not in its category {self.category!r}")
+        unknown = [p for p in self.phases if p not in PHASES]
+        if unknown:
+            raise ValueError(f"finding {self.id!r}: unknown phases {unknown}")
+
+    def build(
+        self,
+        title: str,
+        *,
+        fix: str = "",
+        evidence: Mapping[str, Any] | None = None,
+        saving: float | None = None,
+        sure_saving: float | None = None,
+        basis: Basis = "none",
+        detail: str = "",
+        source: str = "",
+        severity: Severity | None = None,
+    ) -> Finding:
+        """The finding, with what the catalog knows filled in. ``severity`` is only the fallback
+        for a finding without a saving; :func:`diagnose.verdicts.settle` grades the others."""
+        return Finding(
+            id=self.id,
+            category=self.category,
+            severity=severity or self.severity_without_saving,
+            title=title,
+            evidence=dict(evidence or {}),
+            est_seconds_saved_per_it=saving,
+            saving_basis=basis if saving is not None else "none",
+            sure_seconds_saved_per_it=sure_saving,
+            phases=list(self.phases),
+            fix=fix,
+            detail=detail,
+            source=source,
+        )
+
+
+def in_trainers(general: str = "", **per_trainer: str) -> str:
+    """A fix in each trainer's words, in a fixed order: ``general`` first, then
+    ``kohya/sd-scripts: …; diffusers scripts: …`` for the trainers given (``ai_toolkit`` for
+    ai-toolkit)."""
+    parts = []
+    for key, name in TRAINERS.items():
+        text = per_trainer.pop(key.replace("-", "_"), "")
+        if text:
+            parts.append(f"{name}: {text}")
+    if per_trainer:
+        raise TypeError(f"unknown trainers: {', '.join(sorted(per_trainer))}")
+    trainers = "; ".join(parts)
+    if general and trainers:
+        return f"{general.rstrip('.')}. {trainers}"
+    return general or trainers
+
+
+def specs() -> list[FindingSpec]:
+    """Every finding the tool can raise, concern by concern."""
+    found: list[FindingSpec] = []
+    for name in CONCERN_MODULES:
+        module = importlib.import_module(name)
+        found.extend(module.SPECS)
+    ids = [s.id for s in found]
+    duplicated = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicated:
+        raise ValueError(f"finding ids declared twice: {', '.join(duplicated)}")
+    return found
+
+
+def spec(finding_id: str) -> FindingSpec | None:
+    """The catalog entry of ``finding_id``, or None for an id the catalog does not know."""
+    return next((s for s in specs() if s.id == finding_id), None)
+
+
+def markdown_table() -> str:
+    """The README's table of findings."""
+    lines = ["| finding id | found by | what it means |", "|---|---|---|"]
+    for s in specs():
+        lines.append(f"| `{s.id}` | {' + '.join(s.found_by)} | {s.meaning} |")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "CONCERN_MODULES",
+    "TRAINERS",
+    "FindingSpec",
+    "in_trainers",
+    "markdown_table",
+    "spec",
+    "specs",
+]

@@ -1,0 +1,56 @@
+"""The findings catalog: one entry per id, the README's table generated from it, and no finding
+made anywhere but through a catalog entry."""
+
+from __future__ import annotations
+
+import re
+
+from diagnose.catalogs import TRAINERS, in_trainers, markdown_table, spec, specs
+from tests.conftest import REPO_ROOT
+
+_BEGIN = "<!-- findings table:"
+_END = "<!-- end of findings table -->"
+
+
+def test_readme_finding_table_is_the_catalog() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    start = readme.index("\n", readme.index(_BEGIN)) + 1
+    table = readme[start : readme.index(_END)].strip()
+    assert table == markdown_table(), "run `python -m diagnose.catalogs` and paste it in README"
+
+
+def test_every_id_is_in_its_category_and_declared_once() -> None:
+    ids = [s.id for s in specs()]
+    assert len(ids) == len(set(ids))
+    for entry in specs():
+        assert entry.id.startswith(entry.category + ".")
+        assert entry.meaning and entry.found_by
+
+
+def test_a_built_finding_carries_what_the_catalog_knows() -> None:
+    entry = spec("optimizer.sync_in_step")
+    assert entry is not None
+    finding = entry.build("3 syncs per step", saving=0.2, basis="trace", fix="use fused AdamW")
+    assert finding.category == "optimizer" and finding.phases == ["optimizer"]
+    assert finding.saving_basis == "trace" and finding.est_seconds_saved_per_it == 0.2
+    assert spec("no.such_id") is None
+
+
+def test_fixes_name_the_trainers_in_one_order() -> None:
+    text = in_trainers("Cache the latents", lightning="a", kohya="--cache_latents")
+    assert text == "Cache the latents. kohya/sd-scripts: --cache_latents; Lightning: a"
+    assert next(iter(TRAINERS)) == "kohya"
+
+
+def test_findings_are_only_made_from_the_catalog() -> None:
+    """A Finding(...) written by hand outside the catalog is an id the README and the gate do not
+    know about; every probe and rule builds through FindingSpec.build."""
+    offenders = []
+    for folder in ("diagnose", "probes"):
+        for path in (REPO_ROOT / folder).rglob("*.py"):
+            if path.name == "record.py" or "catalogs" in path.parts:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"(?<![\w.])Finding\(", line):
+                    offenders.append(f"{path.relative_to(REPO_ROOT)}:{number}")
+    assert offenders == [], offenders
