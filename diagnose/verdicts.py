@@ -198,6 +198,9 @@ def settle(record: RunRecord) -> None:
         probe.settle_checks(probe.name)
     settle_findings(record)
     reconcile_checks(record)
+    # Whatever is left would be a bug of ours: the page says so rather than hide it.
+    for problem in contradictions(record):
+        record.notes.append(f"Internal inconsistency in this record (please report it): {problem}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -69,3 +69,17 @@ def ok_lines(result: object) -> list[str]:
 def unjudged_lines(result: object) -> list[str]:
     """The text of the checks that could not be judged, of a ProbeResult or a TraceAnalysis."""
     return [c.text for c in result.checks if c.outcome == "not_judged"]
+
+
+#: Small but complete: warm-up, timed and profiled steps (keeps the suite fast on 2 cores).
+QUICK = ["--steps", "3", "--warmup", "1", "--profiled-steps", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real default run (tiny SD1.5 on the CPU), shared by the tests that read its outputs."""
+    from diagnose.cli import main
+
+    out = tmp_path_factory.mktemp("runs") / "default"
+    assert main(["run", "--out", str(out), *QUICK]) == 0
+    return out

@@ -22,10 +22,7 @@ from diagnose.output import prepare_out_dir
 from diagnose.probes import ProbeContext
 from diagnose.record import ProbeResult, RunRecord
 from diagnose.run import execute_run
-from tests.conftest import FIXTURES
-
-#: Small but complete: warm-up, timed and profiled steps (keeps the suite fast on 2 cores).
-QUICK = ["--steps", "3", "--warmup", "1", "--profiled-steps", "1", "--no-progress"]
+from tests.conftest import FIXTURES, QUICK
 
 
 class _ExternalRefs(HTMLParser):
@@ -55,14 +52,6 @@ def assert_offline_html(path: Path) -> str:
     assert "http://" not in html and "https://" not in html
     assert "@import" not in html and "url(http" not in html
     return html
-
-
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One real default run (tiny SD1.5 on the CPU), shared by the tests that read its outputs."""
-    out = tmp_path_factory.mktemp("runs") / "default"
-    assert main(["run", "--out", str(out), *QUICK]) == 0
-    return out
 
 
 def test_run_writes_record_report_and_trace(default_run: Path) -> None:

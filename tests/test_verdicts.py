@@ -177,3 +177,13 @@ def test_contradictions_catch_each_planted_fault(plant: str) -> None:
     else:
         record.findings[0].severity = "critical"
     assert contradictions(record)
+
+
+def test_what_settling_cannot_mend_is_said_on_the_page() -> None:
+    record = _with(
+        _record(1.0),
+        Finding(id="x.y", title="one"),
+        Finding(id="x.y", title="the same id again"),
+    )
+    settle(record)
+    assert any("Internal inconsistency" in note and "x.y" in note for note in record.notes)
