@@ -234,8 +234,9 @@ def contradictions(record: RunRecord) -> list[Contradiction]:
     for finding in record.findings:
         if "finding" not in outcomes.get(finding.id, set()):
             problems.append(Contradiction(finding.id, "a finding without its check"))
-    if len(finding_ids) != len(record.findings):
-        problems.append(Contradiction("findings", "one id raised twice"))
+    raised = [f.id for f in record.findings]
+    for twice in sorted({i for i in raised if raised.count(i) > 1}):
+        problems.append(Contradiction(twice, "raised as two findings"))
     step = step_seconds(record)
     for finding in record.findings:
         saving = finding.est_seconds_saved_per_it
