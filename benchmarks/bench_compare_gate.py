@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from diagnose.compare import DEFAULT_SIGNIFICANCE, DEFAULT_THRESHOLD, compare_runs
 from diagnose.config import RunConfig
+from diagnose.gate import DEFAULT_SIGNIFICANCE, DEFAULT_THRESHOLD, compare_runs
 from diagnose.record import Stats
 from diagnose.reports.view import NOISY_RELATIVE_SPREAD
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from diagnose.compare import DEFAULT_SIGNIFICANCE, DEFAULT_THRESHOLD, compare_samples
+from diagnose.gate import DEFAULT_SIGNIFICANCE, DEFAULT_THRESHOLD, compare_samples
 from diagnose.record import Stats
 from diagnose.reports.view import NOISY_RELATIVE_SPREAD
 

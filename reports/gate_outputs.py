@@ -1,7 +1,7 @@
 """Renderers of a comparison (the CI gate): terminal table, JUnit XML, markdown, and the view the
 HTML report's comparison section is laid out from.
 
-They read a :class:`~diagnose.compare.Comparison` and the gate's criteria only: the statistics are
+They read a :class:`~diagnose.gate.Comparison` and the gate's criteria only: the statistics are
 done. Every output says the verdict of the gate first, then says loudly when the records were not
 like for like (``--allow-different``), then gives the table.
 """
@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from diagnose.compare import (
+from diagnose.gate import (
     Comparison,
     FindingChange,
     GateFailure,

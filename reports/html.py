@@ -16,7 +16,7 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
-from diagnose.compare import Comparison
+from diagnose.gate import Comparison
 from diagnose.record import RunRecord
 
 from .view import KV, build_view
@@ -58,7 +58,7 @@ def render_html(
     page opens with it; with ``not_compared`` (why the baselines could not be compared: another
     device or config) it says so in that place instead.
     """
-    from .compare import build_compare_view, compare_chart_svg, refused_view
+    from .gate_outputs import build_compare_view, compare_chart_svg, refused_view
 
     compare_view = refused_view(not_compared) if not_compared else None
     if comparison is not None:

@@ -26,7 +26,6 @@ from diagnose.record import (
 )
 
 from .charts import Segment, StepPoint, breakdown_bar_svg, phase_color, step_times_svg
-from .compare import CompareView
 from .format import (
     NOT_MEASURED,
     format_bytes,
@@ -38,6 +37,7 @@ from .format import (
     format_value,
     is_number,
 )
+from .gate_outputs import CompareView
 from .ranks import RanksView, build_ranks
 
 #: Relative spread (IQR / median) above which the headline is flagged noisy.

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from diagnose.compare import (
+from diagnose.config import RunConfig
+from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.gate import (
     CompareOptions,
     Comparison,
     compare_records,
@@ -25,8 +27,6 @@ from diagnose.compare import (
     parse_fail_on,
     record_differences,
 )
-from diagnose.config import RunConfig
-from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import Breakdown, Finding, RunRecord, Stats, StepSample
 from diagnose.stats import mann_whitney_u, minimum_samples, ratio_interval, smallest_p_value
 from tests.conftest import FIXTURES

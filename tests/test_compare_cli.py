@@ -26,11 +26,11 @@ from diagnose.commands.compare import (
     parse_threshold,
     print_gate,
 )
-from diagnose.compare import compare_records
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.gate import compare_records
 from diagnose.record import Finding, RunRecord
 from diagnose.reports import render_html
-from diagnose.reports.compare import compare_junit, compare_markdown, compare_table
+from diagnose.reports.gate_outputs import compare_junit, compare_markdown, compare_table
 from tests.conftest import FIXTURES, REPO_ROOT
 
 COMPARE = FIXTURES / "compare"

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from diagnose.compare import (
+from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.gate import (
     DEFAULT_FAIL_ON,
     DEFAULT_SIGNIFICANCE,
     DEFAULT_THRESHOLD,
@@ -28,7 +29,6 @@ from diagnose.compare import (
     gate_exit_code,
     parse_fail_on,
 )
-from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import RunRecord
 
 GATE_OPTION_DESTS: tuple[str, ...] = (
@@ -163,7 +163,7 @@ def apply_gate(
     existing output file is refused early.
     """
     from diagnose.output import write_text_atomic
-    from diagnose.reports.compare import compare_junit, compare_markdown
+    from diagnose.reports.gate_outputs import compare_junit, compare_markdown
 
     options = gate_options_from_args(args)
     comparison = compare_records(baselines, current, options, labels=labels)
@@ -182,7 +182,7 @@ def print_gate(
     color: bool | None = None,
 ) -> None:
     """The gate's table, then the paths of the files :func:`apply_gate` wrote."""
-    from diagnose.reports.compare import compare_table
+    from diagnose.reports.gate_outputs import compare_table
 
     out = stream if stream is not None else sys.stdout
     use_color = color if color is not None else out.isatty()

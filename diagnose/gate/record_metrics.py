@@ -1,0 +1,267 @@
+"""The metrics two records yield: which steps to compare, s/it and each phase (judged on their
+samples), and the single numbers, peak memory and device time per kernel class (judged by the
+threshold alone)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+
+from diagnose.gate.metrics import (
+    MetricComparison,
+    MetricKind,
+    Unit,
+    Verdict,
+    _finite,
+    _pct,
+    _seconds,
+    compare_runs,
+)
+from diagnose.gate.options import CompareOptions
+from diagnose.record import PHASE_LABELS, PHASES, RunRecord, StepSample
+
+
+def _comparable_samples(
+    baselines: Sequence[RunRecord], current: RunRecord
+) -> tuple[list[list[StepSample]], list[StepSample], str, str]:
+    """The steps to compare (one list per baseline, and the current's): unprofiled on every side,
+    else profiled on every side (with a note).
+
+    Never one side profiled against another unprofiled: the profiler's overhead (often 10-50%)
+    would read as a regression.
+    """
+
+    invalid = 0
+
+    def split(record: RunRecord) -> tuple[list[StepSample], list[StepSample]]:
+        nonlocal invalid
+        samples = [s for s in record.timing.samples if _finite(s.seconds) and s.seconds >= 0]
+        invalid += len(record.timing.samples) - len(samples)
+        return [s for s in samples if not s.profiled], [s for s in samples if s.profiled]
+
+    base_split = [split(record) for record in baselines]
+    cur_plain, cur_prof = split(current)
+    empty: list[list[StepSample]] = [[] for _ in baselines]
+    dropped = (
+        f"{invalid} step{'s' if invalid != 1 else ''} with no valid time (not a finite, "
+        "non-negative number of seconds) left out. "
+        if invalid
+        else ""
+    )
+    if cur_plain and all(plain for plain, _ in base_split):
+        return [plain for plain, _ in base_split], cur_plain, "unprofiled", dropped.strip()
+    if not cur_plain and not any(plain for plain, _ in base_split):
+        if cur_prof and all(prof for _, prof in base_split):
+            return (
+                [prof for _, prof in base_split],
+                cur_prof,
+                "profiled",
+                dropped + "No record has unprofiled steps: profiled steps are compared (all "
+                "include the profiler's overhead).",
+            )
+        return empty, [], "unprofiled", dropped.strip()
+    lacking = "the current record" if not cur_plain else "a baseline record"
+    return (
+        empty,
+        [],
+        "unprofiled",
+        dropped + f"{lacking.capitalize()} has no unprofiled steps and another record has: "
+        "profiled and unprofiled steps are not compared (the profiler's overhead would read as "
+        "a change).",
+    )
+
+
+def _compare_step(
+    base_runs: list[list[StepSample]],
+    cur: list[StepSample],
+    samples_kind: str,
+    options: CompareOptions,
+    names: Sequence[str],
+) -> MetricComparison:
+    return compare_runs(
+        [[s.seconds for s in run] for run in base_runs],
+        [s.seconds for s in cur],
+        baseline_labels=names,
+        key="step",
+        kind="step",
+        label="s/it" if samples_kind == "unprofiled" else "s/it (profiled steps)",
+        threshold=options.threshold,
+        significance=options.significance,
+    )
+
+
+def _phase_keys(samples: Iterable[StepSample]) -> set[str]:
+    return {k for s in samples for k in s.phases}
+
+
+def _compare_phases(
+    base_runs: list[list[StepSample]],
+    cur: list[StepSample],
+    base_step: float | None,
+    options: CompareOptions,
+    names: Sequence[str],
+) -> list[MetricComparison]:
+    keys = _phase_keys(s for run in base_runs for s in run) | _phase_keys(cur)
+    ordered = [p for p in PHASES if p in keys] + sorted(keys - set(PHASES))
+    if not ordered:
+        return []
+    significance = options.significance / len(ordered)  # Bonferroni over the phases
+    floor = options.phase_floor * base_step if base_step else None
+    out = []
+    for phase in ordered:
+        a = [[s.phases[phase] for s in run if _finite(s.phases.get(phase))] for run in base_runs]
+        b = [s.phases[phase] for s in cur if _finite(s.phases.get(phase))]
+        out.append(
+            compare_runs(
+                a,
+                b,
+                baseline_labels=names,
+                key=f"phase.{phase}",
+                kind="phase",
+                label=PHASE_LABELS.get(phase, phase.replace("_", " ")),
+                threshold=options.threshold,
+                significance=significance,
+                floor_seconds=floor,
+            )
+        )
+    return out
+
+
+_MEMORY: tuple[tuple[str, str], ...] = (
+    ("peak_allocated_bytes", "peak device memory allocated"),
+    ("peak_reserved_bytes", "peak device memory reserved"),
+    ("peak_rss_bytes", "peak host memory (RSS)"),
+)
+
+
+def _single(
+    baselines: Sequence[float | None],
+    b: float | None,
+    *,
+    key: str,
+    kind: MetricKind,
+    label: str,
+    unit: Unit,
+    threshold: float,
+    worse: Verdict,
+    better: Verdict,
+    floor: float | None = None,
+) -> MetricComparison:
+    """Judge a single number per record by the threshold alone. With several baselines the
+    median is shown, and a change counts only beyond every baseline's value."""
+    present = [v for v in baselines if v is not None]
+    a = statistics.median(present) if present else None
+    method = "single number: threshold only, no significance test"
+    common = dict(key=key, kind=kind, label=label, unit=unit, baseline=a, current=b, method=method)
+    if a is None or b is None:
+        missing = " and ".join(side for side, v in (("baseline", a), ("current", b)) if v is None)
+        return MetricComparison(
+            **common,  # type: ignore[arg-type]
+            verdict="inconclusive",
+            reason=f"not measured in the {missing} record",
+            n_baseline=len(present),
+            n_current=int(b is not None),
+        )
+    high, low = max(present), min(present)
+    ratio = b / a if a > 0 else None
+    delta = b - a
+    material_up = floor is None or b - high >= floor
+    material_down = floor is None or low - b >= floor
+    up = b >= high * (1 + threshold) if high > 0 else b > high
+    down = b <= low / (1 + threshold) if low > 0 else b < low
+    every = " of every baseline" if len(present) > 1 else ""
+    change = _pct(ratio - 1) if ratio is not None else ("new" if b > 0 else "0 → 0")
+    verdict: Verdict
+    if up and material_up:
+        verdict = worse
+        reason = f"{change}: beyond +{threshold:.0%}{every} (single number, no test)"
+    elif down and material_down:
+        verdict = better
+        reason = f"{change}: beyond −{threshold:.0%}{every} (single number, no test)"
+    elif (up or down) and floor is not None:
+        verdict = "same"
+        reason = (
+            f"{change}: {_seconds(abs(delta))} per step is under the floor of {_seconds(floor)}"
+        )
+    elif len(present) > 1 and (ratio is None or not 1 / (1 + threshold) < ratio < 1 + threshold):
+        # Beyond the threshold from the baselines' median, not from every baseline.
+        verdict = "same"
+        reason = f"{change}: within the range of the baselines' values (single number, no test)"
+    else:
+        verdict, reason = "same", f"{change}: within ±{threshold:.0%} (single number, no test)"
+    return MetricComparison(
+        **common,  # type: ignore[arg-type]
+        verdict=verdict,
+        reason=reason,
+        ratio=ratio,
+        n_baseline=len(present),
+        n_current=1,
+    )
+
+
+def _compare_memory(
+    baselines: Sequence[RunRecord], current: RunRecord, options: CompareOptions
+) -> list[MetricComparison]:
+    out = []
+    for name, label in _MEMORY:
+        a = [getattr(record.timing, name) for record in baselines]
+        b = getattr(current.timing, name)
+        if all(v is None for v in a) and b is None:
+            continue  # not measured on this device kind (no device memory on a CPU)
+        out.append(
+            _single(
+                a,
+                b,
+                key=f"memory.{name}",
+                kind="memory",
+                label=label,
+                unit="bytes",
+                threshold=options.threshold,
+                worse="larger",
+                better="smaller",
+            )
+        )
+    return out
+
+
+def _compare_kernel_classes(
+    baselines: Sequence[RunRecord],
+    current: RunRecord,
+    base_step: float | None,
+    options: CompareOptions,
+    notes: list[str],
+) -> list[MetricComparison]:
+    per_baseline = [record.breakdown.device_seconds_by_kernel_class for record in baselines]
+    b = current.breakdown.device_seconds_by_kernel_class
+    if not any(per_baseline) and not b:
+        return []
+    if not all(per_baseline) or not b:
+        lacking = "current record" if not b else "baseline"
+        notes.append(
+            f"Device time per kernel class is not in every record (the {lacking} read no device "
+            "trace): not compared."
+        )
+        return []
+    floor = options.phase_floor * base_step if base_step else None
+    names = set(b).union(*per_baseline)
+
+    def largest(k: str) -> float:
+        return max(b.get(k, 0.0), *(a.get(k, 0.0) for a in per_baseline))
+
+    out = []
+    for name in sorted(names, key=lambda k: (-largest(k), k)):
+        out.append(
+            _single(
+                [float(a.get(name, 0.0)) for a in per_baseline],
+                float(b.get(name, 0.0)),
+                key=f"kernel_class.{name}",
+                kind="kernel_class",
+                label=f"kernel class {name}",
+                unit="seconds",
+                threshold=options.threshold,
+                worse="slower",
+                better="faster",
+                floor=floor,
+            )
+        )
+    return out
