@@ -12,23 +12,24 @@ the device waited for the host. Its gaps tell two phenomena apart:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from diagnose.record import Finding, ProbeResult, Severity
+from diagnose.catalogs.compute_catalog import (
+    LAUNCH_BOUND,
+    LONG_GAP_US,
+    RAISE_SHARE,
+    launch_bound_finding,
+)
+from diagnose.record import ProbeResult
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import EMPTY, Intervals, subtract, union_of
 from diagnose.trace.reader import KERNEL
-from diagnose.trace.rules import ms, pct
+from diagnose.trace.rules import pct
 
 RULE = "launch"
-FINDING_ID = "compute.launch_bound"
-#: Share of step time with the device idle and the host busy (not data, not sync).
-WARN_SHARE = 0.25
-CRITICAL_SHARE = 0.5
-#: A gap at least this long (µs) is a host stall, not the cost of launching the next kernel.
-LONG_GAP_US = 1000.0
-#: Removing launch overhead (CUDA/HIP graphs, compile, bigger batches) recovers about half of it.
-RECOVERABLE = 0.5
+FINDING_ID = LAUNCH_BOUND.id
 
 
 def check(ctx: TraceContext) -> ProbeResult:
@@ -68,7 +69,7 @@ def check(ctx: TraceContext) -> ProbeResult:
     kernels = np.flatnonzero(in_steps & (device.kind == KERNEL))
     durations = device.dur[kernels]
     busy_share = sum(s.device_busy_seconds for s in ctx.steps.steps) / wall
-    evidence = {
+    evidence: dict[str, Any] = {
         "device_waiting_for_host_seconds_per_step": total / n,
         "share_of_step": share,
         "device_busy_share": busy_share,
@@ -85,86 +86,30 @@ def check(ctx: TraceContext) -> ProbeResult:
         "whole_trace_window": ctx.steps.whole_trace,
     }
     result.data = evidence
-    if share < WARN_SHARE:
+    if share < RAISE_SHARE:
         result.add_ok(
             FINDING_ID,
             f"host overhead: the device is busy {pct(busy_share)} of step time and waits for the "
             f"host (not for data or syncs) {pct(share)} of it",
         )
         return result
-
-    severity: Severity = "critical" if share >= CRITICAL_SHARE else "warn"
-    saving: float | None = total / n * RECOVERABLE
-    caveat = ""
-    launch_bound = float(short.sum()) >= float(long.sum())
-    if not launch_bound and len(ctx.steps.steps) < 2:
-        # One step cannot tell a stall that repeats every step from one-off warm-up.
-        saving = None
-        caveat = (
-            " With a single profiled step a per-step stall cannot be told from warm-up; "
-            "profile several steady-state steps."
-        )
-    if ctx.steps.whole_trace:
-        # Without step markers the window includes setup (CUDA init, compile, autotune): the
-        # per-iteration saving cannot be said and the result is only indicative.
-        severity = "warn"
-        saving = None
-        caveat += (
-            " The trace has no step markers, so the window may include setup (context "
-            "creation, compilation, autotuning); profile a few steady-state steps with "
-            "torch.profiler.schedule and prof.step() for a per-step number."
-        )
-    median_kernel = evidence["median_kernel_us"]
-    if launch_bound:
-        median_gap = evidence["median_short_gap_us"]
-        title = (
-            f"The GPU waits for kernel launches {pct(share)} of each step "
-            f"({short.size / n:.0f} gaps/step, median {median_gap:.0f} µs; "
-            f"{kernels.size / n:.0f} kernels/step"
-            + (f", median {median_kernel:.0f} µs" if isinstance(median_kernel, float) else "")
-            + ")"
-        )
-        detail = (
-            f"The device ran out of queued work {short.size / n:.0f} times per step for a short "
-            f"while ({ms(float(short.sum()) / 1e6 / n)} per step): the host issues kernels more "
-            "slowly than the device runs them (small batch, many tiny ops, Python dispatch). "
-            f"About {RECOVERABLE:.0%} of the waiting is usually recovered (estimate)."
-        )
-        fix = (
-            "Cut launch overhead: torch.compile the model (fuses small kernels; "
-            'mode="reduce-overhead" adds CUDA/HIP graphs), raise the batch size, use fused or '
-            "foreach optimizers (torch.optim.AdamW(fused=True)), keep .item()/logging out of the "
-            "step."
-        )
-    else:
-        activity = evidence["largest_gap_host_activity"] or "no op (Python code)"
-        title = (
-            f"The GPU waits for the host {pct(share)} of each step ({long.size / n:.0f} long "
-            f"gap(s)/step, the largest {evidence['largest_gap_ms']:.1f} ms while the host ran "
-            f"{activity})"
-        )
-        detail = (
-            f"The device sat idle in gaps of 1 ms or more for {ms(float(long.sum()) / 1e6 / n)} "
-            "per step while the host was neither waiting for data nor synchronising: it was "
-            "running code that queues no device work."
-        )
-        fix = (
-            "Move host work out of the step: precompute or cache inputs (kohya: --cache_latents "
-            "--cache_text_encoder_outputs), log and save checkpoints less often, avoid per-step "
-            "Python preprocessing; torch.compile warm-up belongs before the profiled steps. "
-            "Profile the host side with py-spy to see the Python in the gaps."
-        )
-    result.findings.append(
-        Finding(
-            id=FINDING_ID,
-            category="compute",
-            severity=severity,
-            title=title,
+    result.add_finding(
+        launch_bound_finding(
+            share=share,
+            wait_seconds=total / n,
+            launch_bound=float(short.sum()) >= float(long.sum()),
+            short_gaps=short.size / n,
+            short_seconds=float(short.sum()) / 1e6 / n,
+            long_gaps=long.size / n,
+            long_seconds=float(long.sum()) / 1e6 / n,
+            kernels_per_step=kernels.size / n,
+            median_short_gap_us=evidence["median_short_gap_us"],
+            median_kernel_us=evidence["median_kernel_us"],
+            largest_gap_ms=evidence["largest_gap_ms"],
+            largest_gap_activity=evidence["largest_gap_host_activity"],
+            steps=len(ctx.steps.steps),
+            whole_trace=ctx.steps.whole_trace,
             evidence=evidence,
-            est_seconds_saved_per_it=saving,
-            saving_basis="estimated" if saving is not None else "none",
-            fix=fix,
-            detail=detail + caveat,
             source=f"trace:{RULE}",
         )
     )
