@@ -26,8 +26,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from diagnose.catalogs.triton_catalog import (
+    COMPILE_ERROR,
+    MISCOMPILE,
+    VERSION_MISMATCH,
+    compile_error_finding,
+    miscompile_finding,
+    version_mismatch_finding,
+)
 from diagnose.probes.base import ProbeContext, ProbeSkipped
-from diagnose.record import Finding, ProbeResult
+from diagnose.record import ProbeResult
 
 if TYPE_CHECKING:
     from diagnose.probes.triton_cases.check import CheckResult
@@ -265,16 +273,18 @@ def _where(suite: SuiteResult) -> str:
     return f"compiled for {suite.arch or suite.device}, {suite.backend} backend"
 
 
-def findings_for(suite: SuiteResult, env: TritonEnvironment) -> list[Finding]:
-    """The findings of one suite run plus the version checks (pure)."""
-    findings: list[Finding] = []
+def judge_suite(suite: SuiteResult, env: TritonEnvironment) -> ProbeResult:
+    """Every question the probe asks, answered from one suite run and the installation (pure):
+    wrong answers (``triton.miscompile``), kernels that do not build or run
+    (``triton.compile_error``), and the Triton/torch pairing (``triton.version_mismatch``)."""
+    result = ProbeResult(name="triton")
+    # A case error is a bug of the check itself: it answers neither kernel question.
+    ran = [c for c in suite.checks if c.verdict not in ("unsupported", "case_error")]
+    passed = [c for c in suite.checks if c.verdict == "pass"]
+    expected = (env.expected_package, env.expected_version)
     mismatches = [c for c in suite.checks if c.verdict == "mismatch"]
     if mismatches:
         first = mismatches[0]
-        # A wrong answer from code that training runs (a GPU kernel, or inductor's output on any
-        # device) is critical. Interpreted Triton on a CPU is not what any training step runs.
-        runs_in_training = any(c.mode == "device" or c.kind == "inductor" for c in mismatches)
-        cases = sorted({c.case for c in mismatches})
         evidence = _check_evidence(first)
         # The run's seed: `diagnose triton --seed N` draws the same inputs again.
         evidence["seed"] = suite.seed
@@ -284,51 +294,38 @@ def findings_for(suite: SuiteResult, env: TritonEnvironment) -> list[Finding]:
             for c in mismatches
         ]
         inductor = any(c.kind == "inductor" for c in mismatches)
-        fix = (
-            f"Clear the compiled-kernel caches ({env.cache_dir}"
-            + (f", {env.inductor_cache_dir}" if inductor and env.inductor_cache_dir else "")
-            + ") and install the Triton torch was built with"
-            + (f" ({env.expected_package}=={env.expected_version})" if env.expected_version else "")
-            + f", then re-run `diagnose triton --seed {suite.seed}`. If it still fails, do not "
-            "train with this kernel on this stack: use the PyTorch op instead"
-            + (" (for torch.compile: backend='aot_eager', or no compile)" if inductor else "")
-            + ", and report the case, shape and dtype upstream."
-        )
-        findings.append(
-            Finding(
-                id="triton.miscompile",
-                category="triton",
-                severity="critical" if runs_in_training else "warn",
-                title=(
-                    f"{len(mismatches)} kernel check{'s' if len(mismatches) != 1 else ''} "
-                    f"computed wrong answers ({', '.join(cases)}; {_where(suite)})"
-                ),
+        # Code that training runs: a GPU kernel, or inductor's output on any device.
+        runs_in_training = any(c.mode == "device" or c.kind == "inductor" for c in mismatches)
+        result.add_finding(
+            miscompile_finding(
+                wrong=len(mismatches),
+                cases=sorted({c.case for c in mismatches}),
+                where=_where(suite),
+                runs_in_training=runs_in_training,
+                interpreted=suite.mode == "interpreter",
+                inductor=inductor,
+                seed=suite.seed,
+                cache_dirs=[env.cache_dir, env.inductor_cache_dir if inductor else ""],
+                expected_package=expected[0],
+                expected_version=expected[1],
+                first_failure=f"{first.label}: {first.message}",
                 evidence=evidence,
-                fix=fix,
-                detail=(
-                    f"{first.label}: {first.message}. Inputs were fresh random values (seed "
-                    f"{suite.seed}); outputs were filled with NaN before the launch, so an "
-                    "element the kernel never wrote shows as NaN."
-                    + (
-                        " These ran in Triton's interpreter: the kernel logic (or the "
-                        "interpreter) is wrong; it says nothing about a GPU compiler."
-                        if suite.mode == "interpreter" and not runs_in_training
-                        else ""
-                    )
-                ),
             )
         )
+    elif passed:
+        result.add_ok(MISCOMPILE.id, _passed_line(suite))
+    else:
+        result.add_not_judged(MISCOMPILE.id, "kernel answers: no kernel check ran here")
     errors = [c for c in suite.checks if c.verdict in ("compile_error", "launch_error")]
     if errors:
-        findings.append(
-            Finding(
-                id="triton.compile_error",
-                category="triton",
-                severity="warn",
-                title=(
-                    f"{len(errors)} kernel check{'s' if len(errors) != 1 else ''} failed to "
-                    f"compile or launch ({', '.join(sorted({c.case for c in errors}))})"
-                ),
+        result.add_finding(
+            compile_error_finding(
+                failed=len(errors),
+                cases=sorted({c.case for c in errors}),
+                cache_dir=env.cache_dir,
+                expected_package=expected[0],
+                expected_version=expected[1],
+                first_message=errors[0].message,
                 evidence={
                     "mode": suite.mode,
                     "backend": suite.backend,
@@ -339,60 +336,59 @@ def findings_for(suite: SuiteResult, env: TritonEnvironment) -> list[Finding]:
                         for c in errors
                     ],
                 },
-                fix=(
-                    "Install the Triton torch was built with"
-                    + (
-                        f" ({env.expected_package}=={env.expected_version})"
-                        if env.expected_version
-                        else ""
-                    )
-                    + f" and clear {env.cache_dir}; kernels that still fail use a feature this "
-                    "backend lacks: keep the PyTorch op for them."
-                ),
-                detail=errors[0].message,
             )
         )
-    for problem in version_problems(env):
-        findings.append(
-            Finding(
-                id="triton.version_mismatch",
-                category="triton",
-                severity="warn",
-                title="The installed Triton does not match torch",
+    elif ran:
+        unsupported = sum(1 for c in suite.checks if c.verdict == "unsupported")
+        result.add_ok(
+            COMPILE_ERROR.id,
+            f"every one of {len(ran)} kernel checks compiled and launched ({_where(suite)})"
+            + (f"; {unsupported} not supported in this mode" if unsupported else ""),
+        )
+    problems = version_problems(env)
+    if problems:
+        # One finding per id; the first problem is the root one.
+        result.add_finding(
+            version_mismatch_finding(
+                problem=problems[0].message,
+                fix=problems[0].fix,
                 evidence={
                     "torch": env.torch_version,
                     "torch_build": env.torch_build,
                     "torch_requirement": env.torch_requirement,
                     "installed": dict(env.installed),
                     "triton_version": env.triton_version,
-                    "problem": problem.message,
                 },
-                fix=problem.fix,
-                detail=problem.message,
             )
         )
-        break  # one finding per id (the record keeps one); the first problem is the root one
-    return findings
+    elif env.expected_version:
+        result.add_ok(
+            VERSION_MISMATCH.id,
+            f"Triton {env.triton_version} is the version torch {env.torch_version} was built "
+            f"with ({env.expected_package}=={env.expected_version})",
+        )
+    else:
+        result.add_not_judged(
+            VERSION_MISMATCH.id,
+            f"Triton version: torch {env.torch_version or '(unknown)'} does not name the Triton "
+            "it was built with",
+        )
+    return result
 
 
-def checked_ok_lines(suite: SuiteResult, env: TritonEnvironment) -> list[str]:
-    lines = []
+def _passed_line(suite: SuiteResult) -> str:
+    """What passed, by kind: Triton kernels and torch.compile (inductor) checks."""
+    parts = []
     for kind in ("triton", "inductor"):
-        of_kind = [c for c in suite.checks if c.kind == kind]
-        passed = sum(1 for c in of_kind if c.verdict == "pass")
-        if not passed or any(c.verdict not in ("pass", "unsupported") for c in of_kind):
+        passed = sum(1 for c in suite.checks if c.kind == kind and c.verdict == "pass")
+        if not passed:
             continue
         if kind == "triton":
-            lines.append(f"Triton: {passed} kernel checks passed ({_where(suite)})")
+            parts.append(f"Triton: {passed} kernel checks passed ({_where(suite)})")
         else:
             backend = "C++ CPU backend" if suite.mode == "interpreter" else "Triton kernels"
-            lines.append(f"torch.compile (inductor, {backend}): {passed} checks passed")
-    if env.expected_version and not version_problems(env):
-        lines.append(
-            f"Triton {env.triton_version} is the version torch {env.torch_version} was built "
-            f"with ({env.expected_package}=={env.expected_version})"
-        )
-    return lines
+            parts.append(f"torch.compile (inductor, {backend}): {passed} checks passed")
+    return "; ".join(parts)
 
 
 def suite_data(suite: SuiteResult, env: TritonEnvironment) -> dict[str, Any]:
@@ -455,14 +451,12 @@ class TritonProbe:
 
         env = collect_environment()
         if env.import_error:
-            problems = findings_for_environment_only(env)
-            return ProbeResult(
-                status="error",
-                reason=f"triton is installed but does not import: {env.import_error}",
-                traceback=env.import_traceback,
-                findings=problems,
-                data={"environment": env.to_dict()},
-            )
+            result = judge_environment_only(env)
+            result.status = "error"
+            result.reason = f"triton is installed but does not import: {env.import_error}"
+            result.traceback = env.import_traceback
+            result.data = {"environment": env.to_dict()}
+            return result
         suite = run_suite(
             self.sources or CORPUS,
             device=ctx.device,
@@ -473,16 +467,14 @@ class TritonProbe:
         if not suite.ran:
             reasons = sorted({c.message for c in suite.checks})
             raise ProbeSkipped(f"no kernel check can run here: {'; '.join(reasons)}")
-        return ProbeResult(
-            findings=findings_for(suite, env),
-            checked_ok=checked_ok_lines(suite, env),
-            data=suite_data(suite, env),
-        )
+        result = judge_suite(suite, env)
+        result.data = suite_data(suite, env)
+        return result
 
 
-def findings_for_environment_only(env: TritonEnvironment) -> list[Finding]:
-    """The version findings alone (when no kernel could run)."""
+def judge_environment_only(env: TritonEnvironment) -> ProbeResult:
+    """The version question alone, when no kernel could run: the kernel questions are not
+    judged."""
     from diagnose.probes.triton_cases.runner import SuiteResult
 
-    empty = SuiteResult("interpreter", "", "", "", 0, [])
-    return findings_for(empty, env)
+    return judge_suite(SuiteResult("interpreter", "", "", "", 0, []), env)
