@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from diagnose.catalogs import spec
 from diagnose.config import RunConfig
 from diagnose.device import cpu_info
 from diagnose.inventory import collect_inventory
@@ -23,7 +24,6 @@ from diagnose.probes.environment import (
     RULES,
     EnvironmentFacts,
     EnvironmentProbe,
-    RuleResult,
     evaluate,
     hipblaslt_supported,
     hsa_override_target,
@@ -33,13 +33,14 @@ from diagnose.record import (
     CATEGORIES,
     SEVERITIES,
     DeviceInfo,
+    ProbeResult,
     RunRecord,
     StepSample,
     Timing,
     new_record,
 )
 from diagnose.telemetry import TelemetrySummary, summary_from_raw
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, ok_lines, unjudged_lines
 
 INVENTORIES = FIXTURES / "inventory"
 TELEMETRY = FIXTURES / "telemetry"
@@ -101,17 +102,28 @@ def facts_for(case: dict[str, Any]) -> EnvironmentFacts:
 CASES: list[dict[str, Any]] = json.loads((INVENTORIES / "cases.json").read_text("utf-8"))["cases"]
 
 
+def planted_ids(case: dict[str, Any]) -> list[str]:
+    """The ids a case plants for this probe. Whether bf16 is native is the precision probe's
+    question now (it measures the cost), so its planted cases expect nothing from here."""
+    return sorted(i for i in case["expect"] if not i.startswith("precision."))
+
+
+def failed_rules(result: ProbeResult) -> list[str]:
+    return [line for line in unjudged_lines(result) if " failed: " in line]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_rules_on_recorded_cases(case: dict[str, Any]) -> None:
     result = evaluate(facts_for(case))
-    assert not [n for n in result.not_checked if " failed: " in n], result.not_checked
+    assert not failed_rules(result)
     ids = sorted(f.id for f in result.findings)
-    assert ids == sorted(case["expect"]), [f.title for f in result.findings]
+    assert ids == planted_ids(case), [f.title for f in result.findings]
     by_id = {f.id: f for f in result.findings}
     for finding_id, severity in (case.get("severity") or {}).items():
         assert by_id[finding_id].severity == severity
     for finding_id, text in (case.get("fix_contains") or {}).items():
-        assert text in by_id[finding_id].fix, by_id[finding_id].fix
+        if finding_id in by_id or finding_id in planted_ids(case):
+            assert text in by_id[finding_id].fix, by_id[finding_id].fix
     for finding in result.findings:
         # What the report needs from every finding.
         assert finding.category in CATEGORIES and finding.severity in SEVERITIES
@@ -121,7 +133,7 @@ def test_rules_on_recorded_cases(case: dict[str, Any]) -> None:
 
 
 def test_every_rule_has_a_planted_fault_and_the_clean_twins_cover_all_rules() -> None:
-    fired = {i for c in CASES for i in c["expect"]}
+    fired = {i for c in CASES for i in planted_ids(c)}
     expected_ids = {
         "environment.cpu_with_gpu_present",
         "environment.integrated_gpu",
@@ -130,7 +142,6 @@ def test_every_rule_has_a_planted_fault_and_the_clean_twins_cover_all_rules() ->
         "memory.allocator_retries",
         "memory.allocator_conf_conflict",
         "memory.caching_allocator_off",
-        "precision.bf16_not_native",
         "environment.rocm_kernel_search_warmup",
         "environment.tunableop_tuning",
         "environment.hsa_override",
@@ -152,12 +163,12 @@ def test_every_rule_has_a_planted_fault_and_the_clean_twins_cover_all_rules() ->
         case = next(c for c in CASES if c["name"] == name)
         result = evaluate(facts_for(case))
         assert not result.findings
-        assert len(result.ok) >= 8, result.ok
+        assert len(ok_lines(result)) >= 8, ok_lines(result)
 
 
 def test_healthy_cases_say_what_was_checked() -> None:
     case = next(c for c in CASES if c["name"] == "healthy_nvidia")
-    ok = " | ".join(evaluate(facts_for(case)).ok)
+    ok = " | ".join(ok_lines(evaluate(facts_for(case))))
     for expected in ("peak VRAM", "no allocator retries", "no throttling", "PCIe link x16 Gen4"):
         assert expected in ok
 
@@ -183,12 +194,13 @@ def test_warmup_evidence_has_the_numbers() -> None:
 
 
 def test_a_broken_rule_is_reported_not_fatal() -> None:
-    def broken(facts: EnvironmentFacts) -> RuleResult:
+    def rule_broken(facts: EnvironmentFacts) -> ProbeResult:
         raise KeyError("gpu")
 
     case = next(c for c in CASES if c["name"] == "cuda_launch_blocking_left_set")
-    result = evaluate(facts_for(case), (broken, *RULES))
-    assert any(n.startswith("broken failed: KeyError") for n in result.not_checked)
+    result = evaluate(facts_for(case), (rule_broken, *RULES))
+    [check] = [c for c in result.checks if c.id == "environment.broken"]
+    assert check.outcome == "not_judged" and check.text.startswith("rule_broken failed: KeyError")
     assert [f.id for f in result.findings] == ["environment.launch_blocking"]
 
 
@@ -200,7 +212,7 @@ def test_missing_inventory_keys_mean_unknown_not_a_crash() -> None:
         DeviceInfo(),
     ):
         result = evaluate(EnvironmentFacts(device=device, precision="bf16-mixed"))
-        assert not [n for n in result.not_checked if " failed: " in n], result.not_checked
+        assert not failed_rules(result)
         assert not result.findings
 
 
@@ -263,7 +275,10 @@ def test_probe_on_this_machine(capfd: pytest.CaptureFixture[str]) -> None:
     assert "environment.cpu_with_gpu_present" not in ids  # no GPU on this VM's PCI bus
     if (record.inventory["cpu"]["usable_cores"] or 0) <= 4:
         assert "environment.cpu_few_cores" in ids
-    assert result.checked_ok
+    assert ok_lines(result)
+    # Every question has a named check: no transitional lines, no side channel the report skips.
+    assert all(".unnamed_" not in c.id for c in result.checks)
+    assert "not_checked" not in result.data
     json.dumps(result.data, allow_nan=False)
     assert capfd.readouterr() == ("", "")
 
@@ -283,3 +298,40 @@ def test_probe_reads_telemetry_and_allocator_counters_stored_by_the_run() -> Non
     }
     assert result.data["allocator_scope"] == "timed steps"
     assert result.data["telemetry"] == "nvml: 11 samples"
+
+
+# --- one answer per question ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_every_question_has_one_answer_under_a_catalog_id(case: dict[str, Any]) -> None:
+    """A check id is a finding id of the environment or memory catalog, and has one outcome; a
+    finding's check is its finding, and a finding's severity is the catalog's (no saving is
+    measured here, so settle leaves it as the catalog declared it)."""
+    result = evaluate(facts_for(case))
+    outcomes: dict[str, set[str]] = {}
+    for check in result.checks:
+        outcomes.setdefault(check.id, set()).add(check.outcome)
+        assert check.source == "environment" and check.text
+        if not check.id.startswith("environment.") or " failed: " not in check.text:
+            entry = spec(check.id)
+            assert entry is not None and entry.category in ("environment", "memory"), check.id
+    assert all(len(found) == 1 for found in outcomes.values()), outcomes
+    for finding in result.findings:
+        assert outcomes[finding.id] == {"finding"}
+        assert finding.est_seconds_saved_per_it is None and finding.saving_basis == "none"
+
+
+def test_every_catalog_question_is_answered_somewhere() -> None:
+    """Each environment and memory id is raised by some planted case, and answered fine or not
+    judged by some other: no question the probe cannot answer sits in the catalog."""
+    answered: dict[str, set[str]] = {}
+    for case in CASES:
+        for check in evaluate(facts_for(case)).checks:
+            answered.setdefault(check.id, set()).add(check.outcome)
+    from diagnose.catalogs import environment_catalog, memory_catalog
+
+    for entry in (*environment_catalog.SPECS, *memory_catalog.SPECS):
+        assert "finding" in answered.get(entry.id, set()) or entry.id in {
+            "environment.cpu_threads_low"
+        }, entry.id
