@@ -27,31 +27,10 @@ from typing import Literal
 from diagnose.record import DeviceInfo
 
 # --------------------------------------------------------------------------------------------
-# Finding ids (one meaning each, whichever of the probe or the trace rule raises them)
-
-#: Matmul/conv/attention that ran in fp32 in a run that asked for bf16/fp16.
-UPCAST_ID = "precision.fp32_compute_in_low_precision_run"
-#: The run trains in fp32 and the device computes these shapes faster in bf16/fp16.
-FP32_TRAINING_ID = "precision.fp32_training"
-#: Base or LoRA weights left in fp32 in a bf16-full run.
-FP32_WEIGHTS_ID = "precision.fp32_weights_in_full_bf16"
-#: A warning raised during the step says a dtype mismatch blocked a fused kernel.
-DTYPE_MISMATCH_ID = "precision.dtype_mismatch_warning"
-#: bf16 requested on a device with no native bf16 arithmetic.
-BF16_NOT_NATIVE_ID = "precision.bf16_not_native"
-#: bf16 measured slower than fp32 at the model's shapes on this device.
-BF16_SLOWER_ID = "precision.bf16_slower_than_fp32"
-
-# --------------------------------------------------------------------------------------------
 # Constants
 
 #: Dtypes that count as "the low precision a user asked for".
 LOW_PRECISION_DTYPES: frozenset[str] = frozenset({"bf16", "fp16", "fp8"})
-#: Without a measurement: a bf16/fp16 matmul runs at least about twice as fast as fp32/tf32 on
-#: tensor cores / matrix cores (conservative: on most GPUs it is 2-8x).
-ASSUMED_LOW_PRECISION_SPEEDUP = 2.0
-#: Without per-op backward attribution, training compute is about 3x its forward (fwd + 2x bwd).
-TRAINING_FACTOR = 3.0
 
 OpKind = Literal["matmul", "conv", "attention", "fp32_by_policy", "other"]
 Verdict = Literal["low", "unexpected", "by_policy", "deliberate", "other"]
@@ -290,24 +269,6 @@ def recommended_low_dtype(info: DeviceInfo) -> str:
     return "fp16" if info.kind != "cpu" and device_bf16_native(info) is False else "bf16"
 
 
-def mixed_precision_fix(low: str) -> str:
-    """The flags that turn on ``low`` (bf16/fp16) mixed precision in the trainers users run."""
-    lightning = "16-mixed" if low == "fp16" else "bf16-mixed"
-    return (
-        f"Train with {low} mixed precision: kohya --mixed_precision {low}; diffusers: accelerate "
-        f'launch --mixed_precision {low}; Lightning: Trainer(precision="{lightning}").'
-    )
-
-
-UPCAST_FIX = (
-    "Let autocast run these ops in bf16: find the code that calls .float() on their inputs or "
-    "wraps them in torch.autocast(enabled=False) (attention or norm upcasts, custom layers, a "
-    "LoRA/adapter that keeps fp32 weights) and drop the upcast, or cast the weights to bf16 "
-    "(kohya: --mixed_precision bf16 --save_precision bf16; diffusers: --mixed_precision bf16 and "
-    "no --upcast_attention)."
-)
-
-
 # --------------------------------------------------------------------------------------------
 # Claimed vs actual
 
@@ -346,18 +307,9 @@ def claimed_vs_actual(
 
 
 __all__ = [
-    "ASSUMED_LOW_PRECISION_SPEEDUP",
     "ATTENTION_FUNCTIONS",
-    "BF16_NOT_NATIVE_ID",
-    "BF16_SLOWER_ID",
     "COMPUTE_KINDS",
-    "DTYPE_MISMATCH_ID",
-    "FP32_TRAINING_ID",
-    "FP32_WEIGHTS_ID",
     "LOW_PRECISION_DTYPES",
-    "TRAINING_FACTOR",
-    "UPCAST_FIX",
-    "UPCAST_ID",
     "OpKind",
     "Verdict",
     "claimed_vs_actual",
@@ -370,7 +322,6 @@ __all__ = [
     "is_dtype_warning",
     "judge",
     "majority_dtype",
-    "mixed_precision_fix",
     "normalize_dtype",
     "op_base_name",
     "op_kind",

@@ -19,25 +19,23 @@ Warnings raised during the step are captured (with ``torch.set_warn_always(True)
 fused-kernel dtype warnings are TORCH_WARN_ONCE and the timed steps have usually used them up)
 and attributed to the torch function and module that raised them.
 
-The audit costs tens of microseconds per op, so it runs one extra step, never a timed one. The
-optimizer is swapped for one that updates nothing, and the GradScaler, the noise generator and the
-gradients are put back afterwards, so the run is unchanged; only the data iterator moves on by one
-batch.
+The audit costs tens of microseconds per op, so it runs one extra step, never a timed one, under
+:func:`diagnose.workload.untouched.steps_without_update`: the run is unchanged afterwards; only
+the data iterator moves on by one batch. The records: :mod:`diagnose.probes.precision_audit_log`.
 
 Each distinct matmul/conv/attention call signature is kept as a :class:`ReplaySpec` (op, shapes,
 strides, dtypes, non-tensor arguments) so that it can be re-run on random data in another dtype:
-the microbenchmark that estimates what computing in bf16 instead of fp32 would save.
+the microbenchmark of :mod:`diagnose.probes.precision_replay`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,16 +47,24 @@ from diagnose.precision_policy import (
     ATTENTION_FUNCTIONS,
     COMPUTE_KINDS,
     OpKind,
-    Verdict,
     deliberate_reason,
     judge,
     majority_dtype,
-    normalize_dtype,
     op_base_name,
     op_kind,
 )
-from diagnose.record import Stats
+from diagnose.probes.precision_audit_log import (
+    AuditLog,
+    CapturedWarning,
+    OpGroup,
+    ReplaySpec,
+    Site,
+    TensorSpec,
+    dtype_name,
+)
+from diagnose.probes.precision_weights import workload_components
 from diagnose.timing import PhaseTimer
+from diagnose.workload.untouched import steps_without_update
 
 #: Key under which an autograd node carries the forward call that made it.
 _NODE_LABEL = "diagnose_precision"
@@ -71,30 +77,6 @@ MAX_REPLAY_SPECS = 512
 _ATTRIBUTE_FUNCTIONS = frozenset({"__get__", "__set__", "__delete__"})
 
 
-# --------------------------------------------------------------------------------------------
-# What the audit records
-
-
-@dataclass(frozen=True)
-class Site:
-    """Where an op was issued from."""
-
-    #: "denoiser", "vae", "text_encoder", "text_encoder_2"... ("" outside the hooked models).
-    component: str = ""
-    #: Module path inside the component ("down_blocks.1.attentions.0.proj_in"; "" for its root).
-    module: str = ""
-    module_class: str = ""
-
-    @property
-    def where(self) -> str:
-        """The path a reader looks for: denoiser paths bare, others prefixed by the component."""
-        if not self.component:
-            return "(outside the models: noise, loss)"
-        if self.component == "denoiser":
-            return self.module or "(denoiser root)"
-        return f"{self.component}/{self.module}" if self.module else self.component
-
-
 @dataclass(frozen=True)
 class _CallLabel:
     """What the function mode knew about a Python-level call: put on its autograd nodes."""
@@ -104,152 +86,8 @@ class _CallLabel:
     autocast: bool | None
 
 
-@dataclass
-class OpGroup:
-    """Calls of one op signature from one site, in one phase, with one verdict."""
-
-    op: str
-    kind: OpKind
-    dtype: str | None
-    site: Site
-    #: The step phase ("forward", "backward", "encode", ...).
-    phase: str
-    #: The torch function that issued it ("linear", "conv2d", "float"; "" when unknown).
-    function: str
-    #: Whether autocast was enabled around the issuing call (None: unknown, e.g. backward).
-    autocast: bool | None
-    verdict: Verdict
-    deliberate: str
-    #: Input shapes of the signature, e.g. "[2, 64, 32] [32, 32]".
-    shapes: str
-    #: Key of the :class:`ReplaySpec` of this signature ("" when none was kept).
-    signature: str = ""
-    calls: int = 0
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "op": self.op,
-            "kind": self.kind,
-            "dtype": self.dtype,
-            "component": self.site.component,
-            "module": self.site.where,
-            "module_class": self.site.module_class,
-            "phase": self.phase,
-            "function": self.function,
-            "autocast": self.autocast,
-            "verdict": self.verdict,
-            "deliberate": self.deliberate,
-            "shapes": self.shapes,
-            "calls": self.calls,
-            "seconds": self.seconds,
-        }
-
-
-@dataclass
-class CapturedWarning:
-    """A warning raised during the audited step, with the call and module that raised it."""
-
-    message: str
-    category: str
-    function: str = ""
-    site: Site = field(default_factory=Site)
-    phase: str = ""
-    count: int = 0
-    #: Device-synchronised seconds of the calls that raised it.
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "message": self.message,
-            "category": self.category,
-            "function": self.function,
-            "module": self.site.where,
-            "phase": self.phase,
-            "count": self.count,
-            "seconds": self.seconds,
-        }
-
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-
-@dataclass
-class ReplaySpec:
-    """One compute-op call signature, re-runnable on random data in another dtype."""
-
-    key: str
-    op: str
-    func: Any
-    template: Any
-    #: The dtype it ran in (normalised name) and the torch dtype of its float inputs.
-    dtype: str | None
-    torch_dtype: torch.dtype | None
-    #: Input shapes, e.g. "[2, 64, 32] [32, 32]".
-    shapes: str = ""
-    #: Multiply-adds of one call, estimated from the shapes (deterministic, unlike its time).
-    work: float = 0.0
-    calls: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class AuditLog:
-    """Everything one audited step recorded."""
-
-    precision: str
-    requested_low: str | None
-    groups: list[OpGroup] = field(default_factory=list)
-    warnings: list[CapturedWarning] = field(default_factory=list)
-    replays: dict[str, ReplaySpec] = field(default_factory=dict)
-    #: Wall seconds of the audited step (inflated by the audit itself: not a step time).
-    wall_seconds: float = 0.0
-    ops: int = 0
-    #: Whether backward ops could be attributed through autograd nodes on this torch.
-    node_attribution: bool = True
-
-    def compute_groups(self) -> list[OpGroup]:
-        return [g for g in self.groups if g.kind in COMPUTE_KINDS]
-
-    def compute_seconds_by_dtype(self) -> dict[str, float]:
-        """Audited seconds of matmul/conv/attention ops per dtype (not those run inside an
-        attention call: the attention op itself is judged)."""
-        totals: dict[str, float] = {}
-        for g in self.compute_groups():
-            if g.dtype and (g.kind == "attention" or g.function not in ATTENTION_FUNCTIONS):
-                totals[g.dtype] = totals.get(g.dtype, 0.0) + g.seconds
-        return totals
-
-    def compute_seconds_by_component(self) -> dict[str, dict[str, float]]:
-        """Audited matmul/conv/attention seconds per component ("denoiser", "vae", ...; "" for
-        ops outside the models) and dtype."""
-        totals: dict[str, dict[str, float]] = {}
-        for g in self.compute_groups():
-            if g.dtype and (g.kind == "attention" or g.function not in ATTENTION_FUNCTIONS):
-                by_dtype = totals.setdefault(g.site.component, {})
-                by_dtype[g.dtype] = by_dtype.get(g.dtype, 0.0) + g.seconds
-        return totals
-
-    def with_verdict(self, verdict: Verdict) -> list[OpGroup]:
-        return [g for g in self.groups if g.verdict == verdict]
-
-
 # --------------------------------------------------------------------------------------------
 # Helpers
-
-
-_DTYPE_NAMES: dict[torch.dtype, str | None] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str | None:
-    if dtype not in _DTYPE_NAMES:
-        _DTYPE_NAMES[dtype] = normalize_dtype(str(dtype))
-    return _DTYPE_NAMES[dtype]
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -282,7 +120,7 @@ def _function_name(func: Any) -> str:
 
 def _spec_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return _TensorSpec(tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+        return TensorSpec(tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
     return value
 
 
@@ -331,16 +169,6 @@ def estimated_work(op: str, tensors: Sequence[torch.Tensor]) -> float:
     except (IndexError, TypeError):
         pass
     return float(sum(_numel(sh) for sh in shapes))
-
-
-class _NoUpdate(torch.optim.Optimizer):
-    """Stands in for the workload's optimizer during the audit: updates nothing."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        super().__init__(params or [torch.nn.Parameter(torch.zeros(1))], {})
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        return None
 
 
 class _PhaseTracker(PhaseTimer):
@@ -463,7 +291,7 @@ class _Auditor:
         op, kind = named
         tensors = _tensors((args, kwargs))
         dtype = majority_dtype(
-            _dtype_name(t.dtype) for t in tensors if t.is_floating_point() or t.is_complex()
+            dtype_name(t.dtype) for t in tensors if t.is_floating_point() or t.is_complex()
         )
         label = self._current_label()
         if self.modules:  # in a forward (or a checkpoint's recompute inside the backward)
@@ -654,55 +482,6 @@ class _CallTracker(TorchFunctionMode):
 # Running the audited step
 
 
-def workload_components(workload: Any) -> dict[str, torch.nn.Module]:
-    """The models a workload runs, by the folder names of a diffusers model."""
-    components: dict[str, torch.nn.Module] = {}
-    denoiser = getattr(workload, "denoiser", None)
-    if isinstance(denoiser, torch.nn.Module):
-        components["denoiser"] = denoiser
-    vae = getattr(workload, "vae", None)
-    if isinstance(vae, torch.nn.Module):
-        components["vae"] = vae
-    for i, encoder in enumerate(getattr(workload, "text_encoders", None) or []):
-        if isinstance(encoder, torch.nn.Module):
-            components["text_encoder" if i == 0 else f"text_encoder_{i + 1}"] = encoder
-    return components
-
-
-@dataclass
-class _Saved:
-    """What the audited step may touch, to put back."""
-
-    grads: list[torch.Tensor | None]
-    scaler_state: dict[str, Any]
-    generator_state: torch.Tensor | None
-
-
-@contextlib.contextmanager
-def _run_unchanged(workload: Any) -> Iterator[None]:
-    """Swap in an optimizer that updates nothing; put back gradients, scaler and generator."""
-    params: list[torch.nn.Parameter] = list(workload.lora_parameters())
-    scaler = getattr(workload, "scaler", None)
-    generator = getattr(workload, "noise_generator", None)
-    saved = _Saved(
-        grads=[None if p.grad is None else p.grad.detach().clone() for p in params],
-        scaler_state=scaler.state_dict() if scaler is not None else {},
-        generator_state=generator.get_state() if isinstance(generator, torch.Generator) else None,
-    )
-    optimizer = workload.optimizer
-    workload.optimizer = _NoUpdate(params)
-    try:
-        yield
-    finally:
-        workload.optimizer = optimizer
-        for param, grad in zip(params, saved.grads, strict=True):
-            param.grad = grad
-        if scaler is not None and saved.scaler_state:
-            scaler.load_state_dict(saved.scaler_state)
-        if isinstance(generator, torch.Generator) and saved.generator_state is not None:
-            generator.set_state(saved.generator_state)
-
-
 @contextlib.contextmanager
 def _warnings_captured(auditor: _Auditor) -> Iterator[None]:
     warn_always = torch.is_warn_always_enabled()
@@ -729,7 +508,7 @@ def audit_step(
     """Run one training step of ``workload`` under the audit and return what it recorded.
 
     ``batch`` defaults to the workload's next batch. The workload's parameters, optimizer state,
-    gradients, GradScaler and noise generator are as before afterwards.
+    GradScaler and random generators are as before afterwards, and its gradients are cleared.
     """
     from diagnose.timing import device_synchronizer
 
@@ -746,7 +525,7 @@ def audit_step(
         batch = next(workload.batches())
     handles = auditor.hook(workload_components(workload))
     try:
-        with _run_unchanged(workload), _warnings_captured(auditor):
+        with steps_without_update(workload), _warnings_captured(auditor):
             sync()
             start = time.perf_counter()
             with _CallTracker(auditor), _OpRecorder(auditor):
@@ -758,193 +537,12 @@ def audit_step(
     return auditor.finish()
 
 
-# --------------------------------------------------------------------------------------------
-# Weights left in fp32
-
-
-@dataclass
-class Fp32Weights:
-    """fp32 parameters of one module (its own, not its children's)."""
-
-    component: str
-    module: str
-    module_class: str
-    tensors: int = 0
-    elements: int = 0
-    bytes: int = 0
-    #: LoRA (trainable) weights rather than frozen base weights.
-    trainable: bool = False
-    names: list[str] = field(default_factory=list)
-
-    @property
-    def where(self) -> str:
-        return Site(self.component, self.module, self.module_class).where
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "module": self.where,
-            "module_class": self.module_class,
-            "kind": "LoRA" if self.trainable else "base",
-            "tensors": self.tensors,
-            "elements": self.elements,
-            "bytes": self.bytes,
-            "parameters": self.names[:8],
-        }
-
-
-def fp32_parameters(
-    components: Mapping[str, torch.nn.Module],
-    keep_fp32_parts: Mapping[str, frozenset[str]] | None = None,
-) -> list[Fp32Weights]:
-    """Modules holding fp32 parameters, largest first; modules a model keeps in fp32 on purpose
-    (``_keep_in_fp32_modules``) are left out."""
-    rows: list[Fp32Weights] = []
-    for component, root in components.items():
-        keep = (keep_fp32_parts or {}).get(component, frozenset())
-        for path, module in root.named_modules():
-            if keep and any(part in keep for part in path.split(".")):
-                continue
-            for trainable in (False, True):
-                row = Fp32Weights(component, path, type(module).__name__, trainable=trainable)
-                for name, param in module.named_parameters(recurse=False):
-                    if param.dtype != torch.float32 or param.requires_grad != trainable:
-                        continue
-                    row.tensors += 1
-                    row.elements += param.numel()
-                    row.bytes += param.numel() * param.element_size()
-                    row.names.append(f"{path}.{name}" if path else name)
-                if row.tensors:
-                    rows.append(row)
-    rows.sort(key=lambda r: -r.bytes)
-    return rows
-
-
-# --------------------------------------------------------------------------------------------
-# Replaying a signature in another dtype (the microbenchmark)
-
-
-def _materialise(
-    spec: _TensorSpec, dtype: torch.dtype, generators: dict[torch.device, torch.Generator]
-) -> torch.Tensor:
-    """A tensor of the spec's shape and strides (overlapping strides included) with random
-    values, in ``dtype``, made on its device with a private generator (the run's global random
-    state is not touched)."""
-    if any(n == 0 for n in spec.shape):
-        extent = 0
-    else:
-        extent = 1 + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride, strict=True))
-    if dtype.is_floating_point or dtype.is_complex:
-        generator = generators.get(spec.device)
-        if generator is None:
-            generator = generators[spec.device] = torch.Generator(device=spec.device)
-            generator.manual_seed(0)
-        flat = torch.randn(extent, generator=generator, dtype=torch.float32, device=spec.device).to(
-            dtype
-        )
-    else:
-        flat = torch.zeros(extent, dtype=dtype, device=spec.device)
-    return flat.as_strided(spec.shape, spec.stride)
-
-
-def replay_arguments(spec: ReplaySpec, dtype: torch.dtype | None) -> tuple[Any, Any]:
-    """(args, kwargs) for one call of ``spec`` with its ``spec.torch_dtype`` inputs in ``dtype``
-    (others as recorded)."""
-    generators: dict[torch.device, torch.Generator] = {}
-
-    def make(value: Any) -> Any:
-        if isinstance(value, _TensorSpec):
-            target = value.dtype
-            if dtype is not None and value.dtype == spec.torch_dtype:
-                target = dtype
-            return _materialise(value, target, generators)
-        return value
-
-    args, kwargs = pytree.tree_map(
-        make, spec.template, is_leaf=lambda v: isinstance(v, _TensorSpec)
-    )
-    return args, kwargs
-
-
-@dataclass
-class BenchResult:
-    """Device-synchronised seconds per call of one signature in one dtype."""
-
-    dtype: str
-    samples: list[float] = field(default_factory=list)
-    error: str = ""
-
-    @property
-    def stats(self) -> Stats:
-        return Stats.of(self.samples)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples) if self.samples else math.nan
-
-
-def _prepared(spec: ReplaySpec, dtype: torch.dtype) -> tuple[Callable[[], Any], str]:
-    """A zero-argument call of ``spec`` in ``dtype``, warmed up once; or the error it raised."""
-    try:
-        args, kwargs = replay_arguments(spec, dtype)
-        with torch.no_grad():
-            spec.func(*args, **kwargs)  # warm-up: kernel selection, first-call allocation
-    except Exception as exc:  # a dtype this op or device does not take
-        return (lambda: None), f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-
-    def call() -> Any:
-        with torch.no_grad():
-            return spec.func(*args, **kwargs)
-
-    return call, ""
-
-
-def bench_pair(
-    spec: ReplaySpec,
-    base: torch.dtype,
-    low: torch.dtype,
-    sync: Callable[[], None],
-    *,
-    repeats: int = 15,
-    budget_s: float = 0.25,
-) -> tuple[BenchResult, BenchResult]:
-    """Time ``spec`` in ``base`` and in ``low``, alternating calls so that a busy machine slows
-    both alike; up to ``repeats`` synchronised calls each (at least 3, then until the budget)."""
-    first = BenchResult(dtype=_dtype_name(base) or str(base))
-    second = BenchResult(dtype=_dtype_name(low) or str(low))
-    call_a, first.error = _prepared(spec, base)
-    call_b, second.error = _prepared(spec, low)
-    if first.error or second.error:
-        return first, second
-    sync()
-    deadline = time.perf_counter() + budget_s
-    try:
-        for i in range(repeats):
-            for call, result in ((call_a, first), (call_b, second)):
-                start = time.perf_counter()
-                call()
-                sync()
-                result.samples.append(time.perf_counter() - start)
-            if i >= 2 and time.perf_counter() > deadline:
-                break
-    except Exception as exc:  # a failure after the warm-up: report it, keep nothing
-        text = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-        for result in (first, second):
-            result.error, result.samples = text, []
-    return first, second
-
-
 __all__ = [
     "AuditLog",
-    "BenchResult",
     "CapturedWarning",
-    "Fp32Weights",
     "OpGroup",
     "ReplaySpec",
     "Site",
     "audit_step",
-    "bench_pair",
     "estimated_work",
-    "fp32_parameters",
-    "replay_arguments",
-    "workload_components",
 ]

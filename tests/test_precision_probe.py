@@ -18,14 +18,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diagnose.config import RunConfig
-from diagnose.precision_policy import (
+from diagnose.catalogs.precision_catalog import (
     BF16_NOT_NATIVE_ID,
     BF16_SLOWER_ID,
     DTYPE_MISMATCH_ID,
     FP32_TRAINING_ID,
     FP32_WEIGHTS_ID,
     UPCAST_ID,
+)
+from diagnose.config import RunConfig
+from diagnose.precision_policy import (
     claimed_vs_actual,
     deliberate_reason,
     is_compute_op,
@@ -38,30 +40,23 @@ from diagnose.precision_policy import (
     requested_low_dtype,
 )
 from diagnose.probes.base import Probe, ProbeContext, run_probe
-from diagnose.probes.precision import (
-    PrecisionProbe,
-    SignatureBench,
-    SpeedComparison,
+from diagnose.probes.precision import PrecisionProbe
+from diagnose.probes.precision_audit import AuditLog, OpGroup, Site, audit_step
+from diagnose.probes.precision_findings import (
     bf16_not_native_rule,
     bf16_slower_rule,
     fp32_training_rule,
     upcast_rule,
 )
-from diagnose.probes.precision_audit import (
-    AuditLog,
-    BenchResult,
-    OpGroup,
-    Site,
-    audit_step,
-    bench_pair,
-    replay_arguments,
-)
+from diagnose.probes.precision_replay import MIN_CALLS, BenchResult, bench_pair, replay_arguments
+from diagnose.probes.precision_speed import HeadlineScale, SignatureBench, SpeedComparison
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, StepSample, new_record
 from diagnose.timing import PhaseTimer
 from diagnose.trace import analyze_trace
 from diagnose.workload import build_workload
 from diagnose.workload.data import generate_images
 from diagnose.workload.step import Workload
+from tests.conftest import ok_lines
 
 CPU = torch.device("cpu")
 #: The attention projection the planted-fault tests wrap.
@@ -230,7 +225,7 @@ def test_policy_fp32_alone_raises_no_warn_finding() -> None:
     judged = {f.id for f in result.findings if f.severity != "info"}
     assert not judged - {BF16_SLOWER_ID}  # speed is a device fact, not a policy op
     assert UPCAST_ID not in _ids(result) and DTYPE_MISMATCH_ID not in _ids(result)
-    assert any("no dtype-mismatch" in line for line in result.checked_ok)
+    assert any("no dtype-mismatch" in line for line in ok_lines(result))
     # Backward ops are attributed to the module whose forward call made them.
     backward = [r for r in result.data["ops"] if r["phase"] == "backward" and r["kind"] != "other"]
     assert any(r["module"] == "out" and r["function"] == "linear" for r in backward)
@@ -276,9 +271,10 @@ def test_replay_keeps_shapes_and_strides_and_changes_only_the_compute_dtype() ->
     args, _ = replay_arguments(spec, torch.float32)
     recorded = [t for t in args if isinstance(t, torch.Tensor)]
     assert recorded and all(t.dtype == torch.float32 for t in recorded if t.is_floating_point())
-    fp32, bf16 = bench_pair(spec, torch.float32, torch.bfloat16, lambda: None, repeats=3)
+    fp32, bf16 = bench_pair(spec, torch.float32, torch.bfloat16, lambda: None, repeats=1)
     assert not fp32.error and not bf16.error
-    assert len(fp32.samples) == len(bf16.samples) == 3  # interleaved, one of each per round
+    # Interleaved, one of each per round, and never fewer than the U test needs.
+    assert len(fp32.samples) == len(bf16.samples) == MIN_CALLS
     _, broken = bench_pair(spec, torch.float32, torch.bool, lambda: None)  # no bool matmul
     assert broken.error and not broken.samples
 
@@ -370,7 +366,7 @@ def test_clean_bf16_step_has_no_upcast(tiny: Callable[[str], Workload]) -> None:
     _assert_unchanged(before, workload)
     assert result.status == "ok", result.traceback
     assert not _ids(result) & {UPCAST_ID, DTYPE_MISMATCH_ID, FP32_WEIGHTS_ID, BF16_NOT_NATIVE_ID}
-    line = next(line for line in result.checked_ok if "→ actual" in line)
+    line = next(line for line in ok_lines(result) if "→ actual" in line)
     assert line.startswith("precision: requested bf16-mixed → actual: 100% of GEMM")
     data = result.data
     assert data["compute_share_by_dtype"] == {"bf16": 1.0}
@@ -448,7 +444,7 @@ def test_fp32_lora_weights_in_bf16_full(tiny: Callable[[str], Workload]) -> None
     clean = run_probe(_fast_probe(), _ctx(workload, workload.config))
     assert clean.status == "ok", clean.traceback
     assert not _ids(clean) & {FP32_WEIGHTS_ID, UPCAST_ID}
-    assert any("every weight is bf16" in line for line in clean.checked_ok)
+    assert any("every weight is bf16" in line for line in ok_lines(clean))
 
     lora = [p for n, p in workload.denoiser.named_parameters() if n.startswith(TARGET + ".lora_")]
     assert len(lora) == 2
@@ -480,12 +476,12 @@ def test_fp32_run_skips_the_audit_but_reports_bf16_speed(
     result = run_probe(_fast_probe(), _ctx(workload, workload.config))
     assert result.status == "ok", result.traceback
     assert UPCAST_ID not in _ids(result)
-    assert any("asked for fp32" in line and "skipped" in line for line in result.checked_ok)
+    assert any("asked for fp32" in line and "skipped" in line for line in ok_lines(result))
     comparison = result.data["speed_comparison"]
     assert comparison["low"] == "bf16" and comparison["speedup"] is not None
     # Whichever way the measurement goes on this machine, the fact is reported once.
     training = [f for f in result.findings if f.id == FP32_TRAINING_ID]
-    lines = [line for line in result.checked_ok if "than fp32 here" in line]
+    lines = [line for line in ok_lines(result) if "than fp32 here" in line]
     assert "than fp32 here" in result.data["speed_summary"]
     assert len(training) + len(lines) == 1
     if training:
@@ -497,56 +493,80 @@ def test_fp32_run_skips_the_audit_but_reports_bf16_speed(
 
 
 def _comparison(
-    base_s: float, low_s: float, low: str = "bf16", base: str = "fp32"
+    base_s: float, low_s: float, low: str = "bf16", base: str = "fp32", audited_s: float = 0.01
 ) -> SpeedComparison:
+    """One signature, 10 calls per step, timed 5 times in each dtype with a little spread."""
     row = SignatureBench(
         op="mm",
         shapes="[64, 320] [320, 320]",
         recorded_dtype=low,
         calls=10,
-        base=BenchResult(base, [base_s] * 3),
-        low=BenchResult(low, [low_s] * 3),
+        base=BenchResult(base, [base_s * (1 + 0.01 * i) for i in range(5)]),
+        low=BenchResult(low, [low_s * (1 + 0.01 * i) for i in range(5)]),
+        audited_seconds=audited_s,
     )
     return SpeedComparison(base=base, low=low, rows=[row])
 
 
+#: Audited seconds count as headline seconds one for one, in a run with 0.1 s of compute.
+_SCALE = HeadlineScale(factor=1.0, compute_seconds=0.1, audited_seconds=0.1)
+
+
 def test_bf16_slower_than_fp32_rule() -> None:
-    finding = bf16_slower_rule("bf16-mixed", _comparison(1e-3, 2e-3), 0.05)
+    finding = bf16_slower_rule("bf16-mixed", _comparison(1e-3, 2e-3), _SCALE)
     assert finding is not None and finding.id == BF16_SLOWER_ID
     assert finding.evidence["bf16_over_fp32_time"] == 2.0
-    assert finding.est_seconds_saved_per_it == pytest.approx(0.025)
+    # Half of the measured signatures' 10 ms per iteration; the interval is sure of some of it.
+    assert finding.est_seconds_saved_per_it == pytest.approx(0.005)
+    assert 0 < finding.sure_seconds_saved_per_it <= finding.est_seconds_saved_per_it
     assert finding.saving_basis == "estimated" and "2.00x slower" in finding.title
-    assert bf16_slower_rule("bf16-mixed", _comparison(2e-3, 1e-3), 0.05) is None
+    assert bf16_slower_rule("bf16-mixed", _comparison(2e-3, 1e-3), _SCALE) is None
     # Slower by the medians but within the spread (a busy machine): inconclusive, no finding.
     noisy = _comparison(1e-3, 2e-3)
-    noisy.rows[0].base.samples = [0.5e-3, 1e-3, 3e-3]
-    noisy.rows[0].low.samples = [1e-3, 2e-3, 2.5e-3]
-    assert not noisy.clearly_slower and bf16_slower_rule("bf16-mixed", noisy, 0.05) is None
-    assert bf16_slower_rule("fp32", _comparison(1e-3, 2e-3), 0.05) is None
+    noisy.rows[0].base.samples = [0.5e-3, 1e-3, 3e-3, 2.2e-3, 0.7e-3]
+    noisy.rows[0].low.samples = [1e-3, 2e-3, 2.5e-3, 0.6e-3, 2.1e-3]
+    assert not noisy.clearly_slower and bf16_slower_rule("bf16-mixed", noisy, _SCALE) is None
+    assert bf16_slower_rule("fp32", _comparison(1e-3, 2e-3), _SCALE) is None
+
+
+def test_a_saving_is_never_more_than_the_compute_it_remeasured() -> None:
+    """The 2.08 s/it on a 1.41 s/it run: bf16 80x slower, the audit's op times inflated."""
+    # The audited signatures took 3 s, the audited compute phases 4 s; the headline run spends
+    # 1 s per iteration in its compute phases, so they are a quarter of that.
+    scale = HeadlineScale(factor=0.25, compute_seconds=1.0, audited_seconds=4.0)
+    finding = bf16_slower_rule("bf16-mixed", _comparison(1e-3, 80e-3, audited_s=3.0), scale)
+    assert finding is not None
+    saving = finding.est_seconds_saved_per_it
+    assert saving == pytest.approx(0.75 * (1 - 1 / 80))
+    assert saving <= finding.evidence["measured_signatures_seconds_per_it"] <= 1.0
+    assert "80.00x slower" in finding.title and "%" not in finding.title
+    # However inflated the audit, never more than the run's compute phases.
+    unscaled = HeadlineScale(factor=1.0, compute_seconds=1.0, audited_seconds=3.0)
+    assert unscaled(3.0) == 1.0
 
 
 def test_fp32_training_rule_needs_a_measured_gain() -> None:
-    finding = fp32_training_rule("fp32", _cpu_info(), _comparison(3e-3, 1e-3), 0.09)
+    finding = fp32_training_rule("fp32", _cpu_info(), _comparison(3e-3, 1e-3), _SCALE)
     assert finding is not None and finding.id == FP32_TRAINING_ID
     assert finding.severity == "info" and finding.evidence["speedup"] == 3.0
-    assert finding.est_seconds_saved_per_it == pytest.approx(0.06)
+    assert finding.est_seconds_saved_per_it == pytest.approx(0.01 * (1 - 1 / 3))
     assert "bf16" in finding.fix
-    assert fp32_training_rule("fp32", _cpu_info(), _comparison(1e-3, 1.1e-3), 0.09) is None
-    assert fp32_training_rule("bf16-mixed", _cpu_info(), _comparison(3e-3, 1e-3), 0.09) is None
+    assert fp32_training_rule("fp32", _cpu_info(), _comparison(1e-3, 1.1e-3), _SCALE) is None
+    assert fp32_training_rule("bf16-mixed", _cpu_info(), _comparison(3e-3, 1e-3), _SCALE) is None
 
 
 def test_bf16_not_native_rule() -> None:
     rdna2 = DeviceInfo(kind="rocm", name="AMD Radeon RX 6800 XT", arch="gfx1030")
     fp16 = _comparison(2e-3, 1e-3, low="fp16", base="bf16")
-    finding = bf16_not_native_rule("bf16-mixed", rdna2, False, fp16, 0.1)
+    finding = bf16_not_native_rule("bf16-mixed", rdna2, False, fp16, _SCALE)
     assert finding is not None and finding.id == BF16_NOT_NATIVE_ID
     assert "gfx1030" in finding.title and "fp16" in finding.fix
-    assert finding.est_seconds_saved_per_it == pytest.approx(0.05)
-    assert bf16_not_native_rule("fp16", rdna2, False, fp16, 0.1) is None
+    assert finding.est_seconds_saved_per_it == pytest.approx(0.005)
+    assert bf16_not_native_rule("fp16", rdna2, False, fp16, _SCALE) is None
     rdna3 = DeviceInfo(kind="rocm", name="AMD Radeon RX 7900 XTX", arch="gfx1100")
-    assert bf16_not_native_rule("bf16-mixed", rdna3, True, None, 0.1) is None
+    assert bf16_not_native_rule("bf16-mixed", rdna3, True, None, _SCALE) is None
     old_cpu = _cpu_info(["avx2", "fma"])
-    finding = bf16_not_native_rule("bf16-full", old_cpu, False, None, 0.1)
+    finding = bf16_not_native_rule("bf16-full", old_cpu, False, None, _SCALE)
     assert finding is not None and "fp32" in finding.fix
 
 
@@ -593,7 +613,7 @@ def test_upcast_rule_ignores_policy_and_deliberate_groups() -> None:
             seconds=1e-3,
         ),
     ]
-    assert upcast_rule(log, [], s_per_it=0.1, saving_method="") is None
+    assert upcast_rule(log, [], scale=_SCALE, saving_method="") is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -604,7 +624,7 @@ def test_trace_rule_on_real_gpu_traces(shared_traces: Path) -> None:
     for name in ("rocm/mi300x_resnet_ddp_bf16_train.json.gz", "cuda/h100_bert_small_infer.json.gz"):
         analysis = analyze_trace(shared_traces / name)
         assert UPCAST_ID not in {f.id for f in analysis.findings}, name
-        line = next(line for line in analysis.checked_ok if line.startswith("precision:"))
+        line = next(line for line in ok_lines(analysis) if line.startswith("precision:"))
         assert "bf16" in line and "actual: 100% of GEMM/conv/attention time in bf16" in line
     minitoy = analyze_trace(shared_traces / "rocm/mi250_minitoy_train.json.gz")
     ids = {f.id for f in minitoy.findings}

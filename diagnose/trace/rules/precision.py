@@ -7,7 +7,8 @@ inner one (and its ``aten::addmm``) is what ran, so children decide.
 
 Which ops are judged, how dtypes are read and what counts as deliberate fp32 (a rotary embedding
 module) come from :mod:`diagnose.precision_policy`, which the ``precision`` probe shares, so a
-trace and a run call the same op the same thing under the same finding id.
+trace and a run call the same op the same thing; the ids, thresholds and wording come from
+:mod:`diagnose.catalogs.precision_catalog`, which the probe shares too.
 """
 
 from __future__ import annotations
@@ -17,20 +18,23 @@ from typing import Any
 
 import numpy as np
 
-from diagnose.precision_policy import (
+from diagnose.catalogs.precision_catalog import (
     ASSUMED_LOW_PRECISION_SPEEDUP,
     FP32_TRAINING_ID,
-    LOW_PRECISION_DTYPES,
+    LOW_PRECISION_RUN_SHARE,
     TRAINING_FACTOR,
-    UPCAST_FIX,
     UPCAST_ID,
+    fp32_training_finding,
+    upcast_finding,
+)
+from diagnose.precision_policy import (
+    LOW_PRECISION_DTYPES,
     claimed_vs_actual,
     deliberate_reason,
     is_attention_op,
     is_compute_op,
     judge,
     majority_dtype,
-    mixed_precision_fix,
     normalize_dtype,
     op_kind,
     recommended_low_dtype,
@@ -41,8 +45,6 @@ from diagnose.trace.context import TraceContext
 from diagnose.trace.rules import ms, pct
 
 RULE = "precision"
-#: The run counts as low-precision when this share of its compute calls ran in bf16/fp16/fp8.
-LOW_PRECISION_RUN_SHARE = 0.5
 
 
 def op_dtype(types: str) -> str | None:
@@ -179,7 +181,7 @@ def check(ctx: TraceContext) -> ProbeResult:
                 + f"; no fp32 upcasts ({actual})",
             )
             return result
-        result.findings.append(_upcast_finding(ctx, unexpected, cost, low_names, judged_time))
+        result.add_finding(_upcast_finding(ctx, unexpected, cost, low_names, judged_time))
         return result
 
     if not ctx.is_training:
@@ -193,7 +195,7 @@ def check(ctx: TraceContext) -> ProbeResult:
     if not fp32_time and not count_by_dtype.get("fp32"):
         result.add_not_judged(UPCAST_ID, "precision: compute ran in neither fp32 nor bf16/fp16")
         return result
-    result.findings.append(_fp32_training_finding(ctx, fp32, cost, fp32_time, judged_time))
+    result.add_finding(_fp32_training_finding(ctx, fp32, cost, fp32_time, judged_time))
     return result
 
 
@@ -248,14 +250,12 @@ def _upcast_finding(
     names = sorted({row["op"] for row in table})
     saving = seconds * (1 - 1 / ASSUMED_LOW_PRECISION_SPEEDUP)
     top = table[0] if table else {}
-    return Finding(
-        id=UPCAST_ID,
-        category="precision",
-        severity="warn",
-        title=(
-            f"{len(fp32) / n:.0f} matmul/conv call(s) per step ran in fp32 in a {low_names} run "
-            f"({', '.join(names[:3])}; {ms(forward_seconds)}/step forward)"
-        ),
+    return upcast_finding(
+        calls_per_step=len(fp32) / n,
+        run=low_names,
+        where=", ".join(names[:3]),
+        fp32_seconds=forward_seconds,
+        seconds_label="forward",
         evidence={
             "fp32_forward_calls_per_step": len(fp32) / n,
             "fp32_forward_seconds_per_step": forward_seconds,
@@ -267,11 +267,10 @@ def _upcast_finding(
             "ops": table,
             "largest": top,
         },
-        est_seconds_saved_per_it=saving,
-        saving_basis="estimated",
-        fix=UPCAST_FIX,
+        saving=saving,
+        basis="estimated",
         detail=(
-            f"These are the lowest-level compute ops of their calls, so autocast did not lower "
+            "These are the lowest-level compute ops of their calls, so autocast did not lower "
             "them: their inputs really were fp32. At about "
             f"{ASSUMED_LOW_PRECISION_SPEEDUP:.0f}x for {low_names} over fp32"
             + (" (backward assumed 2x forward)" if ctx.is_training else "")
@@ -290,14 +289,12 @@ def _fp32_training_finding(
     saving = seconds * (1 - 1 / ASSUMED_LOW_PRECISION_SPEEDUP)
     low = recommended_low_dtype(ctx.device.info)
     on_cpu = ctx.device.info.kind == "cpu"
-    return Finding(
-        id=FP32_TRAINING_ID,
-        category="precision",
-        severity="info",
-        title=(
-            f"Training computes in fp32 ({len(fp32) / n:.0f} matmul/conv calls per step in the "
-            f"forward pass, {ms(forward_seconds)}/step)"
+    return fp32_training_finding(
+        how_known=(
+            f"{len(fp32) / n:.0f} matmul/conv calls per step in the forward pass, "
+            f"{ms(forward_seconds)}/step"
         ),
+        low=low,
         evidence={
             "fp32_forward_calls_per_step": len(fp32) / n,
             "fp32_forward_seconds_per_step": forward_seconds,
@@ -305,10 +302,8 @@ def _fp32_training_finding(
             "share_of_forward_compute_time": fp32_time / judged_time if judged_time else None,
             "ops": _offender_table(ctx, fp32, cost),
         },
-        est_seconds_saved_per_it=None if on_cpu else saving,
-        saving_basis="none" if on_cpu else "estimated",
-        fix=mixed_precision_fix(low)
-        + (" This GPU has no fast bf16, hence fp16." if low == "fp16" else ""),
+        saving=None if on_cpu else saving,
+        basis="estimated",
         detail=(
             "Every judged matmul and convolution ran on fp32 inputs. Mixed precision runs them "
             f"on the {'matrix' if ctx.device.info.kind == 'rocm' else 'tensor'} cores; at about "
@@ -320,5 +315,6 @@ def _fp32_training_finding(
                 else "."
             )
         ),
+        no_fast_bf16=low == "fp16",
         source=f"trace:{RULE}",
     )
