@@ -13,21 +13,15 @@ question, "which attention implementation ran?", from the same names:
   Composable Kernel fmha, xFormers;
 - a hand-written ``matmul → softmax → matmul`` outside any SDPA op.
 
-The finding ids, the fixes in users' words (kohya flags, diffusers calls, environment variables)
-and the ROCm architecture rule live here too, so that the probe and the rule never disagree.
-This module imports nothing heavy (no torch).
+The ROCm architecture rule lives here too. The finding ids, their wording and the fixes in users'
+words are in :mod:`diagnose.catalogs.attention_catalog`. This module imports nothing heavy (no
+torch).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-#: Finding ids (stable: the CI gate diffs findings by id).
-MATH_ID = "attention.math_fallback"
-MANUAL_ID = "attention.unfused_manual"
-SLOWER_ID = "attention.slower_backend"
-XFORMERS_ID = "attention.xformers_unavailable"
 
 #: Path names, as records store them.
 MATH = "math"
@@ -166,55 +160,7 @@ def env_enabled(value: str | None) -> bool:
     return (value or "").strip().upper() in {"1", "ON", "TRUE", "YES", "Y"}
 
 
-# --------------------------------------------------------------------------------------------
-# Fixes, in the words of the trainers LoRA users run
-
-#: How to select each backend the probe benchmarks.
-BACKEND_SWITCH: dict[str, str] = {
-    "flash": (
-        "diffusers: model.set_attention_backend('_native_flash') or "
-        "DIFFUSERS_ATTN_BACKEND=_native_flash; own code: "
-        "torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION); kohya: --sdpa (torch picks)"
-    ),
-    "efficient": (
-        "diffusers: model.set_attention_backend('_native_efficient') or "
-        "DIFFUSERS_ATTN_BACKEND=_native_efficient; own code: "
-        "torch.nn.attention.sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION); kohya: --sdpa "
-        "(torch picks)"
-    ),
-    "cudnn": (
-        "diffusers: model.set_attention_backend('_native_cudnn') or "
-        "DIFFUSERS_ATTN_BACKEND=_native_cudnn; own code: "
-        "torch.nn.attention.sdpa_kernel(SDPBackend.CUDNN_ATTENTION)"
-    ),
-    "math": (
-        "diffusers: model.set_attention_backend('_native_math') or "
-        "DIFFUSERS_ATTN_BACKEND=_native_math; own code: "
-        "torch.nn.attention.sdpa_kernel(SDPBackend.MATH)"
-    ),
-    "xformers": (
-        "kohya: --xformers; diffusers: model.enable_xformers_memory_efficient_attention() "
-        "(UNet, SD3) or model.set_attention_backend('xformers') (Flux, Z-Image), "
-        "DIFFUSERS_ATTN_BACKEND=xformers"
-    ),
-    "flash_attn": (
-        "diffusers: model.set_attention_backend('flash') or DIFFUSERS_ATTN_BACKEND=flash "
-        "(needs the flash-attn package built for this torch)"
-    ),
-}
-
-#: Readable names of the benchmarked backends.
-BACKEND_LABELS: dict[str, str] = {
-    "flash": "SDPA flash",
-    "efficient": "SDPA memory-efficient",
-    "cudnn": "SDPA cuDNN",
-    "math": "SDPA math (unfused)",
-    "manual": "hand-written softmax(QKᵀ)V",
-    "xformers": "xFormers memory_efficient_attention",
-    "flash_attn": "flash-attn flash_attn_func",
-}
-
-#: The benchmark backend that corresponds to a path that ran (provider-specific ones first).
+#: The path each benchmark backend stands for, when it ran (provider-specific ones first).
 _PATH_BACKEND: dict[tuple[str, str], str] = {
     (FLASH, "xFormers"): "xformers",
     (EFFICIENT, "xFormers"): "xformers",
@@ -234,77 +180,7 @@ def backend_for_path(path: str, provider: str = "torch SDPA") -> str | None:
     return _PATH_BACKEND.get((path, provider)) or _PATH_DEFAULT_BACKEND.get(path)
 
 
-def math_fix(
-    device_kind: str,
-    arch: str = "",
-    *,
-    forced: bool = False,
-    fp32_inputs: bool = False,
-    dropout: bool = False,
-    rocm_experimental_missing: bool = False,
-) -> str:
-    """What to change when SDPA ran its math path, most specific cause first."""
-    parts: list[str] = []
-    if rocm_experimental_missing or (device_kind == "rocm" and rocm_needs_experimental(arch)):
-        parts.append(
-            f"Start the trainer with {ROCM_EXPERIMENTAL_ENV}=1 (export it before launching): on "
-            f"{arch or 'RDNA3/RDNA4'} torch's AOTriton flash and memory-efficient kernels are "
-            "experimental and off without it"
-        )
-    elif device_kind == "rocm" and not arch:  # a trace that does not name the GPU
-        parts.append(
-            f"On RDNA3/RDNA4 GPUs (gfx11xx, gfx12xx) start the trainer with "
-            f"{ROCM_EXPERIMENTAL_ENV}=1: torch's AOTriton fused kernels are off there without it"
-        )
-    if forced:
-        parts.append(
-            "Remove what forces the math backend: torch.nn.attention.sdpa_kernel(SDPBackend.MATH), "
-            "torch.backends.cuda.enable_flash_sdp(False) / enable_mem_efficient_sdp(False) (on "
-            "the CPU enable_flash_sdp(False) also turns off the CPU's fused kernel), diffusers "
-            "DIFFUSERS_ATTN_BACKEND=_native_math or set_attention_backend('_native_math')"
-        )
-    if dropout:
-        parts.append(
-            "Set attention dropout to 0 (kohya and diffusers LoRA training use none): no fused "
-            "CPU kernel supports dropout"
-            if device_kind == "cpu"
-            else "Set attention dropout to 0"
-        )
-    if fp32_inputs and device_kind in ("cuda", "rocm"):
-        parts.append(
-            "Train in bf16 or fp16 mixed precision (kohya --mixed_precision bf16, accelerate "
-            "--mixed_precision bf16): the flash kernel takes only fp16/bf16"
-        )
-    if forced or device_kind == "rocm" or not parts:
-        # The usual trainer-level switches; dropout or dtype alone are fixed where they are set.
-        parts.append(
-            "kohya: pass --sdpa (or --xformers), never neither; diffusers uses SDPA by default "
-            "(model.set_attention_backend('native') undoes a forced backend)"
-        )
-    return "; ".join(parts) + "."
-
-
-MANUAL_FIX = (
-    "Compute attention with torch.nn.functional.scaled_dot_product_attention: diffusers "
-    "model.set_attn_processor(AttnProcessor2_0()) (or model.set_default_attn_processor()) instead "
-    "of a hand-written processor or the legacy AttnProcessor; kohya: pass --sdpa or --xformers "
-    "(without either, and with --mem_eff_attn, it computes softmax(QKᵀ)V by hand)."
-)
-
-
-def xformers_fix(torch_version: str = "") -> str:
-    """Reinstall xFormers against the installed torch."""
-    pin = f"torch {torch_version}" if torch_version else "the installed torch"
-    return (
-        f"Reinstall the xFormers wheel built for {pin} (pip install -U xformers --index-url "
-        "the index your torch came from), or drop --xformers and use --sdpa (kohya) / the "
-        "default SDPA processors (diffusers)."
-    )
-
-
 __all__ = [
-    "BACKEND_LABELS",
-    "BACKEND_SWITCH",
     "CUDNN",
     "EFFICIENT",
     "FLASH",
@@ -312,23 +188,16 @@ __all__ = [
     "FUSED_OTHER",
     "FUSED_PATHS",
     "MANUAL",
-    "MANUAL_FIX",
-    "MANUAL_ID",
     "MATH",
-    "MATH_ID",
     "MATMUL_OPS",
     "ROCM_EXPERIMENTAL_ENV",
-    "SLOWER_ID",
     "SOFTMAX_OPS",
-    "XFORMERS_ID",
     "KernelFamily",
     "OpKind",
     "backend_for_path",
     "classify_op",
     "env_enabled",
     "kernel_family",
-    "math_fix",
     "op_path",
     "rocm_needs_experimental",
-    "xformers_fix",
 ]

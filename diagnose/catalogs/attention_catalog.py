@@ -1,8 +1,20 @@
-"""What the project knows about attention: finding ids, thresholds, wording, fixes."""
+"""What the project knows about attention: finding ids, the questions asked, thresholds, wording
+and fixes.
+
+The attention probe (``diagnose run``, which profiles a step and microbenchmarks every backend) and
+the attention trace rule (any Kineto trace) both build their findings here, so the math fallback
+reads the same whichever way it was found. Which op or kernel is which path lives in
+:mod:`diagnose.attention_paths`; what to do about it lives here. Torch-free.
+"""
 
 from __future__ import annotations
 
-from diagnose.catalogs import FindingSpec
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from diagnose.attention_paths import ROCM_EXPERIMENTAL_ENV, rocm_needs_experimental
+from diagnose.catalogs import FindingSpec, in_trainers
+from diagnose.record import Basis, Finding
 
 #: The phases in which attention runs.
 ATTENTION_PHASES = ("encode", "forward", "backward")
@@ -13,6 +25,9 @@ MATH_FALLBACK = FindingSpec(
     "attention ran SDPA's unfused math path",
     ("probe", "trace"),
     phases=ATTENTION_PHASES,
+    # Without a measured saving (no fused kernel could run the inputs here) the fallback is still
+    # worth a warning: on the user's GPU it is usually the largest attention cost.
+    severity_without_saving="warn",
 )
 UNFUSED_MANUAL = FindingSpec(
     "attention.unfused_manual",
@@ -20,6 +35,7 @@ UNFUSED_MANUAL = FindingSpec(
     "attention is computed by hand with `bmm → softmax → bmm`",
     ("probe", "trace"),
     phases=ATTENTION_PHASES,
+    severity_without_saving="warn",
 )
 SLOWER_BACKEND = FindingSpec(
     "attention.slower_backend",
@@ -36,3 +52,365 @@ XFORMERS_UNAVAILABLE = FindingSpec(
     phases=ATTENTION_PHASES,
 )
 SPECS = (MATH_FALLBACK, UNFUSED_MANUAL, SLOWER_BACKEND, XFORMERS_UNAVAILABLE)
+
+#: Finding ids (stable: the CI gate diffs findings by id). Each is also the id of the question
+#: whose "found fine" answer excludes it.
+MATH_ID = MATH_FALLBACK.id
+MANUAL_ID = UNFUSED_MANUAL.id
+SLOWER_ID = SLOWER_BACKEND.id
+XFORMERS_ID = XFORMERS_UNAVAILABLE.id
+
+#: Questions that cannot end in a finding: why an answer is partial, or what was not measured.
+#: Were all attention signatures of the step microbenchmarked (the cheapest are left out)?
+COVERAGE_CHECK = "attention.signatures_benchmarked"
+#: Were the per-call times taken at the step's own thread count (a CPU run benchmarks on fewer)?
+THREADS_CHECK = "attention.benchmark_threads"
+#: Was each backend's peak memory measured (the CPU allocator keeps no peak)?
+MEMORY_CHECK = "attention.memory_per_backend"
+#: Does the flash-attn package import and match this torch (its backend is benchmarked if so)?
+FLASH_ATTN_CHECK = "attention.flash_attn_package"
+
+# --------------------------------------------------------------------------------------------
+# Thresholds that decide whether a finding is raised (severity is diagnose.verdicts' alone)
+
+#: A backend counts as faster only when its median and lower quartile both beat those of the one
+#: that ran by this share: a smaller gain is noise between kernels that a rerun can reverse.
+MIN_RELATIVE_GAIN = 0.10
+#: A faster fused backend is worth a finding from this share of s/it (or, without a measured
+#: s/it, from this many seconds per step): below, switching kernels is not worth the user's time.
+MIN_SHARE_OF_S_PER_IT = 0.01
+MIN_ABSOLUTE_SAVING_S = 0.5e-3
+
+# --------------------------------------------------------------------------------------------
+# Wording
+
+#: Readable names of the benchmarked backends.
+BACKEND_LABELS: dict[str, str] = {
+    "flash": "SDPA flash",
+    "efficient": "SDPA memory-efficient",
+    "cudnn": "SDPA cuDNN",
+    "math": "SDPA math (unfused)",
+    "manual": "hand-written softmax(QKᵀ)V",
+    "xformers": "xFormers memory_efficient_attention",
+    "flash_attn": "flash-attn flash_attn_func",
+}
+
+
+def _sdpa_switch(diffusers_name: str, sdp_backend: str, kohya: str = "") -> str:
+    return in_trainers(
+        f"own code and Lightning: torch.nn.attention.sdpa_kernel(SDPBackend.{sdp_backend})",
+        kohya=kohya,
+        diffusers=(
+            f"model.set_attention_backend('{diffusers_name}') or "
+            f"DIFFUSERS_ATTN_BACKEND={diffusers_name}"
+        ),
+    )
+
+
+#: How to select each backend the probe benchmarks.
+BACKEND_SWITCH: dict[str, str] = {
+    "flash": _sdpa_switch("_native_flash", "FLASH_ATTENTION", "--sdpa (torch picks)"),
+    "efficient": _sdpa_switch("_native_efficient", "EFFICIENT_ATTENTION", "--sdpa (torch picks)"),
+    "cudnn": _sdpa_switch("_native_cudnn", "CUDNN_ATTENTION"),
+    "math": _sdpa_switch("_native_math", "MATH"),
+    "xformers": in_trainers(
+        kohya="--xformers",
+        diffusers=(
+            "model.enable_xformers_memory_efficient_attention() (UNet, SD3) or "
+            "model.set_attention_backend('xformers') (Flux, Z-Image), "
+            "DIFFUSERS_ATTN_BACKEND=xformers"
+        ),
+    ),
+    "flash_attn": in_trainers(
+        "needs the flash-attn package built for this torch",
+        diffusers="model.set_attention_backend('flash') or DIFFUSERS_ATTN_BACKEND=flash",
+    ),
+}
+
+
+def ms_text(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _count(value: float) -> str:
+    return f"{value:.0f}" if abs(value - round(value)) < 0.05 else f"{value:.1f}"
+
+
+# --------------------------------------------------------------------------------------------
+# Fixes, in the words of the trainers LoRA users run
+
+#: The trainer-level switch that picks a fused attention.
+_USE_SDPA = in_trainers(
+    kohya="pass --sdpa (or --xformers), never neither",
+    diffusers=(
+        "SDPA is the default (model.set_attention_backend('native') undoes a forced backend)"
+    ),
+    lightning="call torch.nn.functional.scaled_dot_product_attention with no backend forced",
+)
+
+
+def math_fix(
+    device_kind: str,
+    arch: str = "",
+    *,
+    forced: bool = False,
+    fp32_inputs: bool = False,
+    dropout: bool = False,
+    rocm_experimental_missing: bool = False,
+) -> str:
+    """What to change when SDPA ran its math path, most specific cause first."""
+    parts: list[str] = []
+    if rocm_experimental_missing or (device_kind == "rocm" and rocm_needs_experimental(arch)):
+        parts.append(
+            f"Start the trainer with {ROCM_EXPERIMENTAL_ENV}=1 (export it before launching): on "
+            f"{arch or 'RDNA3/RDNA4'} torch's AOTriton flash and memory-efficient kernels are "
+            "experimental and off without it"
+        )
+    elif device_kind == "rocm" and not arch:  # a trace that does not name the GPU
+        parts.append(
+            f"On RDNA3/RDNA4 GPUs (gfx11xx, gfx12xx) start the trainer with "
+            f"{ROCM_EXPERIMENTAL_ENV}=1: torch's AOTriton fused kernels are off there without it"
+        )
+    if forced:
+        parts.append(
+            "Remove what forces the math backend: torch.nn.attention.sdpa_kernel(SDPBackend.MATH), "
+            "torch.backends.cuda.enable_flash_sdp(False) / enable_mem_efficient_sdp(False) (on "
+            "the CPU enable_flash_sdp(False) also turns off the CPU's fused kernel), diffusers "
+            "DIFFUSERS_ATTN_BACKEND=_native_math or set_attention_backend('_native_math')"
+        )
+    if dropout:
+        parts.append(
+            "Set attention dropout to 0 (kohya and diffusers LoRA training use none): no fused "
+            "CPU kernel supports dropout"
+            if device_kind == "cpu"
+            else "Set attention dropout to 0"
+        )
+    if fp32_inputs and device_kind in ("cuda", "rocm"):
+        parts.append(
+            "Train in bf16 or fp16 mixed precision (kohya --mixed_precision bf16, accelerate "
+            "--mixed_precision bf16): the flash kernel takes only fp16/bf16"
+        )
+    if forced or device_kind == "rocm" or not parts:
+        # The usual trainer-level switches; dropout or dtype alone are fixed where they are set.
+        parts.append(_USE_SDPA)
+    return "; ".join(p.rstrip(".") for p in parts) + "."
+
+
+MANUAL_FIX = (
+    in_trainers(
+        "Compute attention with torch.nn.functional.scaled_dot_product_attention",
+        kohya="pass --sdpa or --xformers (without either, and with --mem_eff_attn, it computes "
+        "softmax(QKᵀ)V by hand)",
+        diffusers="model.set_attn_processor(AttnProcessor2_0()) (or "
+        "model.set_default_attn_processor()) instead of a hand-written processor or the legacy "
+        "AttnProcessor",
+    )
+    + "."
+)
+
+
+def xformers_fix(torch_version: str = "") -> str:
+    """Reinstall xFormers against the installed torch, or do without it."""
+    pin = f"torch {torch_version}" if torch_version else "the installed torch"
+    return in_trainers(
+        f"Reinstall the xFormers wheel built for {pin} (pip install -U xformers --index-url "
+        "the index your torch came from), or do without it",
+        kohya="drop --xformers and pass --sdpa",
+        diffusers="the default SDPA processors (do not call "
+        "enable_xformers_memory_efficient_attention)",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Builders: the one wording of each finding
+
+_MATH_LEAD = (
+    "scaled_dot_product_attention dispatched to _scaled_dot_product_attention_math, which "
+    "materialises the full B·H·Lq·Lk attention matrix (and keeps it for the backward) instead of "
+    "running a fused kernel."
+)
+_MANUAL_LEAD = (
+    " multiplies queries and keys, takes a softmax and multiplies by the values as separate ops, "
+    "outside scaled_dot_product_attention, so no fused kernel can run and the full attention "
+    "matrix is kept for the backward."
+)
+
+
+def _measured_tail(faster_with: str | None, saving: float | None) -> str:
+    if faster_with and saving:
+        return f" — measured {ms_text(saving)}/it faster with {faster_with}"
+    return ""
+
+
+def math_fallback(
+    *,
+    calls: float,
+    total_calls: float | None = None,
+    seconds_per_step: float | None = None,
+    faster_with: str | None = None,
+    why: Sequence[str] = (),
+    how_measured: str = "",
+    fix: str,
+    evidence: Mapping[str, Any],
+    saving: float | None,
+    sure_saving: float | None = None,
+    basis: Basis = "none",
+    source: str = "",
+) -> Finding:
+    """``attention.math_fallback``: ``calls`` per step (of ``total_calls``) ran SDPA's math path;
+    ``faster_with`` names the backend measured faster, ``how_measured`` says how the saving was
+    obtained (or why there is none)."""
+    of = f" of {_count(total_calls)}" if total_calls is not None else ""
+    took = f", {ms_text(seconds_per_step)}/step" if seconds_per_step is not None else ""
+    title = (
+        f"Attention ran on the unfused math path in {_count(calls)}{of} calls per step{took}"
+        + _measured_tail(faster_with, saving)
+    )
+    reasons = "; ".join(why)
+    detail = _MATH_LEAD + (f" Why: {reasons}." if reasons else "") + how_measured
+    return MATH_FALLBACK.build(
+        title,
+        fix=fix,
+        evidence=evidence,
+        saving=saving,
+        sure_saving=sure_saving,
+        basis=basis,
+        detail=detail,
+        source=source,
+    )
+
+
+def unfused_manual(
+    *,
+    calls: float,
+    processors: str = "",
+    modules: str = "",
+    seconds_per_step: float | None = None,
+    faster_with: str | None = None,
+    how_measured: str = "",
+    fix_extra: str = "",
+    evidence: Mapping[str, Any],
+    saving: float | None,
+    sure_saving: float | None = None,
+    basis: Basis = "none",
+    source: str = "",
+) -> Finding:
+    """``attention.unfused_manual``: ``calls`` per step compute softmax(QKᵀ)V by hand (by
+    ``processors`` on ``modules``, when known)."""
+    by = f" by {processors}" if processors else ""
+    took = f", {ms_text(seconds_per_step)}/step forward" if seconds_per_step is not None else ""
+    title = (
+        f"Attention is computed by hand (matmul → softmax → matmul){by} in {_count(calls)} calls "
+        f"per step{took}" + _measured_tail(faster_with, saving)
+    )
+    who = f"{processors} on {modules}" if processors and modules else "The forward pass"
+    return UNFUSED_MANUAL.build(
+        title,
+        fix=MANUAL_FIX + (f" {fix_extra}" if fix_extra else ""),
+        evidence=evidence,
+        saving=saving,
+        sure_saving=sure_saving,
+        basis=basis,
+        detail=who + _MANUAL_LEAD + how_measured,
+        source=source,
+    )
+
+
+def slower_backend(
+    *,
+    ran: str,
+    calls: float,
+    best: str,
+    best_label: str,
+    how_measured: str,
+    evidence: Mapping[str, Any],
+    saving: float,
+    sure_saving: float | None,
+) -> Finding:
+    """``attention.slower_backend``: the fused ``ran`` is measured ``saving`` s/it slower than
+    ``best``."""
+    return SLOWER_BACKEND.build(
+        f"{ran} ran for {_count(calls)} attention calls per step; {best_label} is measured "
+        f"{ms_text(saving)}/it faster",
+        fix=f"Select {BACKEND_LABELS.get(best, best)}: {BACKEND_SWITCH.get(best, best)}.",
+        evidence=evidence,
+        saving=saving,
+        sure_saving=sure_saving,
+        basis="measured",
+        detail=(
+            "A fused kernel ran, but another backend that runs on this device is faster at the "
+            "model's attention inputs." + how_measured
+        ),
+    )
+
+
+def xformers_unavailable(
+    *, summary: str, torch_version: str, evidence: Mapping[str, Any]
+) -> Finding:
+    """``attention.xformers_unavailable``: xFormers was asked for, or is installed and broken."""
+    return XFORMERS_UNAVAILABLE.build(
+        f"xFormers is unavailable: {summary}",
+        fix=xformers_fix(torch_version),
+        evidence=evidence,
+        detail=(
+            "A trainer told to use xFormers (kohya --xformers, diffusers "
+            "enable_xformers_memory_efficient_attention) fails or quietly falls back when the "
+            "installed xFormers does not load with this torch; SDPA is used instead. The "
+            "attention table says what actually ran and what each backend costs here."
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# "Checked and found fine" wording shared by the probe and the trace rule
+
+
+def no_math_text(fused_calls: float, total_calls: float, kinds: str) -> str:
+    """The answer to ``attention.math_fallback`` when no call ran the math path."""
+    if fused_calls >= total_calls:
+        return (
+            f"attention: all {_count(fused_calls)} of {_count(total_calls)} calls per step ran "
+            f"fused kernels ({kinds})"
+        )
+    return (
+        f"attention: no call ran SDPA's math path ({_count(fused_calls)} of "
+        f"{_count(total_calls)} calls per step ran fused kernels: {kinds})"
+    )
+
+
+NO_MANUAL_TEXT = (
+    "attention: no hand-written attention (matmul → softmax → matmul outside SDPA) was found"
+)
+
+
+__all__ = [
+    "ATTENTION_PHASES",
+    "BACKEND_LABELS",
+    "BACKEND_SWITCH",
+    "COVERAGE_CHECK",
+    "FLASH_ATTN_CHECK",
+    "MANUAL_FIX",
+    "MANUAL_ID",
+    "MATH_FALLBACK",
+    "MATH_ID",
+    "MEMORY_CHECK",
+    "MIN_ABSOLUTE_SAVING_S",
+    "MIN_RELATIVE_GAIN",
+    "MIN_SHARE_OF_S_PER_IT",
+    "NO_MANUAL_TEXT",
+    "SLOWER_BACKEND",
+    "SLOWER_ID",
+    "SPECS",
+    "THREADS_CHECK",
+    "UNFUSED_MANUAL",
+    "XFORMERS_ID",
+    "XFORMERS_UNAVAILABLE",
+    "math_fallback",
+    "math_fix",
+    "ms_text",
+    "no_math_text",
+    "slower_backend",
+    "unfused_manual",
+    "xformers_fix",
+    "xformers_unavailable",
+]

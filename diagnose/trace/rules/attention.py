@@ -17,6 +17,7 @@ import numpy as np
 
 from diagnose import attention_paths
 from diagnose.attention_paths import classify_op, kernel_family
+from diagnose.catalogs import attention_catalog as ac
 from diagnose.record import Finding, ProbeResult
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
@@ -24,8 +25,8 @@ from diagnose.trace.kernels import KERNEL_CLASSES, short_kernel_name
 from diagnose.trace.rules import ms
 
 RULE = "attention"
-MATH_ID = attention_paths.MATH_ID
-MANUAL_ID = attention_paths.MANUAL_ID
+MATH_ID = ac.MATH_ID
+MANUAL_ID = ac.MANUAL_ID
 #: A fused kernel is about this much faster than the math path or a hand-written bmm/softmax/bmm
 #: (2-4x is usual for diffusion shapes; the conservative end is used for the estimate).
 FUSED_SPEEDUP = 2.0
@@ -88,9 +89,9 @@ def check(ctx: TraceContext) -> ProbeResult:
         stats[attention_paths.MANUAL] = manual
 
     if not stats and ctx.has_device:
-        fused = _fused_kernels(ctx)
-        if fused.seconds > 0:
-            stats["fused (from kernels)"] = fused
+        from_kernels = _fused_kernels(ctx)
+        if from_kernels.seconds > 0:
+            stats[attention_paths.FROM_KERNELS] = from_kernels
 
     result.data = {
         "paths": [
@@ -115,12 +116,15 @@ def check(ctx: TraceContext) -> ProbeResult:
         )
         return result
 
-    for path, stat in stats.items():
-        if path == attention_paths.MATH:
-            result.findings.append(_math_finding(ctx, stat))
-        elif path == attention_paths.MANUAL:
-            result.findings.append(_manual_finding(ctx, stat))
-        else:
+    # One answer per question: the fused paths are "found fine" for the math question only when
+    # no call ran the math path, and the hand-written question is answered only where host ops
+    # were recorded (a device-only trace cannot show a matmul → softmax → matmul).
+    unfused = (attention_paths.MATH, attention_paths.MANUAL)
+    fused = {path: stat for path, stat in stats.items() if path not in unfused}
+    if attention_paths.MATH in stats:
+        result.add_finding(_math_finding(ctx, stats[attention_paths.MATH]))
+    else:
+        for path, stat in fused.items():
             kernel = stat.kernels.most_common(1)[0][0] if stat.kernels else ""
             via = f" (`{short_kernel_name(kernel, 60)}`)" if kernel else ""
             calls = f"{stat.calls / n:.0f} calls/step, " if stat.calls else ""
@@ -128,6 +132,10 @@ def check(ctx: TraceContext) -> ProbeResult:
                 MATH_ID,
                 f"attention: the fused {path} path ran{via}: {calls}{ms(stat.seconds / n)}/step",
             )
+    if attention_paths.MANUAL in stats:
+        result.add_finding(_manual_finding(ctx, stats[attention_paths.MANUAL]))
+    elif len(host):
+        result.add_ok(MANUAL_ID, ac.NO_MANUAL_TEXT)
     return result
 
 
@@ -212,7 +220,7 @@ def _manual_attention(
 
 def _fix_for(ctx: TraceContext, fp32_inputs: bool) -> str:
     info = ctx.device.info
-    return attention_paths.math_fix(info.kind, info.arch, forced=True, fp32_inputs=fp32_inputs)
+    return ac.math_fix(info.kind, info.arch, forced=True, fp32_inputs=fp32_inputs)
 
 
 def _estimate(ctx: TraceContext, forward_seconds: float) -> float:
@@ -220,30 +228,36 @@ def _estimate(ctx: TraceContext, forward_seconds: float) -> float:
     return forward_seconds * factor * (1 - 1 / FUSED_SPEEDUP)
 
 
+def _how_estimated(ctx: TraceContext, saving: float) -> str:
+    return (
+        f" At about {FUSED_SPEEDUP:.0f}x for a fused kernel"
+        + (" (backward assumed 2x forward)" if ctx.is_training else "")
+        + f" the estimate is {ms(saving)} per step."
+    )
+
+
 def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
     n = ctx.n_steps
     seconds = stat.seconds / n
     dtypes = [d for d, _ in stat.dtypes.most_common(2) if d]
-    why = ""
+    why: list[str] = []
     fp32_inputs = any(d.split(", ")[0] == "float" for d in dtypes)
     if fp32_inputs and ctx.device.info.kind != "cpu":
-        why = " The inputs are fp32: the flash kernel needs fp16/bf16."
+        why.append("the inputs are fp32: the flash kernel needs fp16/bf16")
     if ctx.device.info.kind == "rocm" and attention_paths.rocm_needs_experimental(
         ctx.device.info.arch
     ):
-        why += (
-            f" On {ctx.device.info.arch} the fused kernels are off unless "
-            f"{attention_paths.ROCM_EXPERIMENTAL_ENV}=1."
+        why.append(
+            f"on {ctx.device.info.arch} the fused kernels are off unless "
+            f"{attention_paths.ROCM_EXPERIMENTAL_ENV}=1"
         )
     saving = _estimate(ctx, seconds)
-    return Finding(
-        id=MATH_ID,
-        category="attention",
-        severity="warn",
-        title=(
-            f"Attention ran on the unfused math path ({stat.calls / n:.0f} calls/step, "
-            f"{ms(seconds)}/step)"
-        ),
+    return ac.math_fallback(
+        calls=stat.calls / n,
+        seconds_per_step=seconds,
+        why=why,
+        how_measured=_how_estimated(ctx, saving),
+        fix=_fix_for(ctx, fp32_inputs),
         evidence={
             "calls_per_step": stat.calls / n,
             "seconds_per_step": seconds,
@@ -252,16 +266,8 @@ def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
             "input_types": dtypes,
             "device": ctx.device.info.name,
         },
-        est_seconds_saved_per_it=saving,
-        saving_basis="estimated",
-        fix=_fix_for(ctx, fp32_inputs),
-        detail=(
-            "scaled_dot_product_attention dispatched to _scaled_dot_product_attention_math, which "
-            "materialises the full attention matrix (bmm, softmax, bmm) instead of a fused "
-            f"kernel.{why} At about {FUSED_SPEEDUP:.0f}x for a fused kernel"
-            + (" (backward assumed 2x forward)" if ctx.is_training else "")
-            + f" the estimate is {ms(saving)} per step."
-        ),
+        saving=saving,
+        basis="estimated",
         source=f"trace:{RULE}",
     )
 
@@ -270,14 +276,10 @@ def _manual_finding(ctx: TraceContext, stat: PathStat) -> Finding:
     n = ctx.n_steps
     seconds = stat.seconds / n
     saving = _estimate(ctx, seconds)
-    return Finding(
-        id=MANUAL_ID,
-        category="attention",
-        severity="warn",
-        title=(
-            f"Attention is computed by hand with bmm → softmax → bmm ({stat.calls / n:.0f} "
-            f"calls/step, {ms(seconds)}/step forward)"
-        ),
+    return ac.unfused_manual(
+        calls=stat.calls / n,
+        seconds_per_step=seconds,
+        how_measured=_how_estimated(ctx, saving),
         evidence={
             "calls_per_step": stat.calls / n,
             "forward_seconds_per_step": seconds,
@@ -285,15 +287,7 @@ def _manual_finding(ctx: TraceContext, stat: PathStat) -> Finding:
             "input_shapes": [s for s, _ in stat.shapes.most_common(3) if s],
             "input_types": [d for d, _ in stat.dtypes.most_common(2) if d],
         },
-        est_seconds_saved_per_it=saving,
-        saving_basis="estimated",
-        fix=attention_paths.MANUAL_FIX,
-        detail=(
-            "The forward pass multiplies queries and keys, takes a softmax and multiplies by the "
-            "values as separate ops outside scaled_dot_product_attention, so no fused attention "
-            f"kernel can run. At about {FUSED_SPEEDUP:.0f}x for a fused kernel"
-            + (" (backward assumed 2x forward)" if ctx.is_training else "")
-            + f" the estimate is {ms(saving)} per step."
-        ),
+        saving=saving,
+        basis="estimated",
         source=f"trace:{RULE}",
     )
