@@ -37,14 +37,15 @@ from typing import Any
 
 import torch
 
+from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.record import Finding
 
 #: Elements per quantisation block of bitsandbytes' blockwise 8-bit optimizers (fixed in
 #: ``Optimizer2State.init_state``).
 BNB_BLOCKSIZE = 256
-#: Share of elements allowed outside their bound before the build is called broken. A healthy
-#: build has none beyond fp32 ties; a broken one has a large share (tens of percent).
-MAX_SHARE_OUTSIDE_BOUND = 0.01
+#: Share of elements allowed outside their bound before the build is called broken (the
+#: catalog's threshold).
+MAX_SHARE_OUTSIDE_BOUND = catalog.MAX_SHARE_OUTSIDE_BOUND
 #: Below this fraction of its block's absmax, a moment is only guaranteed to this absolute
 #: precision (times absmax). The kernels find a value's code with an approximate search
 #: (bitsandbytes' CPU kernel: a direct-lookup binary search, ``BinAlgo<Direct2>``, whose table is
@@ -246,10 +247,13 @@ def compare_updates(
 def numerics_rule(
     stats: NumericsStats,
     *,
-    optimizer_label: str = "AdamW8bit",
+    running: str | None = "adamw8bit",
     max_share_outside: float = MAX_SHARE_OUTSIDE_BOUND,
 ) -> Finding | None:
-    """``optimizer.8bit_numerics`` when the 8-bit update lies far outside its quantisation bound."""
+    """``optimizer.8bit_numerics`` when the 8-bit update lies far outside its quantisation bound.
+
+    ``running`` is the key of the optimizer the run steps with: critical when it is the 8-bit
+    one, a warning against switching to it otherwise (the catalog words both)."""
     if not stats.elements:
         return None
     if stats.nonfinite == 0 and stats.share_outside_bound <= max_share_outside:
@@ -276,20 +280,10 @@ def numerics_rule(
         if stats.nonfinite
         else f"{stats.share_outside_bound:.1%} of elements outside the 8-bit quantisation bound"
     )
-    return Finding(
-        id="optimizer.8bit_numerics",
-        category="optimizer",
-        severity="critical",
-        title=f"{optimizer_label} does not compute AdamW on this build: {what}",
+    return catalog.numerics_8bit(
+        what=what,
+        running=running,
         evidence=evidence,
-        est_seconds_saved_per_it=None,
-        saving_basis="none",
-        fix=(
-            "Install a bitsandbytes build made for this device (on ROCm: the wheel for your ROCm "
-            "version, or a source build with your gfx arch in BNB_ROCM_ARCH), or train with plain "
-            "AdamW: kohya `--optimizer_type AdamW`, diffusers: drop `--use_8bit_adam`, "
-            "OneTrainer: optimizer ADAMW."
-        ),
         detail=(
             "From identical parameters, gradients and hyper-parameters, one AdamW8bit update was "
             "compared with fp32 torch AdamW. 8-bit moments may only differ by the rounding of "

@@ -12,17 +12,19 @@ import re
 from collections import Counter
 
 import numpy as np
+import numpy.typing as npt
 
-from diagnose.record import Finding, ProbeResult, Severity
+from diagnose.catalogs import optimizer_catalog as catalog
+from diagnose.record import ProbeResult
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import FloatArray, Intervals
 from diagnose.trace.rules import ms, pct
 
 RULE = "optimizer"
-FINDING_ID = "optimizer.sync_in_step"
+FINDING_ID = catalog.SYNC_IN_STEP.id
 _STEP_RANGE = re.compile(r"^Optimizer\.step#|optimizer_step", re.I)
-#: Below this share of step time lost to idle after the syncs, the finding is only "info".
-WARN_SHARE = 0.01
+#: torch's span around Optimizer.step names the class: "Optimizer.step#AdamW8bit.step".
+_STEP_CLASS = re.compile(r"^Optimizer\.step#(\w+)\.step$")
 
 
 def idle_after(busy: Intervals, points: FloatArray, limit: FloatArray) -> FloatArray:
@@ -95,16 +97,13 @@ def check(ctx: TraceContext) -> ProbeResult:
     idle = float(bubble.sum()) / 1e6 / n
     step = ctx.wall_seconds / n if ctx.wall_seconds else 0.0
     names = Counter(syncs.names[i] for i in np.flatnonzero(inside).tolist())
-    severity: Severity = "warn" if step and idle >= WARN_SHARE * step else "info"
-    result.findings.append(
-        Finding(
-            id=FINDING_ID,
-            category="optimizer",
-            severity=severity,
-            title=(
-                f"The optimizer step waits for the GPU {count / n:.0f} time(s) per step "
-                f"({', '.join(optimizers)}; {ms(idle)}/step of GPU idle after the waits)"
-            ),
+    running = _running(ctx, spans, optimizers)
+    result.add_finding(
+        catalog.sync_in_step(
+            optimizers=[catalog.label(running)] if running else optimizers,
+            running=running,
+            waits_per_step=count / n,
+            idle_seconds=idle,
             evidence={
                 "syncs_per_step": count / n,
                 "sync_calls_in_profiled_steps": dict(names.most_common()),
@@ -113,15 +112,8 @@ def check(ctx: TraceContext) -> ProbeResult:
                 "device_idle_after_syncs_seconds_per_step": idle,
                 "share_of_step": idle / step if step else None,
             },
-            est_seconds_saved_per_it=idle,
-            saving_basis="trace",
-            fix=(
-                "Use an optimizer that keeps its state on the device and never reads it back "
-                "each step: torch.optim.AdamW(fused=True) or foreach=True, bitsandbytes AdamW8bit "
-                "(a recent release); for adaptive-step optimizers (Prodigy, D-Adaptation) avoid "
-                "per-parameter .item() (Prodigy: keep d on device / use the fused variant); "
-                "drop gradient-norm logging (.item()) inside the step."
-            ),
+            saving=idle,
+            basis="trace",
             detail=(
                 f"Inside the optimizer step the host blocked {count / n:.0f} time(s) per step "
                 f"({ms(blocked)} blocked) on {', '.join(names)}; after each the device was idle "
@@ -132,3 +124,17 @@ def check(ctx: TraceContext) -> ProbeResult:
         )
     )
     return result
+
+
+def _running(ctx: TraceContext, spans: npt.NDArray[np.intp], ranges: list[str]) -> str | None:
+    """The key of the optimizer the trace steps with (None when the ranges name none or several),
+    so the fix proposes another one. torch AdamW's implementation is read off the ops it ran."""
+    classes = {m.group(1) for r in ranges if (m := _STEP_CLASS.match(r))}
+    if len(classes) != 1 or len(ranges) != 1:
+        return None
+    host = ctx.trace.host
+    inside = np.zeros(len(host), dtype=bool)
+    for i in spans.tolist():
+        inside |= (host.ts >= host.ts[i]) & (host.ts < host.ts[i] + host.dur[i])
+    op_names = {ctx.trace.names[k] for k in np.unique(host.name[inside]).tolist()}
+    return catalog.key_of_step_range(classes.pop(), sorted(op_names))
