@@ -23,6 +23,14 @@ import torch
 
 from diagnose import sampling
 from diagnose.capture import measure
+from diagnose.catalogs.dataloader_catalog import (
+    CORRUPT_IMAGES,
+    GPU_STARVED,
+    SLOW_LOADER,
+    BarWait,
+    starved_title,
+    workers_advice,
+)
 from diagnose.cli import main
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
@@ -33,11 +41,10 @@ from diagnose.probes.dataloader import (
     PredecodedDataset,
     VariantRow,
     WaitSummary,
-    _time_steps,
-    clearly_faster,
     corrupt_images_finding,
     dataset_facts,
     judge,
+    measured_saving,
     plan_timed_steps,
     plan_variants,
     planned_items,
@@ -45,24 +52,20 @@ from diagnose.probes.dataloader import (
     usable_cores,
     wait_summary,
 )
+from diagnose.probes.dataloader_ab import MIN_TIMED_STEPS, time_steps
 from diagnose.record import (
+    Breakdown,
     DeviceInfo,
+    Finding,
     ProbeResult,
     RunRecord,
-    Stats,
     StepSample,
     Timing,
     new_record,
 )
 from diagnose.run import execute_run
 from diagnose.timing import PhaseTimer
-from diagnose.trace.rules.dataloader import (
-    CORRUPT_IMAGES_ID,
-    FINDING_ID,
-    SLOW_LOADER_ID,
-    starved_title,
-    workers_advice,
-)
+from diagnose.verdicts import grade
 from diagnose.workload import Workload, build_workload
 from diagnose.workload.data import (
     SampleKey,
@@ -72,7 +75,11 @@ from diagnose.workload.data import (
     make_loader,
     prepare_data,
 )
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, ok_lines, unjudged_lines
+
+FINDING_ID = GPU_STARVED.id
+SLOW_LOADER_ID = SLOW_LOADER.id
+CORRUPT_IMAGES_ID = CORRUPT_IMAGES.id
 
 CPU = torch.device("cpu")
 HERE = FIXTURES / "dataloader"
@@ -227,15 +234,21 @@ def test_decoding_big_pngs_on_the_training_thread_is_found(starved: Probed) -> N
     evidence = finding.evidence
     # The planted wait: four 5 MP PNG decodes per step against a tiny model at 64 px.
     assert evidence["data_wait_share_of_step"] >= 0.3
-    assert finding.severity == "critical"
+    # The share quoted is the one the phase bar shows: data_wait over the headline step (or over
+    # the phases' sum, when the per-phase medians add up to more than the median step).
+    record = starved.record
+    phases = record.breakdown.seconds
+    assert evidence["data_wait_share_of_step"] == pytest.approx(
+        phases["data_wait"] / max(record.timing.headline.median, sum(phases.values()))
+    )
+    assert _graded(finding, record) in ("warn", "critical")
     assert evidence["dataloader"]["num_workers"] == 0
     assert evidence["dataset"]["formats"] == {"PNG": 4}
     assert evidence["dataset"]["pixels_decoded_per_pixel_trained"] > 500  # 1836x2700 / 64^2
     assert "num_workers=0" in finding.detail and "decodes 1836x2700" in finding.detail
     # Shared wording with the trace rule.
-    share = evidence["data_wait_share_of_step"]
-    wait = evidence["data_wait_seconds_per_step"]
-    assert finding.title.startswith(starved_title(share, wait, has_device=False))
+    bar = BarWait(evidence["data_wait_seconds_per_step"], evidence["s_per_it"])
+    assert finding.title.startswith(starved_title(bar, has_device=False))
     assert "--cache_latents" in finding.fix or "--max_data_loader_n_workers" in finding.fix
 
 
@@ -297,8 +310,9 @@ def test_cached_latents_with_small_images_is_quiet(fed: Probed) -> None:
     result = fed.result
     assert result.status == "ok", result.traceback
     assert not result.findings
-    assert any(line.startswith("data loading:") for line in result.checked_ok)
-    assert "compute is not waiting" in result.checked_ok[0]
+    starved_check = next(c for c in result.checks if c.id == FINDING_ID)
+    assert starved_check.outcome == "ok" and starved_check.text.startswith("data loading:")
+    assert "compute is not waiting" in starved_check.text
     # Nothing is decoded per step, so nothing is sampled; only the configured loader is timed.
     assert result.data["sampling"]["available"] is False
     assert [row["key"] for row in result.data["ab"]] == ["configured"]
@@ -328,7 +342,9 @@ def test_without_py_spy_the_probe_completes_and_says_why(
         "available": False,
         "reason": f"py-spy is not installed or not on PATH ({sampling.INSTALL_HINT})",
     }
-    assert any(line.startswith("hot frames of the loader: py-spy") for line in result.not_judged)
+    assert any(
+        line.startswith("hot frames of the loader: py-spy") for line in unjudged_lines(result)
+    )
     finding = next(f for f in result.findings if f.id == FINDING_ID)
     assert finding.evidence["hot_frames"] == []
     assert "py-spy is not installed" in finding.evidence["hot_frames_missing"]
@@ -355,7 +371,7 @@ def test_corrupt_image_and_text_file_are_reported(tmp_path: Path) -> None:
         info = data.info
     finding = corrupt_images_finding(info)
     assert finding is not None and finding.id == CORRUPT_IMAGES_ID
-    assert finding.severity == "warn"
+    assert finding.severity == "warn"  # the catalog's: no time is lost, yet a trainer stops
     assert finding.evidence["corrupt"] == ["broken.jpg"]
     assert finding.evidence["reasons"]["broken.jpg"]
     assert "broken.jpg" in finding.title
@@ -399,7 +415,7 @@ def test_a_run_on_a_mixed_folder_reports_and_never_touches_it(tmp_path: Path) ->
     assert CORRUPT_IMAGES_ID in ids
     result = next(p for p in record.probes if p.name == "dataloader")
     assert result.status == "ok", result.traceback
-    assert any("notes.txt" in line for line in result.checked_ok)
+    assert any("notes.txt" in line for line in ok_lines(result))
     saved = json.loads(outputs.record_path.read_text())
     assert any(f["id"] == CORRUPT_IMAGES_ID for f in saved["findings"])
 
@@ -493,7 +509,18 @@ def test_py_spy_missing_or_failing_is_a_reason_not_an_exception(tmp_path: Path) 
 # Pure parts: the wait, the plan, the verdict
 
 
-def _timing(pairs: list[tuple[float, float]]) -> Timing:
+def _graded(finding: Finding, record: RunRecord) -> str:
+    """The severity the one rule gives ``finding`` in ``record`` (probes no longer grade)."""
+    sure = finding.sure_seconds_saved_per_it
+    saving = sure if sure is not None else finding.est_seconds_saved_per_it
+    share = None if saving is None else saving / record.timing.headline.median
+    return grade(share, finding.saving_basis, finding.severity)
+
+
+def _record(pairs: list[tuple[float, float]]) -> RunRecord:
+    """A run whose timed steps took ``(seconds, data_wait)`` each, with its phase bar."""
+    from diagnose.capture import phase_breakdown
+
     timing = Timing(
         samples=[
             StepSample(index=i, seconds=s, phases={"data_wait": w, "forward": s - w})
@@ -502,15 +529,26 @@ def _timing(pairs: list[tuple[float, float]]) -> Timing:
         first_batch_seconds=pairs[0][1] if pairs else None,
     )
     timing.summarize()
-    return timing
+    record = new_record("run")
+    record.timing = timing
+    record.breakdown = phase_breakdown(timing)
+    return record
 
 
-def test_wait_summary_uses_the_median_share() -> None:
-    summary = wait_summary(_timing([(1.0, 0.5), (1.0, 0.4), (4.0, 0.2), (1.0, 0.45)]))
+def test_the_wait_is_the_share_the_phase_bar_shows() -> None:
+    """Two resolution buckets: short and long steps alternate with the same wait. The median of
+    the per-step shares (what the probe used to judge) is not what the bar shows; the probe now
+    judges the bar: data_wait's median over the median step."""
+    record = _record([(0.5, 0.1), (2.0, 0.1), (0.5, 0.1), (2.0, 0.1)])
+    summary = wait_summary(record)
     assert summary is not None
-    assert summary.steps == 4 and summary.s_per_it == 1.0
-    assert summary.wait_share == pytest.approx(0.425)
-    assert wait_summary(Timing()) is None
+    assert summary.steps == 4 and summary.s_per_it == pytest.approx(1.25)
+    assert summary.wait_share == pytest.approx(0.1 / 1.25)
+    assert summary.wait_share == pytest.approx(
+        record.breakdown.seconds["data_wait"] / record.timing.headline.median
+    )
+    assert [r["share"] for r in summary.per_step] == [0.2, 0.05, 0.2, 0.05]
+    assert wait_summary(new_record("run")) is None
 
 
 _LABELS = {
@@ -536,17 +574,23 @@ def _row(key: str, seconds: list[float], inputs: float = 0.0) -> VariantRow:
     )
 
 
-def test_clearly_faster_needs_a_clear_margin() -> None:
-    configured = Stats.of([1.0, 1.1, 0.95, 1.05])
-    assert clearly_faster(configured, Stats.of([0.5, 0.55, 0.52])) == pytest.approx(
-        configured.median - 0.52
-    )
-    assert clearly_faster(configured, Stats.of([0.99, 1.0, 1.01])) is None  # within 5%
-    assert clearly_faster(configured, Stats.of([0.5, 1.2, 1.3])) is None  # median not below q1
-    assert clearly_faster(configured, Stats.of([0.5])) is None  # one sample proves nothing
+def test_measured_saving_needs_a_sure_clear_margin() -> None:
+    configured = _row("configured", [1.0, 1.1, 0.95, 1.05], inputs=0.6)
+    fast = _row("cached_latents", [0.5, 0.55, 0.52, 0.51])
+    saving = measured_saving(configured, fast)
+    assert saving is not None
+    assert saving.seconds == pytest.approx(1.025 - 0.515)
+    assert 0 < saving.sure <= saving.seconds
+    # Within the noise, overlapping, or too few steps to be sure of anything: not clearly faster.
+    assert measured_saving(configured, _row("workers", [0.99, 1.0, 1.01, 0.98])) is None
+    assert measured_saving(configured, _row("workers", [0.5, 1.2, 1.3, 0.5])) is None
+    assert measured_saving(configured, _row("workers", [0.5, 0.5])) is None
     # The saving never exceeds what the input phases lost; too little of it is no fix.
-    assert clearly_faster(configured, Stats.of([0.5, 0.55, 0.52]), removable=0.1) == 0.1
-    assert clearly_faster(configured, Stats.of([0.5, 0.55, 0.52]), removable=0.01) is None
+    assert measured_saving(configured, fast, bound=0.1) == pytest.approx(
+        type(saving)(0.1, min(0.1, saving.sure))
+    )
+    assert measured_saving(configured, fast, bound=0.01) is None
+    assert MIN_TIMED_STEPS >= 4  # fewer steps a side and the test can never be sure
 
 
 LOADER = LoaderConfig(0, False, False, None, 4, True, "ImageFolderDataset")
@@ -554,14 +598,19 @@ LOADER = LoaderConfig(0, False, False, None, 4, True, "ImageFolderDataset")
 
 def _wait(share: float, s_per_it: float = 1.0) -> WaitSummary:
     return WaitSummary(
+        bar=BarWait(share * s_per_it, s_per_it),
         steps=5,
-        s_per_it=s_per_it,
-        wait_seconds=share * s_per_it,
-        wait_share=share,
         first_batch_seconds=0.5,
         phases={"encode": 0.2},
         per_step=[],
     )
+
+
+def _as_record(finding: Finding, s_per_it: float) -> RunRecord:
+    record = _record([(s_per_it, 0.0)] * 3)
+    record.breakdown = Breakdown(seconds={"data_wait": s_per_it})
+    record.findings = [finding]
+    return record
 
 
 def test_judge_planted_wait_fires_with_the_measured_best_fix() -> None:
@@ -575,14 +624,18 @@ def test_judge_planted_wait_fires_with_the_measured_best_fix() -> None:
         _wait(0.55), rows, has_device=True, loader=LOADER, cores=8, facts={}, frames=frames
     )
     [finding] = verdict.findings
-    assert finding.id == FINDING_ID and finding.severity == "critical"
+    assert finding.id == FINDING_ID
     assert finding.saving_basis == "measured" and verdict.best == "cached_latents"
-    assert finding.est_seconds_saved_per_it == pytest.approx(1.01 - 0.415)
+    # The whole measured gain is in the title; the saving is what of it the wait was.
+    assert verdict.savings["cached_latents"] == pytest.approx(1.01 - 0.415)
+    assert finding.est_seconds_saved_per_it == pytest.approx(0.55)
+    assert _graded(finding, _as_record(finding, 1.0)) == "critical"
     assert finding.title.startswith("The training loop waits for data 55% of each step")
     assert "while the GPU idles" in finding.title and "cached latents" in finding.title
     assert finding.fix.startswith("Cache the latents") and "--cache_latents_to_disk" in finding.fix
     assert "--max_data_loader_n_workers" not in finding.fix  # not measured faster here
     assert "2 workers (persistent): no clear gain." in finding.detail
+    assert verdict.checks == []  # the finding is the answer: no "not waiting" beside it
 
 
 def test_judge_never_saves_more_than_the_run_lost_to_its_input_phases() -> None:
@@ -621,28 +674,49 @@ def test_judge_gpu_workers_fix_names_the_trainer_flags() -> None:
     assert "--dataloader_num_workers 2" in finding.fix
 
 
+def test_judge_without_a_measured_fix_estimates_the_wait_and_stays_below_critical() -> None:
+    verdict = judge(
+        _wait(0.6),
+        [_row("configured", [1.0, 1.0, 1.0])],
+        has_device=True,
+        loader=LOADER,
+        cores=8,
+        facts={},
+        frames=None,
+    )
+    [finding] = verdict.findings
+    assert finding.saving_basis == "estimated" and finding.est_seconds_saved_per_it == 0.6
+    assert _graded(finding, _as_record(finding, 1.0)) == "warn"
+
+
 def test_judge_small_wait_and_no_fix_is_checked_fine() -> None:
-    rows = [_row("configured", [1.0, 1.02, 0.99]), _row("workers", [1.01, 0.98, 1.0])]
+    rows = [_row("configured", [1.0, 1.02, 0.99, 1.01]), _row("workers", [1.01, 0.98, 1.0, 1.0])]
     verdict = judge(
         _wait(0.02), rows, has_device=True, loader=LOADER, cores=8, facts={}, frames=None
     )
     assert not verdict.findings
-    assert verdict.checked_ok[0] == "data loading: 2% of the step; the GPU is not waiting"
-    assert verdict.checked_ok[1].startswith("data loading: no loader change measured clearly")
+    assert verdict.checks[0] == (
+        FINDING_ID,
+        "ok",
+        "data loading: 2% of the step; the GPU is not waiting",
+    )
+    assert verdict.checks[1][0] == SLOW_LOADER_ID
+    assert verdict.checks[1][2].startswith("data loading: no loader change measured clearly")
 
 
 def test_judge_small_wait_but_cached_latents_much_faster_is_slow_loader() -> None:
     rows = [
-        _row("configured", [1.0, 1.02, 0.99], inputs=0.45),
-        _row("cached_latents", [0.6, 0.61, 0.62], inputs=0.05),
+        _row("configured", [1.0, 1.02, 0.99, 1.01], inputs=0.45),
+        _row("cached_latents", [0.6, 0.61, 0.62, 0.6], inputs=0.05),
     ]
     verdict = judge(
         _wait(0.03), rows, has_device=True, loader=LOADER, cores=8, facts={}, frames=None
     )
     [finding] = verdict.findings
     assert finding.id == SLOW_LOADER_ID and finding.saving_basis == "measured"
-    assert finding.title.startswith("Cached latents: measured 390 ms/it faster")
+    assert finding.title.startswith("Cached latents: measured 400 ms/it faster")
     assert "VAE-encodes" in finding.title
+    assert [c[0] for c in verdict.checks] == [FINDING_ID]  # and the loop is not waiting
 
 
 def test_a_variant_past_its_time_share_stops_after_two_timed_steps() -> None:
@@ -653,10 +727,10 @@ def test_a_variant_past_its_time_share_stops_after_two_timed_steps() -> None:
     row = _row("configured", [])
     items: Any = list(range(10))
     loader: Any = torch.utils.data.DataLoader(items, batch_size=1)
-    _time_steps(Instant(), loader, row, steps=5, warmup=1, sync=lambda: None, max_seconds=0.0)
+    time_steps(Instant(), loader, row, steps=5, warmup=1, sync=lambda: None, max_seconds=0.0)
     assert len(row.seconds) == 2 and len(row.warmup_seconds) == 1 and row.stopped_early
     row = _row("configured", [])
-    _time_steps(Instant(), loader, row, steps=5, warmup=1, sync=lambda: None, max_seconds=60.0)
+    time_steps(Instant(), loader, row, steps=5, warmup=1, sync=lambda: None, max_seconds=60.0)
     assert len(row.seconds) == 5 and not row.stopped_early
 
 
@@ -686,8 +760,8 @@ def test_plan_variants_and_steps() -> None:
     ] == ["configured"]
     assert plan_timed_steps(0.35, 4, 8.0) == 4
     assert plan_timed_steps(0.01, 4, 8.0) == 5
-    assert plan_timed_steps(2.0, 4, 8.0) == 3
-    assert plan_timed_steps(None, 4, 8.0) == 3
+    assert plan_timed_steps(2.0, 4, 8.0) == MIN_TIMED_STEPS
+    assert plan_timed_steps(None, 4, 8.0) == MIN_TIMED_STEPS
 
 
 def test_planned_items_are_the_items_a_fresh_loader_yields(tmp_path: Path) -> None:

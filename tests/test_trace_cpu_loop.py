@@ -97,7 +97,8 @@ def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Tra
         "manual": {"mode": "manual"},
         "upcast": {"mode": "upcast"},
         "float_under_autocast": {"mode": "float_under_autocast"},
-        "slow_loader": {"loader_sleep": 0.03},
+        # Long enough to stay over a tenth of a step on a loaded 2-core machine.
+        "slow_loader": {"loader_sleep": 0.1},
     }
     yield {
         name: analyze_trace(capture(folder / f"{name}.json", **kwargs))  # type: ignore[arg-type]

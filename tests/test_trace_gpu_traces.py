@@ -11,6 +11,7 @@ import pytest
 
 from diagnose.record import PHASES, RunRecord
 from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
+from diagnose.verdicts import settle
 from tests.conftest import ok_lines, unjudged_lines
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "gpu-traces"
@@ -120,10 +121,18 @@ def test_fused_attention_is_recognised(traces: Path) -> None:
 def test_dataloader_before_and_after(traces: Path) -> None:
     starved = analysis(traces, "cuda/v100_resnet50_num_workers_0.json.gz")
     fed = analysis(traces, "cuda/v100_resnet50_num_workers_4.json.gz")
-    finding = next(f for f in starved.findings if f.id == "dataloader.gpu_starved")
+    record = analysis_to_record(starved, Path(starved.path))
+    settle(record)
+    finding = next(f for f in record.findings if f.id == "dataloader.gpu_starved")
     assert finding.severity in ("warn", "critical")
     assert finding.evidence["num_workers_zero"] is True
-    assert 0.2 < finding.evidence["starved_share_of_step"] < 0.6
+    # The share judged is the one the phase bar shows: data_wait over the median step.
+    share = finding.evidence["data_wait_share_of_step"]
+    assert 0.2 < share < 0.6
+    phases = record.breakdown.seconds
+    assert share == pytest.approx(
+        phases["data_wait"] / max(record.timing.headline.median, sum(phases.values()))
+    )
     assert finding.est_seconds_saved_per_it and finding.est_seconds_saved_per_it > 0.01
     assert "dataloader.gpu_starved" not in ids(fed)
     assert any(line.startswith("data loading:") for line in ok_lines(fed))

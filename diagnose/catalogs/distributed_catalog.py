@@ -7,9 +7,13 @@ their findings here, so a straggler reads the same whichever way it was found.
 from __future__ import annotations
 
 from diagnose.catalogs import FindingSpec
+from diagnose.catalogs.dataloader_catalog import (
+    CACHE_LATENTS_ADVICE,
+    DEFAULT_WORKERS,
+    workers_advice,
+)
 from diagnose.record import PHASE_LABELS, Finding
 from diagnose.trace.rules import ms, pct
-from diagnose.trace.rules.dataloader import CACHE_LATENTS_ADVICE, DEFAULT_WORKERS, workers_advice
 from diagnose.verdicts import WARN_SHARE  # a finding is raised from a warning's share up
 
 STRAGGLER = FindingSpec(
