@@ -276,9 +276,6 @@ class ProbeResult:
     data: dict[str, Any] = field(default_factory=dict)
     #: Every question it asked and the answer (findings included, by id and title).
     checks: list[Check] = field(default_factory=list)
-    # TRANSITIONAL (issue 14): lines without a check id, turned into checks by settle_checks.
-    checked_ok: list[str] = field(default_factory=list)
-    not_judged: list[str] = field(default_factory=list)
 
     def add_ok(self, check_id: str, text: str, source: str = "") -> None:
         """Record a check that was made and found fine."""
@@ -302,10 +299,6 @@ class ProbeResult:
                     Check(finding.id, "finding", finding.title or finding.id, finding.source)
                 )
                 have.add((finding.id, "finding"))
-        for outcome, lines in (("ok", self.checked_ok), ("not_judged", self.not_judged)):
-            for line in lines:
-                self.checks.append(Check(f"{source}.unnamed_{len(self.checks)}", outcome, line))  # type: ignore[arg-type]
-            lines.clear()
         for check in self.checks:
             check.source = check.source or source
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord
-from diagnose.stats import SAVING_SIGNIFICANCE, sure_saving  # noqa: F401  (TRANSITIONAL re-export)
 
 if TYPE_CHECKING:
     import torch

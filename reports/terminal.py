@@ -108,10 +108,10 @@ def terminal_summary(
     probe_line = f"probes: {checks.status_counts}"
     troubles = [
         f"{style(_clean(item.status), item.status)} {_clean(item.probe)} ({_clean(item.reason)})"
-        for item in checks.not_checked
+        for item in checks.could_not_check
         if item.status != NOT_JUDGED
     ]
-    unjudged = sum(item.status == NOT_JUDGED for item in checks.not_checked)
+    unjudged = sum(item.status == NOT_JUDGED for item in checks.could_not_check)
     if unjudged:
         troubles.append(
             f"{unjudged} check{'s' if unjudged != 1 else ''} not judged here (see the report)"

@@ -498,8 +498,8 @@ class ProbeRow:
 
 @dataclass(frozen=True)
 class ChecksView:
-    checked_ok: tuple[CheckedOk, ...]
-    not_checked: tuple[NotChecked, ...]
+    found_fine: tuple[CheckedOk, ...]
+    could_not_check: tuple[NotChecked, ...]
     probes: tuple[ProbeRow, ...]
     #: Names of the probes that ran to completion (for the "no finding" state).
     ran: tuple[str, ...]
@@ -515,8 +515,8 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
         source = finding.source.split(":", 1)[0]
         by_source[source] = by_source.get(source, 0) + 1
     # Findings, "checked and found fine" and "could not be checked" are views of one check list.
-    checked_ok = tuple(CheckedOk(p.name, c.text) for p in probes for c in p.checks_with("ok"))
-    not_checked = tuple(
+    found_fine = tuple(CheckedOk(p.name, c.text) for p in probes for c in p.checks_with("ok"))
+    could_not_check = tuple(
         NotChecked(
             probe=p.name,
             status=p.status,
@@ -553,8 +553,8 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
     order = ["ok", "skipped", "error", *sorted(set(counts) - {"ok", "skipped", "error"})]
     status_counts = ", ".join(f"{counts[s]} {s}" for s in order if s in counts)
     return ChecksView(
-        checked_ok=checked_ok,
-        not_checked=not_checked,
+        found_fine=found_fine,
+        could_not_check=could_not_check,
         probes=rows,
         ran=tuple(p.name for p in probes if p.status == "ok"),
         status_counts=status_counts or "no probe ran",

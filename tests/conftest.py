@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,12 +62,12 @@ def shared_traces() -> Path:
     return SHARED_TRACES
 
 
-def ok_lines(result: object) -> list[str]:
+def ok_lines(result: Any) -> list[str]:
     """The text of the checks found fine, of a ProbeResult or a TraceAnalysis."""
     return [c.text for c in result.checks if c.outcome == "ok"]
 
 
-def unjudged_lines(result: object) -> list[str]:
+def unjudged_lines(result: Any) -> list[str]:
     """The text of the checks that could not be judged, of a ProbeResult or a TraceAnalysis."""
     return [c.text for c in result.checks if c.outcome == "not_judged"]
 

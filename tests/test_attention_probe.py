@@ -209,7 +209,7 @@ def test_default_step_ran_fused_kernels(default_workload: Workload) -> None:
     assert any("peak memory per backend" in line for line in unjudged)
     assert any("ran on 1 thread(s)" in line for line in unjudged)
     report = build_checks([result])
-    assert {n.reason for n in report.not_checked if n.probe == "attention"} == set(unjudged)
+    assert {n.reason for n in report.could_not_check if n.probe == "attention"} == set(unjudged)
     # Every signature was tried on every backend; GPU-only kernels are reported, not tried.
     for sig in result.data["signatures"]:
         trials = {t["backend"]: t for t in sig["trials"]}

@@ -361,13 +361,13 @@ def test_findings_are_ranked_by_saving_with_basis() -> None:
 
 def test_checks_lists_fine_skipped_and_errored() -> None:
     checks = build_view(full_record()).checks
-    assert [c.text for c in checks.checked_ok] == ["SDPA is used, not eager attention"]
-    assert [(n.probe, n.status) for n in checks.not_checked] == [
+    assert [c.text for c in checks.found_fine] == ["SDPA is used, not eager attention"]
+    assert [(n.probe, n.status) for n in checks.could_not_check] == [
         ("xformers", "skipped"),
         ("triton", "error"),
     ]
-    assert checks.not_checked[0].traceback == ""
-    assert "RuntimeError: autotune failed" in checks.not_checked[1].traceback
+    assert checks.could_not_check[0].traceback == ""
+    assert "RuntimeError: autotune failed" in checks.could_not_check[1].traceback
     assert checks.ran == ("attention",)
     assert checks.status_counts == "1 ok, 1 skipped, 1 error"
 
@@ -381,7 +381,7 @@ def test_checks_list_what_a_probe_that_ran_could_not_judge() -> None:
         "attention.slower_backend", "flash vs math A/B: no fused backend on this device"
     )
     checks = build_view(record).checks
-    unjudged = [n for n in checks.not_checked if n.status == "not judged"]
+    unjudged = [n for n in checks.could_not_check if n.status == "not judged"]
     assert [(n.probe, n.reason) for n in unjudged] == [
         ("attention", "flash vs math A/B: no fused backend on this device")
     ]
@@ -390,7 +390,7 @@ def test_checks_list_what_a_probe_that_ran_could_not_judge() -> None:
     page = render_html(record)
     assert "status-not-judged" in page and "no fused backend on this device" in page
     attention.checks = [c for c in attention.checks if c.outcome != "not_judged"]
-    assert not [n for n in build_view(record).checks.not_checked if n.status == "not judged"]
+    assert not [n for n in build_view(record).checks.could_not_check if n.status == "not judged"]
 
 
 def test_below_the_fold_parts() -> None:

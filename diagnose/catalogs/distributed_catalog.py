@@ -14,7 +14,7 @@ from diagnose.catalogs.dataloader_catalog import (
 )
 from diagnose.record import PHASE_LABELS, Finding
 from diagnose.trace.rules import ms, pct
-from diagnose.verdicts import WARN_SHARE  # a finding is raised from a warning's share up
+from diagnose.verdicts import WARN_SHARE
 
 STRAGGLER = FindingSpec(
     "distributed.straggler",
@@ -38,6 +38,9 @@ EXPOSED_COMM = FindingSpec(
     ("trace",),
 )
 SPECS = (STRAGGLER, DATA_WAIT_IMBALANCE, EXPOSED_COMM)
+#: A wait (or exposed transfer) is raised as a finding from the share the one severity rule
+#: calls a warning: below it, it is said as checked and fine.
+RAISE_SHARE = WARN_SHARE
 STRAGGLER_ID = STRAGGLER.id
 DATA_WAIT_IMBALANCE_ID = DATA_WAIT_IMBALANCE.id
 EXPOSED_COMM_ID = EXPOSED_COMM.id
@@ -202,7 +205,7 @@ def no_straggler_line(max_wait: float, step_seconds: float, world_size: int) -> 
     share = max_wait / step_seconds if step_seconds else 0.0
     return (
         f"ranks: {world_size} ranks keep pace; no rank waits for another more than "
-        f"{ms(max_wait)} per step ({pct(share)}, below {pct(WARN_SHARE)})"
+        f"{ms(max_wait)} per step ({pct(share)}, below {pct(RAISE_SHARE)})"
     )
 
 
@@ -220,5 +223,5 @@ def hidden_comm_line(exposed: float, comm: float, step_seconds: float) -> str:
     share = exposed / step_seconds if step_seconds else 0.0
     return (
         f"communication: {ms(comm)} per step in collectives, {ms(exposed)} of it exposed "
-        f"({pct(share)} of the step, below {pct(WARN_SHARE)})"
+        f"({pct(share)} of the step, below {pct(RAISE_SHARE)})"
     )

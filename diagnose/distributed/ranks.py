@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from diagnose.catalogs import distributed_catalog as catalog
+from diagnose.catalogs.dataloader_catalog import GPU_STARVED
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import PHASES, Check, Finding, RankStat, RunRecord
 from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.trace.rules import import_rules
-from diagnose.trace.rules.dataloader import FINDING_ID as STARVED_ID
 
 #: A rank number in a file name: ``rank3``, ``rank_3``, ``rank-3``, ``rank3_iter16.json``.
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
@@ -261,7 +261,7 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
     sure_share = catalog.repeated(per_step) / step if step else 0.0
     every_step = all(d > 0 for d in per_step)
     source = SOURCE
-    if every_step and others_wait >= catalog.MIN_SECONDS and sure_share >= catalog.WARN_SHARE:
+    if every_step and others_wait >= catalog.MIN_SECONDS and sure_share >= catalog.RAISE_SHARE:
         result.pacing_rank = straggler.rank
         phase, excess = _slow_phase(stats, s, others)
         named = phase if excess >= catalog.PHASE_EXPLAINS * others_wait else None
@@ -290,7 +290,7 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
                 source=source,
             )
         )
-    elif share >= catalog.WARN_SHARE:
+    elif share >= catalog.RAISE_SHARE:
         waited = [ranks[i].rank for i in range(world) if any(w > 0 for w in waits[i])]
         result.checks.append(
             _unjudged(catalog.inconclusive_straggler_line(others_wait, step, waited))
@@ -304,7 +304,7 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
     exposed_share = exposed / step if step else 0.0
     exposed_steps = [straggler.analysis.communication.steps[k].exposed_seconds for k in index[s]]
     exposed_sure = catalog.repeated(exposed_steps) / step if step else 0.0
-    if exposed >= catalog.MIN_SECONDS and exposed_sure >= catalog.WARN_SHARE:
+    if exposed >= catalog.MIN_SECONDS and exposed_sure >= catalog.RAISE_SHARE:
         result.findings.append(
             catalog.exposed_finding(
                 rank=straggler.rank,
@@ -392,7 +392,7 @@ def _without_restated(merged: list[Finding], cross_rank: list[Finding]) -> list[
     ids = {f.id for f in cross_rank}
     kept: list[Finding] = []
     for finding in merged:
-        if finding.id == STARVED_ID and catalog.DATA_WAIT_IMBALANCE_ID in ids:
+        if finding.id == GPU_STARVED.id and catalog.DATA_WAIT_IMBALANCE_ID in ids:
             imbalance = next(f for f in cross_rank if f.id == catalog.DATA_WAIT_IMBALANCE_ID)
             imbalance.evidence["loader"] = finding.evidence
             continue

@@ -36,14 +36,6 @@ from diagnose.gate.options import (
     FAIL_ON_CHOICES,
     CompareOptions,
 )
-from diagnose.stats import (
-    UTest,
-    mann_whitney_u,
-    minimum_samples,
-    ratio_interval,
-    shift_interval,
-    smallest_p_value,
-)
 
 __all__ = [
     "COMPARED_CONFIG_KEYS",
@@ -58,7 +50,6 @@ __all__ = [
     "GateFailure",
     "MetricComparison",
     "RecordSide",
-    "UTest",
     "baseline_name",
     "compare_records",
     "compare_runs",
@@ -67,11 +58,6 @@ __all__ = [
     "environment_changes",
     "gate_exit_code",
     "gate_failures",
-    "mann_whitney_u",
-    "minimum_samples",
     "parse_fail_on",
-    "ratio_interval",
     "record_differences",
-    "shift_interval",
-    "smallest_p_value",
 ]
