@@ -170,8 +170,12 @@ def test_bf16_traces_raise_no_upcast_finding(traces: Path) -> None:
 def test_fp32_training_is_reported_as_such(traces: Path) -> None:
     for name in ("rocm/mi250_minitoy_train.json.gz", "cuda/v100_resnet50_num_workers_0.json.gz"):
         a = analysis(traces, name)
-        finding = next(f for f in a.findings if f.category == "precision")
-        assert finding.id == "precision.fp32_training" and finding.severity == "info"
+        record = analysis_to_record(a, Path(a.path))
+        settle(record)
+        finding = next(f for f in record.findings if f.category == "precision")
+        # Its saving is an estimate (a typical low-precision speed-up), never critical.
+        assert finding.id == "precision.fp32_training" and finding.saving_basis == "estimated"
+        assert finding.severity in ("info", "warn")
     v100 = analysis(traces, "cuda/v100_resnet50_num_workers_0.json.gz")
     fix = next(f.fix for f in v100.findings if f.id == "precision.fp32_training")
     assert "fp16" in fix  # a V100 has no fast bf16
