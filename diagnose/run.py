@@ -73,19 +73,23 @@ def refuse_full_size_on_cpu(config: RunConfig, device_kind: str, force: bool) ->
 def _merge_findings(groups: Sequence[Sequence[Finding]]) -> list[Finding]:
     """One finding per id: when a probe and a trace rule report the same id, keep the one whose
     saving was measured (then the larger saving)."""
+    from diagnose.catalogs import specs
+    from diagnose.verdicts import from_trace
+
+    probe_first = {s.id for s in specs() if s.probe_answer_stands}
     basis_rank = {"measured": 0, "estimated": 1, "trace": 2, "none": 3}
+
+    def key(finding: Finding) -> tuple[int, int, float]:
+        # A question whose probe answer stands keeps the probe's finding over the trace rule's.
+        set_aside = int(finding.id in probe_first and from_trace(finding.source))
+        basis = basis_rank.get(finding.saving_basis, 9)
+        return set_aside, basis, -(finding.est_seconds_saved_per_it or 0)
+
     best: dict[str, Finding] = {}
     for group in groups:
         for finding in group:
             current = best.get(finding.id)
-            key = (
-                basis_rank.get(finding.saving_basis, 9),
-                -(finding.est_seconds_saved_per_it or 0),
-            )
-            if current is None or key < (
-                basis_rank.get(current.saving_basis, 9),
-                -(current.est_seconds_saved_per_it or 0),
-            ):
+            if current is None or key(finding) < key(current):
                 best[finding.id] = finding
     return list(best.values())
 

@@ -140,6 +140,7 @@ def reconcile_checks(record: RunRecord) -> None:
     finding keeps what the weaker answers said in its evidence so the reader sees both numbers.
     A finding check without a finding in the record (its finding was merged away) is dropped.
     """
+    _set_aside_trace_answers(record)
     finding_ids = {f.id for f in record.findings}
     best: dict[str, int] = {}
     for check in record.all_checks():
@@ -179,6 +180,43 @@ def reconcile_checks(record: RunRecord) -> None:
             }
             if not finding.evidence["also_checked"]:
                 del finding.evidence["also_checked"]
+
+
+def from_trace(source: str) -> bool:
+    """Whether a check or finding was read off a trace by a trace rule (``trace:<rule>``)."""
+    return source == "trace" or source.startswith("trace:")
+
+
+def _set_aside_trace_answers(record: RunRecord) -> None:
+    """For the questions whose catalog entry says a probe's answer stands, drop the trace rules'
+    answers when a probe answered too; what they said is kept in the probe's finding's evidence,
+    or in a note when the probe found nothing."""
+    from diagnose.catalogs import specs
+
+    for entry in specs():
+        if not entry.probe_answer_stands:
+            continue
+        answers = [c for c in record.all_checks() if c.id == entry.id]
+        if not any(not from_trace(c.source) for c in answers):
+            continue
+        said = [f"{c.source}: {c.text}" for c in answers if from_trace(c.source)]
+        for probe in record.probes:
+            probe.checks = [
+                c for c in probe.checks if not (c.id == entry.id and from_trace(c.source))
+            ]
+        record.findings = [
+            f for f in record.findings if not (f.id == entry.id and from_trace(f.source))
+        ]
+        if not said:
+            continue
+        kept = next((f for f in record.findings if f.id == entry.id), None)
+        if kept is not None:
+            kept.evidence = {**kept.evidence, "trace_profiled_steps_said": said}
+        else:
+            record.notes.append(
+                "The profiled steps' trace answered differently, set aside for the timed "
+                "steps' measurement: " + "; ".join(said)
+            )
 
 
 def _owner(record: RunRecord, source: str) -> ProbeResult:
@@ -259,6 +297,7 @@ __all__ = [
     "WARN_SHARE",
     "Contradiction",
     "contradictions",
+    "from_trace",
     "grade",
     "phase_bound",
     "ranked",

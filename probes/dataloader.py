@@ -16,8 +16,8 @@ workers and without cached latents, starves the GPU: users report 13 s/it with 0
 
 The trace rule (:mod:`diagnose.trace.rules.dataloader`) asks "does the loop wait for data?" too,
 on the few profiled steps; this probe measured it on the timed steps the headline and the phase
-bar come from, so its answer replaces the rule's in the record (:func:`take_over_trace_answer`):
-one question, one answer, one share on the page.
+bar come from, so its answer stands in the record (the catalog's ``probe_answer_stands``; the
+rule's answer is kept as evidence or a note): one question, one answer, one share on the page.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from pathlib import Path
 
 from diagnose.catalogs.dataloader_catalog import (
     CORRUPT_IMAGES,
-    GPU_STARVED,
     HOT_FRAMES_CHECK,
     SKIPPED_FILES_CHECK,
     ab_check,
@@ -68,7 +67,7 @@ from diagnose.probes.dataloader_frames import (
     sample_hot_frames,
 )
 from diagnose.probes.dataloader_verdict import Verdict, judge, measured_saving
-from diagnose.record import ProbeResult, RunRecord
+from diagnose.record import ProbeResult
 from diagnose.timing import device_synchronizer
 from diagnose.verdicts import phase_bound
 from diagnose.workload.data import DatasetInfo
@@ -76,34 +75,6 @@ from diagnose.workload.data import DatasetInfo
 NAME = "dataloader"
 #: Seconds of A/B steps aimed for, all variants together (at the run's s/it).
 AB_BUDGET_SECONDS = 8.0
-
-
-def take_over_trace_answer(record: RunRecord, own: ProbeResult) -> list[str]:
-    """Remove the trace rule's answer to ``dataloader.gpu_starved`` from ``record``; return what
-    it said (``source: text``) so the probe's answer can show it.
-
-    The rule judged the profiled steps (few, under the profiler, possibly all of one resolution
-    bucket); the probe judged the timed steps the headline s/it and the phase bar come from. When
-    both answered, the probe's is the one the record keeps, whichever is stronger.
-    """
-
-    def from_trace(check_id: str, source: str) -> bool:
-        return check_id == GPU_STARVED.id and source.startswith("trace")
-
-    said: list[str] = []
-    for probe in record.probes:
-        if probe is own:
-            continue
-        kept = []
-        for check in probe.checks:
-            if from_trace(check.id, check.source):
-                said.append(f"{check.source}: {check.text}")
-            else:
-                kept.append(check)
-        probe.checks = kept
-        probe.findings = [f for f in probe.findings if not from_trace(f.id, f.source)]
-    record.findings = [f for f in record.findings if not from_trace(f.id, f.source)]
-    return said
 
 
 # The probe
@@ -198,7 +169,8 @@ class DataLoaderProbe:
             if row.error:
                 result.add_not_judged(ab_check(row.key), f"A/B {row.label}: {row.error}")
 
-        # 4. The verdict: one answer per question, the trace rule's replaced by this one.
+        # 4. The verdict. The catalog says this probe's wait answer stands over the trace rule's
+        # (diagnose.verdicts sets the rule's aside when the record is settled).
         verdict = judge(
             wait,
             rows,
@@ -211,13 +183,6 @@ class DataLoaderProbe:
         )
         data["ab_savings"] = verdict.savings
         data["recommended"] = verdict.best
-        if wait is not None:
-            replaced = take_over_trace_answer(ctx.record, result)
-            if replaced:
-                data["trace_answer_replaced"] = replaced
-                for finding in verdict.findings:
-                    if finding.id == GPU_STARVED.id:
-                        finding.evidence["trace_profiled_steps_said"] = replaced
         for finding in verdict.findings:
             result.add_finding(finding)
         for check_id, outcome, text in verdict.checks:
@@ -314,7 +279,6 @@ __all__ = [
     "run_ab",
     "sample_hot_frames",
     "skipped_files_line",
-    "take_over_trace_answer",
     "usable_cores",
     "wait_summary",
 ]

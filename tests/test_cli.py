@@ -24,6 +24,9 @@ from diagnose.record import ProbeResult, RunRecord
 from diagnose.run import execute_run
 from tests.conftest import FIXTURES, QUICK
 
+#: Every probe, for tests whose subject is not what the probes find.
+PROBES = ("environment", "precision", "attention", "dataloader", "optimizer", "triton")
+
 
 class _ExternalRefs(HTMLParser):
     """Collects every attribute value that could make a browser fetch something."""
@@ -246,7 +249,9 @@ def test_run_with_a_baseline_gates_and_keeps_the_measurement(
     earlier.created = "2026-11-30T10:00:00+00:00"
     second = tmp_path / "second.json"
     second.write_text(earlier.to_json(), encoding="utf-8")
-    argv = ["run", "--out", str(same), *QUICK, "--baseline", str(default_run)]
+    # The gate is the subject here, not the probes: they are off (the step is the same config).
+    no_probes = [arg for name in PROBES for arg in ("--skip", name)]
+    argv = ["run", "--out", str(same), *QUICK, *no_probes, "--baseline", str(default_run)]
     code = main([*argv, "--baseline", str(second), "--junit", str(junit)])
     assert code in (ExitCode.OK, ExitCode.REGRESSION)
     assert junit.is_file() and "<testsuite" in junit.read_text()
@@ -256,7 +261,8 @@ def test_run_with_a_baseline_gates_and_keeps_the_measurement(
     other = tmp_path / "other"
     old = FIXTURES / "records" / "v1_minimal.json"  # recorded on an RX 7900 XTX
     capsys.readouterr()
-    assert main(["run", "--out", str(other), *QUICK, "--baseline", str(old)]) == ExitCode.BAD_INPUT
+    argv = ["run", "--out", str(other), *QUICK, *no_probes, "--baseline", str(old)]
+    assert main(argv) == ExitCode.BAD_INPUT
     assert capsys.readouterr().err.startswith("diagnose: error:")
     assert RunRecord.load(other).mode == "run"
     page = (other / "report.html").read_text(encoding="utf-8")

@@ -18,7 +18,7 @@ import torch
 import diagnose.trace.rules as rules
 from diagnose.catalogs.dataloader_catalog import GPU_STARVED, BarWait, gpu_starved
 from diagnose.config import RunConfig
-from diagnose.probes.dataloader import DataLoaderProbe, take_over_trace_answer
+from diagnose.probes.dataloader import DataLoaderProbe
 from diagnose.record import Breakdown, ProbeResult, RunRecord, StepSample, Timing, new_record
 from diagnose.run import execute_run
 from diagnose.trace import analysis_to_record, analyze_trace
@@ -59,13 +59,15 @@ def test_the_probes_answer_replaces_the_trace_rules_whichever_is_stronger() -> N
     probe.add_ok(GPU_STARVED.id, "data loading: 5% of the step; compute is not waiting")
     record.probes = [trace, probe]
 
-    said = take_over_trace_answer(record, probe)
-    assert said == [
-        "trace:dataloader: The training loop waits for data 11% of each step (110 ms/step) "
-        "while compute stops"
-    ]
     record.findings = [f for p in record.probes for f in p.findings]
+    for p in record.probes:
+        p.findings = []
     settle(record)
+    assert record.notes == [
+        "The profiled steps' trace answered differently, set aside for the timed steps' "
+        "measurement: trace:dataloader: The training loop waits for data 11% of each step "
+        "(110 ms/step) while compute stops"
+    ]
     assert not contradictions(record)
     answers = [c for c in record.all_checks() if c.id == GPU_STARVED.id]
     assert [(c.outcome, c.source) for c in answers] == [("ok", "dataloader")]
@@ -142,9 +144,8 @@ def test_two_bucket_run_with_a_slow_loader_has_one_answer_with_the_bars_share(
     share = _bar_share(record)
     assert finding.evidence["data_wait_share_of_step"] == pytest.approx(share)
     assert f"waits for data {pct(share)} of each step" in finding.title == text
-    probe = next(p for p in record.probes if p.name == "dataloader")
-    # The trace rule answered too (on the profiled steps), and its answer was replaced.
-    assert probe.data["trace_answer_replaced"][0].startswith("trace:dataloader: ")
+    # The trace rule answered too (on the profiled steps); its answer was set aside, kept here.
+    assert finding.evidence["trace_profiled_steps_said"][0].startswith("trace:dataloader: ")
 
     # The trace rule, on its own, judges its trace's phase bar the same way.
     traced = analysis_to_record(analyze_trace(tmp_path / "out" / record.trace_path), Path("t"))

@@ -110,13 +110,22 @@ def test_critical_ranks_above_a_note_whatever_the_saving() -> None:
     ]
 
 
-def test_one_answer_per_question_a_finding_overrules_an_ok() -> None:
-    # The reported case: "waits for data 11% of each step" and "compute is not waiting" on one page.
+@pytest.mark.parametrize(
+    ("question", "kept_as"),
+    [
+        # Two sources of equal standing: the stronger answer, a finding, stands.
+        ("optimizer.sync_in_step", "also_checked"),
+        # The reported case: "waits for data 11% of each step" beside "compute is not waiting".
+        # The catalog says the probe's answer stands; the trace rule's is set aside.
+        ("dataloader.gpu_starved", "trace_profiled_steps_said"),
+    ],
+)
+def test_one_answer_per_question(question: str, kept_as: str) -> None:
     record = _record(1.0, {"data_wait": 0.11, "forward": 0.89})
     probe = ProbeResult(name="dataloader")
     probe.add_finding(
         Finding(
-            id="dataloader.gpu_starved",
+            id=question,
             title="The training loop waits for data 11% of each step",
             est_seconds_saved_per_it=0.11,
             saving_basis="measured",
@@ -125,7 +134,7 @@ def test_one_answer_per_question_a_finding_overrules_an_ok() -> None:
     )
     probe.settle_checks("dataloader")
     trace = ProbeResult(name="trace")
-    trace.add_ok("dataloader.gpu_starved", "data loading: 5% of the step; compute is not waiting")
+    trace.add_ok(question, "data loading: 5% of the step; compute is not waiting")
     trace.add_not_judged("attention.math_fallback", "attention: no attention ops")
     trace.settle_checks("trace")
     record.findings = list(probe.findings)
@@ -135,12 +144,9 @@ def test_one_answer_per_question_a_finding_overrules_an_ok() -> None:
     settle(record)
     assert not contradictions(record)
     outcomes = {c.id: c.outcome for c in record.all_checks()}
-    assert outcomes == {
-        "dataloader.gpu_starved": "finding",
-        "attention.math_fallback": "not_judged",
-    }
+    assert outcomes == {question: "finding", "attention.math_fallback": "not_judged"}
     # The overruled answer stays visible as evidence, not as a second verdict.
-    assert record.findings[0].evidence["also_checked"] == [
+    assert record.findings[0].evidence[kept_as] == [
         "trace: data loading: 5% of the step; compute is not waiting"
     ]
 

@@ -61,6 +61,10 @@ class FindingSpec:
     phases: tuple[str, ...] = ()
     #: The severity when no saving can be said (a correctness fault is critical without one).
     severity_without_saving: Severity = "info"
+    #: When a probe of ``diagnose run`` answered this question, its answer stands and a trace
+    #: rule's answer to it is set aside (kept as evidence or a note): the probe measured the
+    #: timed steps the headline and the phase bar come from, the rule only the profiled ones.
+    probe_answer_stands: bool = False
 
     def __post_init__(self) -> None:
         concern = self.id.split(".", 1)[0]

@@ -25,6 +25,7 @@ GPU_STARVED = FindingSpec(
     "the loop waits for the next batch while the GPU idles",
     ("probe", "trace"),
     phases=("data_wait",),
+    probe_answer_stands=True,
 )
 SLOW_LOADER = FindingSpec(
     "dataloader.slow_loader",
