@@ -215,7 +215,7 @@ def build_headline(record: RunRecord) -> Headline:
     noise_text = ""
     if noisy:
         noise_text = (
-            f"Noisy: the interquartile range is {format_percent(spread)} of the median "
+            f"The interquartile range is {format_percent(spread)} of the median "
             f"(above {format_percent(NOISY_RELATIVE_SPREAD)}); differences smaller than that "
             "are not conclusive. Rerun with more steps on an otherwise idle machine."
         )
