@@ -188,15 +188,15 @@ def judge(
             found = measured[best.key]
             # What the fix saves of the wait: the rest of its gain (the encode it also removes)
             # is not the wait's.
-            saving = min(found.seconds, bar.seconds)
+            wait_saving = min(found.seconds, bar.seconds)
             finding = gpu_starved(
                 bar,
                 has_device,
                 fix=loader_fix(advice),
                 detail=detail,
                 evidence=evidence,
-                saving=saving,
-                sure_saving=min(found.sure, saving),
+                saving=wait_saving,
+                sure_saving=min(found.sure, wait_saving),
                 basis="measured",
                 measured_fix=(best.label, found.seconds),
             )
