@@ -84,3 +84,30 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "default"
     assert main(["run", "--out", str(out), *QUICK]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    """A stepped tiny SD1.5 LoRA workload on the CPU (torch AdamW) and a record of its timing."""
+    import torch
+
+    from diagnose.capture import measure
+    from diagnose.config import RunConfig
+    from diagnose.record import new_record
+    from diagnose.workload import build_workload
+    from diagnose.workload.data import generate_images
+
+    folder = tmp_path_factory.mktemp("images")
+    generate_images(folder, count=3, seed=1, size=(96, 80))
+    config = RunConfig(
+        preset="sd15", size="tiny", resolution=[64], data_dir=str(folder), steps=3, warmup=1
+    )
+    workload = build_workload(config, torch.device("cpu"))
+    try:
+        measured = measure(workload, steps=3, warmup=1, profiled_steps=0, trace_path=None)
+        record = new_record("run")
+        record.timing = measured.timing
+        record.breakdown = measured.breakdown
+        yield workload, record
+    finally:
+        workload.close()

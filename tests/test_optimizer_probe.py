@@ -11,15 +11,12 @@ import importlib.util
 import json
 import math
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from diagnose.capture import measure
-from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.probes.optimizer import (
     CANDIDATES,
@@ -48,8 +45,6 @@ from diagnose.probes.optimizer_numerics import (
 )
 from diagnose.record import DeviceInfo, Finding, RunRecord, StepSample, new_record
 from diagnose.verdicts import WARN_SHARE, settle_findings
-from diagnose.workload import build_workload
-from diagnose.workload.data import generate_images
 from diagnose.workload.step import Workload, build_optimizer
 from tests.conftest import ok_lines, unjudged_lines
 
@@ -108,25 +103,6 @@ class ItemOptimizer(torch.optim.Optimizer):
                     continue
                 self.read.append(param.grad.abs().max().item())
                 param.add_(param.grad, alpha=-group["lr"])
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Workload, RunRecord]]:
-    """A stepped tiny SD1.5 LoRA workload on the CPU and a record of its measured timing."""
-    folder = tmp_path_factory.mktemp("images")
-    generate_images(folder, count=3, seed=1, size=(96, 80))
-    config = RunConfig(
-        preset="sd15", size="tiny", resolution=[64], data_dir=str(folder), steps=3, warmup=1
-    )
-    workload = build_workload(config, CPU)
-    try:
-        measured = measure(workload, steps=3, warmup=1, profiled_steps=0, trace_path=None)
-        record = new_record("run")
-        record.timing = measured.timing
-        record.breakdown = measured.breakdown
-        yield workload, record
-    finally:
-        workload.close()
 
 
 def _ctx(workload: Workload, record: RunRecord) -> ProbeContext:

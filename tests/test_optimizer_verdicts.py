@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from diagnose.capture import measure
 from diagnose.catalogs import optimizer_catalog as catalog
-from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.probes.optimizer import (
     CANDIDATES,
@@ -33,11 +31,9 @@ from diagnose.probes.optimizer import (
 )
 from diagnose.probes.optimizer_ab import ABRow
 from diagnose.probes.optimizer_numerics import compare_updates, numerics_rule
-from diagnose.record import DeviceInfo, RunRecord, new_record
+from diagnose.record import DeviceInfo, RunRecord
 from diagnose.reports.format import format_seconds
 from diagnose.verdicts import contradictions, settle
-from diagnose.workload import build_workload
-from diagnose.workload.data import generate_images
 from diagnose.workload.step import Workload
 from tests.test_trace_synthetic import training_trace
 
@@ -106,25 +102,6 @@ def test_probe_and_trace_rule_report_one_sync_id_in_one_wording(tmp_path: Path) 
 
 # --------------------------------------------------------------------------------------------
 # 2 and 3 on a real run: the configured optimizer is slowed, the A/B finds the faster one
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Workload, RunRecord]]:
-    """A stepped tiny SD1.5 LoRA workload on the CPU (torch AdamW, for-loop) and its record."""
-    folder = tmp_path_factory.mktemp("images")
-    generate_images(folder, count=3, seed=1, size=(96, 80))
-    config = RunConfig(
-        preset="sd15", size="tiny", resolution=[64], data_dir=str(folder), steps=3, warmup=1
-    )
-    workload = build_workload(config, CPU)
-    try:
-        measured = measure(workload, steps=3, warmup=1, profiled_steps=0, trace_path=None)
-        record = new_record("run")
-        record.timing = measured.timing
-        record.breakdown = measured.breakdown
-        yield workload, record
-    finally:
-        workload.close()
 
 
 def _slowed(step: Callable[..., Any]) -> Callable[..., Any]:
