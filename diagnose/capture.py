@@ -13,7 +13,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +24,14 @@ from diagnose.quiet import native_stderr_filtered
 from diagnose.record import PHASES, Breakdown, StepSample, Timing
 from diagnose.telemetry import TelemetrySampler, TelemetrySummary
 from diagnose.timing import PhaseTimer, device_synchronizer
+
+
+def input_shape(shape: Sequence[int]) -> str:
+    """``"512x768"`` for a (B, C, H, W) batch of one image, ``"2x512x768"`` for a batch of two."""
+    if len(shape) < 4:
+        return ""
+    batch, height, width = int(shape[0]), int(shape[-2]), int(shape[-1])
+    return f"{height}x{width}" if batch == 1 else f"{batch}x{height}x{width}"
 
 
 class SteppableWorkload(Protocol):
@@ -86,6 +94,7 @@ class _StepRunner:
             profiled=profiled,
             phases=phases,
             loss=float(loss),
+            bucket=input_shape(getattr(getattr(batch, "pixels", None), "shape", ())),
         )
         if self.is_cuda:
             sample.peak_allocated_bytes = int(torch.cuda.max_memory_allocated(self.device))

@@ -153,6 +153,9 @@ class StepSample:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     loss: float | None = None
+    #: The shape of the step's input, "HxW" pixels (with "Bx" in front for a batch of more than
+    #: one): the resolution bucket the step trained. Empty when not known.
+    bucket: str = ""
 
 
 @dataclass
@@ -182,6 +185,30 @@ class Timing:
     def headline(self) -> Stats:
         """The s/it to lead with: unprofiled if there are any, else profiled."""
         return self.unprofiled if self.unprofiled.n else self.profiled
+
+    def buckets(self) -> dict[str, Stats]:
+        """Step time per input shape (of the headline's samples), largest share of steps first;
+        empty when the steps did not record one, or all had the same."""
+        profiled = not self.unprofiled.n
+        by_bucket: dict[str, list[float]] = {}
+        for sample in self.samples:
+            if sample.profiled == profiled and sample.bucket:
+                by_bucket.setdefault(sample.bucket, []).append(sample.seconds)
+        if len(by_bucket) < 2:
+            return {}
+        ordered = sorted(by_bucket.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+        return {bucket: Stats.of(values) for bucket, values in ordered}
+
+    @property
+    def per_iteration(self) -> float:
+        """The s/it to lead with. With several resolution buckets, the median of one bucket's
+        steps says nothing about the run: each bucket's median, weighted by its share of the
+        steps (the run's bucket mix). Otherwise the headline median."""
+        buckets = self.buckets()
+        if not buckets:
+            return self.headline.median
+        total = sum(stats.n for stats in buckets.values())
+        return sum(stats.median * stats.n for stats in buckets.values()) / total
 
     @property
     def profiler_overhead(self) -> float | None:

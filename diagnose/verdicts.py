@@ -57,10 +57,13 @@ def grade(share: float | None, basis: str, fallback: Severity = "info") -> Sever
 
 
 def step_seconds(record: RunRecord) -> float | None:
-    """The step the savings are shares of: the headline s/it, when there is one."""
-    headline = record.timing.headline
-    if headline.n and math.isfinite(headline.median) and headline.median > 0:
-        return headline.median
+    """The step the savings are shares of: the s/it the report leads with, when there is one
+    (with several resolution buckets, the s/it of the run's bucket mix)."""
+    if not record.timing.headline.n:
+        return None
+    step = record.timing.per_iteration
+    if math.isfinite(step) and step > 0:
+        return step
     return None
 
 

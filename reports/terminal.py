@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from diagnose.record import RunRecord
+from diagnose.verdicts import step_seconds as step_seconds_of
 
 from .ranks import build_ranks
 from .view import (
@@ -64,8 +65,7 @@ def terminal_summary(
     if headline.profiler_text:
         lines.append(f"  {style(headline.profiler_text, 'dim')}")
 
-    stats = record.timing.headline
-    step_seconds = stats.median if stats.n else None
+    step_seconds = step_seconds_of(record)
     breakdown = build_breakdown(record.breakdown, step_seconds, [], draw=False)
     if breakdown.phases:
         basis = "from the trace" if record.breakdown.basis == "trace" else record.breakdown.basis

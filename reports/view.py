@@ -10,6 +10,7 @@ without a model, an old record): it says "not measured" or leaves the part out, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from diagnose.record import (
     Stats,
     Timing,
 )
+from diagnose.verdicts import step_seconds as step_seconds_of
 
 from .charts import Segment, StepPoint, breakdown_bar_svg, phase_color, step_times_svg
 from .format import (
@@ -212,10 +214,23 @@ def build_headline(record: RunRecord) -> Headline:
     how = _describe_stats(stats, timing, from_trace)
     spread = stats.relative_spread
     noisy = stats.n >= 2 and is_number(spread) and spread > NOISY_RELATIVE_SPREAD
+    where = "the median"
+    buckets = timing.buckets()
+    if buckets:
+        # Steps of different input shapes take different times: that is the run's mix, not
+        # noise. Lead with the mix's s/it and judge the spread within each bucket.
+        value = format_per_iteration(timing.per_iteration)
+        how = _describe_buckets(buckets, stats.n)
+        spread, bucket = max(
+            ((b.relative_spread, name) for name, b in buckets.items() if b.n >= 2),
+            default=(math.nan, ""),
+        )
+        noisy = is_number(spread) and spread > NOISY_RELATIVE_SPREAD
+        where = f"the median of the {bucket} steps"
     noise_text = ""
     if noisy:
         noise_text = (
-            f"The interquartile range is {format_percent(spread)} of the median "
+            f"The interquartile range is {format_percent(spread)} of {where} "
             f"(above {format_percent(NOISY_RELATIVE_SPREAD)}); differences smaller than that "
             "are not conclusive. Rerun with more steps on an otherwise idle machine."
         )
@@ -232,6 +247,19 @@ def build_headline(record: RunRecord) -> Headline:
         noise_text=noise_text,
         profiler_text=_describe_profiler(timing, from_trace),
         source="trace" if from_trace else "measured",
+    )
+
+
+def _describe_buckets(buckets: Mapping[str, Stats], steps: int) -> str:
+    """``"the run's bucket mix over 30 steps: 512x512 210 ms/it (15 steps, IQR …), …"``."""
+    parts = [
+        f"{name} {format_per_iteration(b.median)} ({b.n} step{'s' if b.n != 1 else ''}, "
+        f"IQR {format_seconds_range(b.q1, b.q3)})"
+        for name, b in buckets.items()
+    ]
+    return (
+        f"the run's mix of {len(buckets)} input shapes over {steps} steps, each shape's median "
+        f"weighted by its share of the steps: {'; '.join(parts)}"
     )
 
 
@@ -382,7 +410,7 @@ def build_breakdown(
     coverage = ""
     if total > 0 and headline_seconds is not None and is_number(headline_seconds):
         coverage = (
-            f"The phases add up to {format_seconds(total)} against a median step of "
+            f"The phases add up to {format_seconds(total)} against a step of "
             f"{format_seconds(headline_seconds)} (medians are taken per phase, so the two need "
             "not match exactly)."
         )
@@ -427,8 +455,8 @@ class FindingView:
 
 
 def build_findings(record: RunRecord) -> tuple[FindingView, ...]:
-    headline = record.timing.headline
-    step = headline.median if headline.n and is_number(headline.median) else None
+    # Shares are of the step the verdicts graded against (the bucket mix's s/it, when mixed).
+    step = step_seconds_of(record)
     return tuple(_finding_view(i + 1, f, step) for i, f in enumerate(record.ranked_findings()))
 
 
@@ -738,8 +766,7 @@ def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> R
     """Everything the report shows, derived from ``record`` (and a comparison, if given)."""
     problems: list[str] = []
     headline = build_headline(record)
-    stats = record.timing.headline
-    step_seconds = stats.median if stats.n and is_number(stats.median) else None
+    step_seconds = step_seconds_of(record)
     from_trace = record.mode == "trace"
     title_number = headline.value if headline.measured else "no step time"
     where = describe_device_name(record)

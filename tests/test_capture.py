@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -90,3 +91,59 @@ def test_a_slow_phase_shows_in_the_breakdown() -> None:
     assert m.breakdown.seconds["forward"] >= 0.05
     assert max(m.breakdown.seconds, key=lambda k: m.breakdown.seconds[k]) == "forward"
     assert m.timing.unprofiled.median >= 0.05
+
+
+class _Pixels:
+    """A batch of images of one bucket, as the diffusers workload's loader yields them."""
+
+    def __init__(self, side: int) -> None:
+        self.pixels = torch.zeros(1, 3, side, side)
+
+
+class _TwoBucketWorkload:
+    """Steps alternate a small and a large bucket; the large one costs a known extra time."""
+
+    def __init__(self, small: int, large: int, extra: float) -> None:
+        self.device = torch.device("cpu")
+        self.small, self.large, self.extra = small, large, extra
+
+    def batches(self) -> Iterator[_Pixels]:
+        while True:
+            yield _Pixels(self.small)
+            yield _Pixels(self.large)
+
+    def step(self, batch: _Pixels, timer: PhaseTimer) -> float:
+        with timer.phase("forward"):
+            time.sleep(0.01 + (self.extra if batch.pixels.shape[-1] == self.large else 0.0))
+        return 0.0
+
+
+def test_two_buckets_are_timed_apart_and_not_called_noise() -> None:
+    """Multi-bucket training is the normal case: steps of 64 and 96 px alternate, the larger
+    costing several times more. Each step records its input shape; the run's s/it is the bucket
+    mix, and the spread is judged within each bucket (the clean twin: one bucket, no mix)."""
+    from diagnose.record import new_record
+    from diagnose.reports.view import build_headline
+
+    m = measure(
+        _TwoBucketWorkload(64, 96, 0.06), steps=8, warmup=0, profiled_steps=0, trace_path=None
+    )
+    assert {s.bucket for s in m.timing.samples} == {"64x64", "96x96"}
+    buckets = m.timing.buckets()
+    assert set(buckets) == {"64x64", "96x96"}
+    assert buckets["96x96"].median > 3 * buckets["64x64"].median
+    mix = (buckets["64x64"].median + buckets["96x96"].median) / 2
+    assert m.timing.per_iteration == pytest.approx(mix)
+    record = new_record("run")
+    record.timing = m.timing
+    headline = build_headline(record)
+    # All steps together have an IQR far above the noise threshold; each bucket alone does not.
+    assert m.timing.unprofiled.relative_spread > 0.5
+    assert not headline.noisy, headline.noise_text
+    assert "64x64" in headline.how and "96x96" in headline.how
+
+    one = measure(
+        _TwoBucketWorkload(64, 64, 0.0), steps=4, warmup=0, profiled_steps=0, trace_path=None
+    )
+    assert one.timing.buckets() == {}
+    assert one.timing.per_iteration == one.timing.headline.median

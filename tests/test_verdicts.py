@@ -193,3 +193,21 @@ def test_what_settling_cannot_mend_is_said_on_the_page() -> None:
     )
     settle(record)
     assert any("Internal inconsistency" in note and "x.y" in note for note in record.notes)
+
+
+def test_shares_are_of_the_bucket_mix() -> None:
+    """With two buckets (four 1.4 s steps and three 0.2 s ones), a saving's share is of the mix's
+    s/it, not of the median of all steps (which is one bucket's)."""
+    record = RunRecord()
+    record.timing.samples = [
+        StepSample(
+            index=i, seconds=0.2 if i % 2 else 1.4, bucket="512x512" if i % 2 else "1024x1024"
+        )
+        for i in range(7)
+    ]
+    record.timing.summarize()
+    record = _with(record, Finding(id="x.y", est_seconds_saved_per_it=0.3, saving_basis="measured"))
+    settle(record)
+    assert record.timing.headline.median == pytest.approx(1.4)
+    assert record.timing.per_iteration == pytest.approx((4 * 1.4 + 3 * 0.2) / 7)
+    assert record.findings[0].severity == "critical"  # 34% of the mix; 21% of the median
