@@ -68,6 +68,7 @@ from diagnose.probes.optimizer_inventory import (
     eight_bit_rule,
     eight_bit_split,
     first_line,
+    fp32_state_share,
     is_bnb_8bit,
     optimizer_key,
     optimizer_label,
@@ -433,7 +434,10 @@ class OptimizerProbe:
         elif split is not None:
             data["eight_bit"] = {"of": "the configured optimizer", **split.to_dict()}
             finding = eight_bit_rule(split)
-            if finding is not None:
+            artefact = self._shrunk_model_artefact(ctx, split, data) if finding else None
+            if artefact is not None:
+                result.add_ok(STATE_FP32, artefact)
+            elif finding is not None:
                 result.add_finding(finding)
             else:
                 result.add_ok(
@@ -488,6 +492,48 @@ class OptimizerProbe:
             result.add_ok(
                 SYNC, f"{running_label}: no host-device synchronisation inside optimizer.step()"
             )
+
+    @staticmethod
+    def _shrunk_model_artefact(
+        ctx: ProbeContext, split: EightBitSplit, data: dict[str, Any]
+    ) -> str | None:
+        """Whether state held in fp32 is only the tiny model's: bitsandbytes' size threshold is
+        judged on the preset's real LoRA tensors (built on the meta device), and a tiny run's
+        small tensors are no advice for the real model. The explanation, or None when the
+        finding holds (or the real sizes cannot be had)."""
+        config = ctx.config
+        if config.size != "tiny" or config.preset is None or config.model_dir is not None:
+            return None
+        from diagnose.workload.models import lora_tensor_sizes
+
+        try:
+            sizes = lora_tensor_sizes(config.preset, "full", config.rank, config.target_modules)
+        except Exception as exc:  # the shapes only refine the verdict; without them it stands
+            data["eight_bit"]["full_size"] = {
+                "error": f"{type(exc).__name__}: {first_line(str(exc))}"
+            }
+            return None
+        minimum = split.min_8bit_size or catalog.BNB_DEFAULT_MIN_8BIT_SIZE
+        share = fp32_state_share(sizes, minimum)
+        below = sum(n < minimum for n in sizes)
+        data["eight_bit"]["full_size"] = {
+            "preset": config.preset,
+            "lora_tensors": len(sizes),
+            "below_min_8bit_size": below,
+            "smallest_tensor": min(sizes, default=0),
+            "fp32_state_share": share,
+            "basis": "computed from the full-size preset built on the meta device",
+        }
+        if not sizes or share >= catalog.FP32_SHARE_RAISED:
+            return None
+        return (
+            f"{split.optimizer}: on this tiny model {split.tensors_fp32} of "
+            f"{split.tensors_fp32 + split.tensors_8bit} LoRA tensors are below "
+            f"min_8bit_size={minimum} and keep fp32 state, but at {config.preset}'s full size "
+            f"{below} of its {len(sizes)} are (smallest {min(sizes):,} elements): "
+            f"{1 - share:.0%} of the real model's state is 8-bit. An artefact of the shrunk "
+            "model, not advice for the real one"
+        )
 
     def _judge_ab(
         self,

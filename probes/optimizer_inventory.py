@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -190,6 +190,15 @@ def eight_bit_rule(split: EightBitSplit | None) -> Finding | None:
     )
 
 
+def fp32_state_share(tensor_sizes: Sequence[int], min_8bit_size: int) -> float:
+    """The share of an 8-bit AdamW's state bytes that stays fp32 for tensors of these sizes:
+    two fp32 moments (8 bytes an element) below ``min_8bit_size``, two uint8 moments (2 bytes an
+    element, block scales left out) from it up. Computed, for a model that was not built."""
+    fp32 = 8 * sum(n for n in tensor_sizes if n < min_8bit_size)
+    eight_bit = 2 * sum(n for n in tensor_sizes if n >= min_8bit_size)
+    return fp32 / (fp32 + eight_bit) if fp32 + eight_bit else 0.0
+
+
 # --------------------------------------------------------------------------------------------
 # Identifying optimizers
 
@@ -346,6 +355,7 @@ __all__ = [
     "eight_bit_rule",
     "eight_bit_split",
     "first_line",
+    "fp32_state_share",
     "is_bnb_8bit",
     "optimizer_key",
     "optimizer_label",

@@ -242,3 +242,23 @@ def test_the_trace_rule_fix_does_not_propose_the_traced_optimizer(tmp_path: Path
     # The trace steps torch AdamW with foreach kernels: the old fix said "or foreach=True".
     assert "foreach=True" not in finding.fix
     assert "torch AdamW (foreach) does not synchronise by itself" in finding.fix
+
+
+# --------------------------------------------------------------------------------------------
+# Size-dependent advice is judged on the real model's shapes
+
+
+def test_the_8bit_threshold_is_judged_on_the_full_size_lora_tensors() -> None:
+    """bitsandbytes keeps fp32 state for tensors below min_8bit_size. The tiny SD1.5's LoRA
+    tensors are all below the default threshold (the finding would fire); the full-size preset's,
+    built on the meta device, are all above it (no advice for the real model)."""
+    from diagnose.probes.optimizer_inventory import fp32_state_share
+    from diagnose.workload.models import lora_tensor_sizes
+
+    tiny = lora_tensor_sizes("sd15", "tiny", 16)
+    full = lora_tensor_sizes("sd15", "full", 16)
+    threshold = catalog.BNB_DEFAULT_MIN_8BIT_SIZE
+    assert fp32_state_share(tiny, threshold) >= catalog.FP32_SHARE_RAISED
+    assert fp32_state_share(full, threshold) < catalog.FP32_SHARE_RAISED
+    # A threshold above the real tensors keeps the real model's state in fp32: the finding holds.
+    assert fp32_state_share(full, max(full) + 1) == 1.0

@@ -505,10 +505,11 @@ def model_info(components: Components, lora_modules: int = 0) -> ModelInfo:
     )
 
 
-def describe_preset(
-    preset: str, size: str, rank: int = 16, target_modules: Sequence[str] | None = None
-) -> ModelInfo:
-    """Parameter counts of a preset, LoRA included, built on the meta device (no memory used)."""
+def _on_meta_with_lora(
+    preset: str, size: str, rank: int, target_modules: Sequence[str] | None
+) -> tuple[Components, int]:
+    """A preset's components built on the meta device (no memory used), its denoiser wrapped in
+    LoRA; and the number of wrapped modules."""
     spec = load_preset(preset, size)
     meta = torch.device("meta")
     with construct_on(meta, torch.float32):
@@ -533,7 +534,24 @@ def describe_preset(
         denoiser.requires_grad_(False)
         targets = target_modules if target_modules is not None else spec.lora_target_modules
         lora_modules = apply_lora(denoiser, rank, None, targets, torch.float32)
-    return model_info(components, lora_modules)
+    return components, lora_modules
+
+
+def describe_preset(
+    preset: str, size: str, rank: int = 16, target_modules: Sequence[str] | None = None
+) -> ModelInfo:
+    """Parameter counts of a preset, LoRA included, built on the meta device (no memory used)."""
+    return model_info(*_on_meta_with_lora(preset, size, rank, target_modules))
+
+
+def lora_tensor_sizes(
+    preset: str, size: str, rank: int = 16, target_modules: Sequence[str] | None = None
+) -> list[int]:
+    """Elements of every LoRA tensor a preset trains at ``size`` (built on the meta device): what
+    size-dependent advice about the real model (an 8-bit optimizer's size threshold) is judged on
+    when the run itself trained a shrunk model."""
+    components, _ = _on_meta_with_lora(preset, size, rank, target_modules)
+    return [p.numel() for p in components.denoiser.parameters() if p.requires_grad]
 
 
 # --------------------------------------------------------------------------------------------
