@@ -7,6 +7,7 @@ on; only structure, counts and planted effects.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -523,8 +524,14 @@ def test_configured_adamw8bit_on_small_lora_reports_the_fp32_state(
     try:
         assert optimizer_key(workload.optimizer, CPU) == "adamw8bit"
         before = _workload_state(workload)
-        result = run_probe(_fast_probe(candidates=(), numerics=False), _ctx(workload, record))
+        # Judged as a model of this size: its small LoRA tensors keep fp32 state.
+        as_real = _ctx(workload, record)
+        as_real.config = dataclasses.replace(workload.config, size="full")
+        result = run_probe(_fast_probe(candidates=(), numerics=False), as_real)
         _assert_unchanged(before, workload)
+        # Judged as what it is, the tiny stand-in of SD1.5: the full-size preset's LoRA tensors
+        # clear the threshold, so the split is said to be the shrunk model's, not advice.
+        tiny_run = run_probe(_fast_probe(candidates=(), numerics=False), _ctx(workload, record))
     finally:
         workload.optimizer = configured
     assert result.status == "ok", result.traceback
@@ -534,6 +541,11 @@ def test_configured_adamw8bit_on_small_lora_reports_the_fp32_state(
     finding = next(f for f in result.findings if f.id == "optimizer.8bit_state_mostly_fp32")
     assert finding.evidence["bytes_fp32"] == split["bytes_fp32"] > 0
     assert result.data["numerics"] == {"skipped": "turned off"}
+
+    assert not [f for f in tiny_run.findings if f.id == "optimizer.8bit_state_mostly_fp32"]
+    [answer] = [c for c in tiny_run.checks if c.id == "optimizer.8bit_state_mostly_fp32"]
+    assert answer.outcome == "ok" and "artefact of the shrunk model" in answer.text
+    assert tiny_run.data["eight_bit"]["full_size"]["below_min_8bit_size"] == 0
 
 
 @pytest.mark.slow
