@@ -112,11 +112,14 @@ def device_word(has_device: bool) -> str:
     return "GPU" if has_device else "CPU"
 
 
-def starved_title(wait: BarWait, has_device: bool) -> str:
-    """``The training loop waits for data 35% of each step (310 ms/step) while the GPU idles``."""
+def starved_title(wait: BarWait, has_device: bool, steps: str = "each step") -> str:
+    """``The training loop waits for data 35% of each step (310 ms/step) while the GPU idles``.
+
+    ``steps`` names the steps the share is of: a trace rule inside ``diagnose run`` read "each
+    profiled step", which may differ from the run's phase bar (measured on the timed steps)."""
     idle = "the GPU idles" if has_device else "compute stops"
     return (
-        f"The training loop waits for data {pct(wait.share)} of each step "
+        f"The training loop waits for data {pct(wait.share)} of {steps} "
         f"({ms(wait.seconds)}/step) while {idle}"
     )
 
@@ -208,10 +211,11 @@ def gpu_starved(
     sure_saving: float | None = None,
     measured_fix: tuple[str, float] | None = None,
     source: str = "",
+    steps: str = "each step",
 ) -> Finding:
     """The loop waits for data ``wait.share`` of the step. ``measured_fix``: the label of the
     loader change the A/B measured clearly faster, and its saving per iteration."""
-    title = starved_title(wait, has_device)
+    title = starved_title(wait, has_device, steps)
     if measured_fix is not None:
         label, seconds = measured_fix
         title += f"; {label}: measured {per_it(seconds)} faster"

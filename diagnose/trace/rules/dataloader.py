@@ -105,6 +105,9 @@ def check(ctx: TraceContext) -> ProbeResult:
         gpu_starved(
             wait,
             ctx.has_device,
+            # A trace holds only profiled steps: said, so the share is not read as the timed
+            # steps' phase bar when `diagnose run` shows both.
+            steps="each profiled step",
             # A trace does not say how many cores or which trainer: the usual advice, both halves.
             fix=usual_fix(DEFAULT_WORKERS, pin_memory=ctx.has_device),
             detail=(
