@@ -157,7 +157,6 @@ SPECS = (
     CPU_FEW_CORES,
 )
 
-SOURCE = "environment"
 
 # --- thresholds --------------------------------------------------------------------------------
 
@@ -208,23 +207,9 @@ PCIE_GEN_ONLY_SEVERITY: Severity = "info"
 # --- builders ----------------------------------------------------------------------------------
 
 
-def _build(
-    spec: FindingSpec,
-    title: str,
-    *,
-    fix: str,
-    evidence: Mapping[str, Any],
-    detail: str = "",
-    severity: Severity | None = None,
-) -> Finding:
-    return spec.build(
-        title, fix=fix, evidence=evidence, detail=detail, source=SOURCE, severity=severity
-    )
-
-
 def cpu_with_gpu_present_finding(*, title: str, fix: str, evidence: Mapping[str, Any]) -> Finding:
     """``title`` says which GPU and why torch did not use it; ``fix`` is from :func:`gpu_fix`."""
-    return _build(CPU_WITH_GPU_PRESENT, title, fix=fix, evidence=evidence)
+    return CPU_WITH_GPU_PRESENT.build(title, fix=fix, evidence=evidence)
 
 
 def torch_sees_gpu_title(count: int) -> str:
@@ -296,16 +281,14 @@ def integrated_gpu_finding(
 ) -> Finding:
     """The integrated GPU ``name`` ran the step; ``discrete``: the discrete GPU beside it."""
     if discrete is not None:
-        return _build(
-            INTEGRATED_GPU,
+        return INTEGRATED_GPU.build(
             f"Training ran on the integrated {name} while a discrete {discrete} is present",
             fix=f"Use the discrete GPU: diagnose run --device cuda:{discrete_index}; for your "
             f"trainer {visible_variable}={discrete_index} (or disable the integrated GPU in the "
             "BIOS).",
             evidence=evidence,
         )
-    return _build(
-        INTEGRATED_GPU,
+    return INTEGRATED_GPU.build(
         f"{name} is an integrated GPU: its memory is system RAM, shared with the CPU",
         fix="Expect lower memory bandwidth than a discrete GPU; keep other memory-heavy work off "
         "the machine while training.",
@@ -345,8 +328,7 @@ def rocm_warmup_finding(
     )
     if resolution_buckets > 1:
         fixes.append(f"each of the {resolution_buckets} resolution buckets is a new shape")
-    return _build(
-        ROCM_KERNEL_SEARCH_WARMUP,
+    return ROCM_KERNEL_SEARCH_WARMUP.build(
         f"The {source} took {first:.1f} s against {typical:.2f} s/it after it "
         f"({first / typical:.0f}x): kernels were searched or tuned at startup (MIOpen find / "
         "TunableOp)",
@@ -360,8 +342,7 @@ def rocm_warmup_finding(
 
 
 def tunableop_tuning_finding(*, evidence: Mapping[str, Any]) -> Finding:
-    return _build(
-        TUNABLEOP_TUNING,
+    return TUNABLEOP_TUNING.build(
         "TunableOp is tuning live: every new GEMM shape is benchmarked during training",
         fix="Tune once (a short run with PYTORCH_TUNABLEOP_TUNING=1), then train with "
         "PYTORCH_TUNABLEOP_TUNING=0 and the same PYTORCH_TUNABLEOP_FILENAME so the tuned "
@@ -412,16 +393,15 @@ def hsa_override_finding(
             "rocBLAS, hipBLASLt) are tuned for the other chip, so some ops are slower or fall "
             "back. A torch build listing your gfx target (TheRock nightlies) avoids it."
         )
-    return _build(
-        HSA_OVERRIDE, title, fix=fix, evidence=evidence, severity=HSA_OVERRIDE_SEVERITY[kind]
+    return HSA_OVERRIDE.build(
+        title, fix=fix, evidence=evidence, severity=HSA_OVERRIDE_SEVERITY[kind]
     )
 
 
 def hipblaslt_unsupported_finding(
     *, asked: str, arch: str, hip: str | None, evidence: Mapping[str, Any]
 ) -> Finding:
-    return _build(
-        HIPBLASLT_UNSUPPORTED,
+    return HIPBLASLT_UNSUPPORTED.build(
         f"{asked} on {arch}, which torch's hipBLASLt path does not support (HIP {hip}): GEMMs "
         "fall back to hipBLAS/rocBLAS",
         fix="unset TORCH_BLAS_PREFER_HIPBLASLT (it only adds the 'Attempting to use hipBLASLt on "
@@ -431,8 +411,7 @@ def hipblaslt_unsupported_finding(
 
 
 def hipblaslt_off_finding(*, value: str, arch: str, evidence: Mapping[str, Any]) -> Finding:
-    return _build(
-        HIPBLASLT_OFF,
+    return HIPBLASLT_OFF.build(
         f"hipBLASLt is switched off (TORCH_BLAS_PREFER_HIPBLASLT={value}) on {arch}, which "
         "supports it",
         fix="unset TORCH_BLAS_PREFER_HIPBLASLT, or compare both: hipBLASLt's GEMMs are usually "
@@ -442,8 +421,7 @@ def hipblaslt_off_finding(*, value: str, arch: str, evidence: Mapping[str, Any])
 
 
 def launch_blocking_finding(switches: Mapping[str, str]) -> Finding:
-    return _build(
-        LAUNCH_BLOCKING,
+    return LAUNCH_BLOCKING.build(
         f"{', '.join(f'{k}={v}' for k, v in switches.items())}: every kernel launch waits for "
         "the GPU, so the CPU can never queue work ahead",
         fix="unset " + " ".join(switches) + " (debugging switches)",
@@ -452,8 +430,7 @@ def launch_blocking_finding(switches: Mapping[str, str]) -> Finding:
 
 
 def amd_log_level_finding(level: str) -> Finding:
-    return _build(
-        AMD_LOG_LEVEL,
+    return AMD_LOG_LEVEL.build(
         f"AMD_LOG_LEVEL={level}: the HIP runtime logs every API call",
         fix="unset AMD_LOG_LEVEL",
         evidence={"AMD_LOG_LEVEL": level},
@@ -491,8 +468,7 @@ def gpu_throttled_finding(
             if amd
             else "`nvidia-smi -q -d PERFORMANCE,TEMPERATURE` shows the active reason"
         )
-    return _build(
-        GPU_THROTTLED,
+    return GPU_THROTTLED.build(
         f"The GPU throttled in {_pct(worst)} of the busy samples ({', '.join(sorted(reasons))}); "
         f"clocks at {_pct(clock_fraction)} of max",
         fix=fix,
@@ -504,8 +480,7 @@ def gpu_throttled_finding(
 def power_limited_finding(
     *, limit_w: float, default_w: float, at_limit: float, amd: bool, evidence: Mapping[str, Any]
 ) -> Finding:
-    return _build(
-        POWER_LIMITED,
+    return POWER_LIMITED.build(
         f"The power limit is lowered to {limit_w:.0f} W (default {default_w:.0f} W) and the GPU "
         f"sits at it in {_pct(at_limit)} of the busy samples",
         fix=(
@@ -528,8 +503,7 @@ def clocks_low_finding(
     application_clocks: bool,
     evidence: Mapping[str, Any],
 ) -> Finding:
-    return _build(
-        CLOCKS_LOW,
+    return CLOCKS_LOW.build(
         f"The GPU is busy ({utilization_pct:.0f}%) but clocks at {clock_mhz:.0f} MHz, "
         f"{_pct(clock_fraction)} of its {max_mhz:.0f} MHz maximum",
         fix=(
@@ -548,8 +522,7 @@ def pcie_link_finding(
     *, narrow: bool, parts: Sequence[str], evidence: Mapping[str, Any]
 ) -> Finding:
     """``parts``: "x4 of x16", "Gen3 of Gen4"; ``narrow``: fewer lanes than allowed."""
-    return _build(
-        PCIE_LINK_DEGRADED,
+    return PCIE_LINK_DEGRADED.build(
         f"The GPU's PCIe link runs at {' and '.join(parts)}: host-device copies (batches, "
         "offloaded weights, anything spilled) are slower",
         fix="Seat the card in the CPU-attached x16 slot (usually the top one), remove riser or "
@@ -577,8 +550,7 @@ CUDA_MIN_LINUX_DRIVER: dict[tuple[int, int], str] = {
 def driver_old_finding(
     *, driver: str, driver_cuda: str, torch_cuda: str, needed: str | None
 ) -> Finding:
-    return _build(
-        DRIVER_OLD,
+    return DRIVER_OLD.build(
         f"The NVIDIA driver ({driver or 'version unknown'}) supports CUDA {driver_cuda}, older "
         f"than the CUDA {torch_cuda} this torch is built for",
         fix=f"Update the NVIDIA driver{f' to {needed} or newer' if needed else ''}, or install "
@@ -590,8 +562,7 @@ def driver_old_finding(
 
 
 def cpu_one_thread_finding(*, usable: int, physical: int, evidence: Mapping[str, Any]) -> Finding:
-    return _build(
-        CPU_ONE_THREAD,
+    return CPU_ONE_THREAD.build(
         f"torch computes on 1 thread of the {usable} cores it may use",
         fix=f"unset OMP_NUM_THREADS (or set it to {physical}); in code "
         f"torch.set_num_threads({physical})",
@@ -600,8 +571,7 @@ def cpu_one_thread_finding(*, usable: int, physical: int, evidence: Mapping[str,
 
 
 def cpu_threads_low_finding(*, threads: int, physical: int, evidence: Mapping[str, Any]) -> Finding:
-    return _build(
-        CPU_THREADS_LOW,
+    return CPU_THREADS_LOW.build(
         f"torch computes on {threads} threads of {physical} physical cores",
         fix=f"OMP_NUM_THREADS={physical} (or torch.set_num_threads({physical}))",
         evidence=evidence,
@@ -609,8 +579,7 @@ def cpu_threads_low_finding(*, threads: int, physical: int, evidence: Mapping[st
 
 
 def cpu_few_cores_finding(*, usable: int, evidence: Mapping[str, Any]) -> Finding:
-    return _build(
-        CPU_FEW_CORES,
+    return CPU_FEW_CORES.build(
         f"A CPU run on {usable} cores: a real model's step takes minutes to hours here; these "
         "numbers are a smoke test",
         fix="Measure on the GPU you train on (diagnose run --device cuda)",

@@ -61,7 +61,6 @@ SPECS = (
     ALLOCATOR_CONF_CONFLICT,
 )
 
-SOURCE = "environment"
 
 #: Peak VRAM use at or above this share of the total leaves no headroom.
 NEAR_CAPACITY = 0.95
@@ -102,25 +101,10 @@ def spill_fix(sysmem_fallback: bool) -> str:
     return f"{_REDUCE_MEMORY.rstrip('.')}. {_EXPANDABLE}."
 
 
-def _build(
-    spec: FindingSpec,
-    title: str,
-    *,
-    fix: str,
-    evidence: Mapping[str, Any],
-    detail: str = "",
-    severity: Severity | None = None,
-) -> Finding:
-    return spec.build(
-        title, fix=fix, evidence=evidence, detail=detail, source=SOURCE, severity=severity
-    )
-
-
 def vram_spill_finding(
     *, reserved: str, total: str, sysmem_fallback: bool, evidence: Mapping[str, Any]
 ) -> Finding:
-    return _build(
-        VRAM_SPILL,
+    return VRAM_SPILL.build(
         f"torch holds {reserved} on a {total} GPU: the overflow lives in shared system memory "
         "and every step streams it over PCIe",
         fix=spill_fix(sysmem_fallback),
@@ -136,15 +120,13 @@ def vram_near_capacity_finding(
 ) -> Finding:
     """Peak VRAM ``peak`` full; ``signals``: the signs that the GPU waits on memory."""
     if signals:
-        return _build(
-            VRAM_NEAR_CAPACITY,
+        return VRAM_NEAR_CAPACITY.build(
             f"VRAM {peak} full and the GPU waits ({'; '.join(signals)}): the step is spilling "
             "or thrashing the allocator",
             fix=spill_fix(sysmem_fallback),
             evidence=evidence,
         )
-    return _build(
-        VRAM_NEAR_CAPACITY,
+    return VRAM_NEAR_CAPACITY.build(
         f"VRAM {peak} full: no headroom; a larger batch or resolution will spill or run out of "
         "memory",
         fix=spill_fix(sysmem_fallback),
@@ -157,8 +139,7 @@ def allocator_retries_finding(
     *, retries: int, every_step: bool, scope: str, evidence: Mapping[str, Any]
 ) -> Finding:
     """``every_step``: retries in every timed step, or an out-of-memory."""
-    return _build(
-        ALLOCATOR_RETRIES,
+    return ALLOCATOR_RETRIES.build(
         f"The CUDA caching allocator ran out of cached memory {retries} time"
         f"{'' if retries == 1 else 's'} ({scope}): each retry frees every cached block and "
         "synchronises the device",
@@ -170,8 +151,7 @@ def allocator_retries_finding(
 
 
 def caching_allocator_off_finding(value: str) -> Finding:
-    return _build(
-        CACHING_ALLOCATOR_OFF,
+    return CACHING_ALLOCATOR_OFF.build(
         "PYTORCH_NO_CUDA_MEMORY_CACHING is set: every tensor allocation is a cudaMalloc and "
         "every free a synchronising cudaFree",
         fix="unset PYTORCH_NO_CUDA_MEMORY_CACHING (it is a debugging switch)",
@@ -181,8 +161,7 @@ def caching_allocator_off_finding(value: str) -> Finding:
 
 def allocator_conf_conflict_finding(settings: Mapping[str, str]) -> Finding:
     """``settings``: the allocator variables as set."""
-    return _build(
-        ALLOCATOR_CONF_CONFLICT,
+    return ALLOCATOR_CONF_CONFLICT.build(
         "max_split_size_mb is set together with expandable_segments:True: two fixes for "
         "fragmentation that work against each other",
         fix="Keep expandable_segments:True and drop max_split_size_mb, e.g. "
