@@ -4,7 +4,8 @@ Reports and the CI gate only ever read a saved record, so re-rendering never nee
 This module must therefore import nothing heavy.
 
 Loading is forgiving: fields added in later versions are read with their defaults, unknown fields
-are ignored, and :data:`MIGRATIONS` upgrades documents written by older schema versions.
+are ignored, and :mod:`diagnose.record_migrations` upgrades documents written by older schema
+versions.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import datetime as _dt
 import json
 import math
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_type_hints
 
 from diagnose import __version__
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.record_migrations import MIGRATIONS
 
 #: Bump when a field changes meaning or is removed, and add a migration for the previous version.
 #: Adding an optional field with a default needs no bump: older readers ignore it, newer readers
@@ -488,57 +490,6 @@ class RunRecord:
             return cls.from_dict(data)
         except DiagnoseError as exc:
             raise DiagnoseError(f"{path}: {exc.message}", exc.code) from None
-
-
-def _checks_from_lines(data: dict[str, Any]) -> dict[str, Any]:
-    """Version 1 kept a probe's checks as bare lines (``checked_ok``, ``not_judged``, and before
-    those ``data["not_judged"]``) and its findings only in the record's list: each becomes a
-    check, the lines with an id made from the probe's name."""
-    upgraded = dict(data, schema_version=2)
-    probes = [dict(p) for p in data.get("probes") or [] if isinstance(p, Mapping)]
-    by_name = {p.get("name", ""): p for p in probes}
-    for probe in probes:
-        name = str(probe.get("name", ""))
-        old_data = probe.get("data")
-        old_data = dict(old_data) if isinstance(old_data, Mapping) else {}
-        lines: list[tuple[str, Any]] = [("ok", line) for line in probe.pop("checked_ok", []) or []]
-        lines += [("not_judged", line) for line in probe.pop("not_judged", []) or []]
-        lines += [("not_judged", line) for line in old_data.pop("not_judged", []) or []]
-        probe["data"] = old_data
-        checks = list(probe.get("checks") or [])
-        for outcome, line in lines:
-            checks.append(
-                {
-                    "id": f"{name}.check_{len(checks) + 1}",
-                    "outcome": outcome,
-                    "text": str(line),
-                    "source": name,
-                }
-            )
-        probe["checks"] = checks
-    for finding in data.get("findings") or []:
-        if not isinstance(finding, Mapping):
-            continue
-        source = str(finding.get("source", "")).split(":", 1)[0]
-        owner = by_name.get(source)
-        if owner is None:
-            owner = {"name": source or "record", "status": "ok", "checks": []}
-            probes.append(owner)
-            by_name[owner["name"]] = owner
-        owner["checks"].append(
-            {
-                "id": finding.get("id", ""),
-                "outcome": "finding",
-                "text": finding.get("title", ""),
-                "source": finding.get("source", ""),
-            }
-        )
-    upgraded["probes"] = probes
-    return upgraded
-
-
-#: schema_version -> function that upgrades a document of that version to the next one.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _checks_from_lines}
 
 
 def utc_now_iso() -> str:
