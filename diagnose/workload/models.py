@@ -505,35 +505,42 @@ def model_info(components: Components, lora_modules: int = 0) -> ModelInfo:
     )
 
 
+def _lora_denoiser_on_meta(
+    spec: Any, rank: int, target_modules: Sequence[str] | None
+) -> tuple[torch.nn.Module, int, int]:
+    """The preset's frozen denoiser built on the meta device (no memory used) and wrapped in
+    LoRA; its parameters before LoRA, and the number of wrapped modules. Call inside
+    ``construct_on(meta, ...)``."""
+    denoiser = build_denoiser(spec)
+    base_parameters = count_parameters(denoiser)
+    denoiser.requires_grad_(False)
+    targets = target_modules if target_modules is not None else spec.lora_target_modules
+    return denoiser, base_parameters, apply_lora(denoiser, rank, None, targets, torch.float32)
+
+
 def _on_meta_with_lora(
     preset: str, size: str, rank: int, target_modules: Sequence[str] | None
 ) -> tuple[Components, int]:
     """A preset's components built on the meta device (no memory used), its denoiser wrapped in
     LoRA; and the number of wrapped modules."""
     spec = load_preset(preset, size)
-    meta = torch.device("meta")
-    with construct_on(meta, torch.float32):
-        denoiser = build_denoiser(spec)
-        vae = build_vae(spec)
-        encoders = [build_text_encoder(e) for e in spec.text_encoders]
+    with construct_on(torch.device("meta"), torch.float32):
+        denoiser, base_parameters, lora_modules = _lora_denoiser_on_meta(spec, rank, target_modules)
         components = Components(
             family=spec.family,
             preset=spec.name,
             size=spec.size,
             source="config (random weights)",
             denoiser=denoiser,
-            vae=vae,
-            text_encoders=encoders,
+            vae=build_vae(spec),
+            text_encoders=[build_text_encoder(e) for e in spec.text_encoders],
             text_roles=[e.role for e in spec.text_encoders],
             tokenizers=[],
             scheduler=None,
             resolutions=spec.resolutions,
             lora_target_modules=spec.lora_target_modules,
-            denoiser_parameters=count_parameters(denoiser),
+            denoiser_parameters=base_parameters,
         )
-        denoiser.requires_grad_(False)
-        targets = target_modules if target_modules is not None else spec.lora_target_modules
-        lora_modules = apply_lora(denoiser, rank, None, targets, torch.float32)
     return components, lora_modules
 
 
@@ -550,8 +557,10 @@ def lora_tensor_sizes(
     """Elements of every LoRA tensor a preset trains at ``size`` (built on the meta device): what
     size-dependent advice about the real model (an 8-bit optimizer's size threshold) is judged on
     when the run itself trained a shrunk model."""
-    components, _ = _on_meta_with_lora(preset, size, rank, target_modules)
-    return [p.numel() for p in components.denoiser.parameters() if p.requires_grad]
+    spec = load_preset(preset, size)
+    with construct_on(torch.device("meta"), torch.float32):
+        denoiser, _, _ = _lora_denoiser_on_meta(spec, rank, target_modules)
+    return [p.numel() for p in denoiser.parameters() if p.requires_grad]
 
 
 # --------------------------------------------------------------------------------------------
