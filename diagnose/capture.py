@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from diagnose.contention import LoadWindow
 from diagnose.quiet import native_stderr_filtered
 from diagnose.record import PHASES, Breakdown, StepSample, Timing
 from diagnose.telemetry import TelemetrySampler, TelemetrySummary
@@ -123,15 +124,18 @@ def measure(
 
     index = warmup
     summary: TelemetrySummary | None = None
-    # Telemetry covers the timed steps only: those are the ones the headline number comes from.
+    # Telemetry and the machine's load cover the timed steps only: those are the ones the
+    # headline number comes from.
     if telemetry is not None:
         telemetry.start()
+    load = LoadWindow().open()
     try:
         for i in range(steps):
             say(f"timed step {i + 1}/{steps}")
             timing.samples.append(runner.run_one(index, profiled=False))
             index += 1
     finally:
+        timing.host_load = load.close()
         if telemetry is not None:
             summary = telemetry.stop()
     # The first batch of a fresh iterator pays for starting workers and filling their queues.

@@ -144,6 +144,41 @@ class DeviceInfo:
 
 
 @dataclass
+class HostLoad:
+    """How busy the machine was with work that is not ours while something was measured.
+
+    Measured as CPU time: the cores this process may run on, what our process tree used of them,
+    and what other processes (and, in a VM, the hypervisor's steal) took in the same window. Made
+    by :mod:`diagnose.contention`; a record keeps one per timed window (the steps, each probe).
+    """
+
+    #: What the numbers were read from ("psutil"), or why they could not be read.
+    basis: str = ""
+    seconds: float = 0.0
+    #: Cores this process may run on (its CPU affinity).
+    cpus: int = 0
+    #: Mean cores busy with our process and its children (DataLoader workers) over the window.
+    own_cores: float = 0.0
+    #: Mean cores other processes and VM steal took from ours over the window.
+    others_cores: float = 0.0
+    #: The most cores others took in the busiest tenth of the window.
+    others_cores_high: float = 0.0
+    #: The 1-minute load average at the end of the window, when the OS has one.
+    load_average: float | None = None
+    #: The share of a time measured in this window the load could explain (0 on a quiet
+    #: machine). Comparisons made in the window are not sure of a difference smaller than this
+    #: share of the slower side.
+    allowance: float = 0.0
+    #: Comparisons in the window whose verdict the load set aside (sure on a quiet machine,
+    #: not sure with the allowance).
+    comparisons_set_aside: int = 0
+
+    @property
+    def contended(self) -> bool:
+        return self.allowance > 0
+
+
+@dataclass
 class StepSample:
     """One timed training step. Warm-up steps are not recorded as samples."""
 
@@ -177,6 +212,8 @@ class Timing:
     peak_rss_bytes: int | None = None
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
+    #: The machine's load from other work while the timed steps ran.
+    host_load: HostLoad | None = None
 
     def summarize(self) -> None:
         """Recompute the summaries from the samples (the samples are the truth)."""
@@ -305,6 +342,8 @@ class ProbeResult:
     data: dict[str, Any] = field(default_factory=dict)
     #: Every question it asked and the answer (findings included, by id and title).
     checks: list[Check] = field(default_factory=list)
+    #: The machine's load from other work while the probe ran (its A/B comparisons' window).
+    host_load: HostLoad | None = None
 
     def add_ok(self, check_id: str, text: str, source: str = "") -> None:
         """Record a check that was made and found fine."""
@@ -582,6 +621,7 @@ __all__ = [
     "DeviceInfo",
     "ExitCode",
     "Finding",
+    "HostLoad",
     "ModelInfo",
     "OpStat",
     "ProbeResult",

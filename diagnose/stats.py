@@ -11,6 +11,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from diagnose import contention
+
 #: Exact U distribution up to this many samples per side (beyond, the normal approximation is
 #: within a few per cent of the exact p-value and the exact one costs O(m^2 n)).
 EXACT_MAX_SAMPLES = 50
@@ -192,17 +194,31 @@ def ratio_interval(
     return 1 + shift[0] / base_median, 1 + shift[1] / base_median
 
 
-def sure_saving(faster: Sequence[float], slower: Sequence[float]) -> float:
+def sure_saving(
+    faster: Sequence[float], slower: Sequence[float], *, allowance: float | None = None
+) -> float:
     """Seconds the A/B is sure ``faster`` saves over ``slower`` (per call): the low end of the
     Hodges–Lehmann interval of slower - faster at :data:`SAVING_SIGNIFICANCE`, never below 0.
-    0 when the samples are too few for an interval."""
+    0 when the samples are too few for an interval.
+
+    On a busy machine the interval is widened by the share of the slower side the load could
+    explain (``allowance``; by default the open load window's, see :mod:`diagnose.contention`),
+    so a difference other processes could have made is not one the A/B is sure of."""
     interval = shift_interval(faster, slower, SAVING_SIGNIFICANCE)
-    return max(0.0, interval[0]) if interval is not None else 0.0
+    if interval is None:
+        return 0.0
+    share = contention.current_allowance() if allowance is None else allowance
+    widened = interval[0] - share * statistics.median(slower) if share > 0 else interval[0]
+    return max(0.0, widened)
 
 
 def clearly_faster(
     faster: Sequence[float], slower: Sequence[float], *, min_saving: float = 0.0
 ) -> bool:
     """Whether ``faster`` is surely faster than ``slower`` by more than ``min_saving`` seconds per
-    call (the low end of the interval clears it): an A/B verdict that does not flip on a rerun."""
-    return sure_saving(faster, slower) > min_saving
+    call (the low end of the interval clears it): an A/B verdict that does not flip on a rerun.
+    A difference only the machine's load keeps from being sure is counted as set aside."""
+    sure = sure_saving(faster, slower) > min_saving
+    if not sure and sure_saving(faster, slower, allowance=0.0) > min_saving:
+        contention.note_set_aside()
+    return sure

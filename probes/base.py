@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from diagnose.contention import LoadWindow, describe
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord
 
 if TYPE_CHECKING:
@@ -108,7 +109,25 @@ def _torch_state_restored() -> Iterator[None]:
 
 
 def run_probe(probe: Probe, ctx: ProbeContext) -> ProbeResult:
-    """Run one probe in isolation; whatever happens, return a ProbeResult."""
+    """Run one probe in isolation; whatever happens, return a ProbeResult.
+
+    The probe runs inside a load window: its comparisons are judged against how busy the
+    machine was meanwhile, and a comparison the load could explain is said to be set aside."""
+    with LoadWindow() as window:
+        result = _run_alone(probe, ctx)
+    load = window.load
+    if load is not None and result.status == "ok":
+        result.host_load = load
+        if load.comparisons_set_aside:
+            result.add_not_judged(
+                f"{probe.name}.machine_busy",
+                f"{probe.name}: {describe(load)}; rerun on an idle machine to judge them",
+                probe.name,
+            )
+    return result
+
+
+def _run_alone(probe: Probe, ctx: ProbeContext) -> ProbeResult:
     start = time.perf_counter()
 
     def done(result: ProbeResult) -> ProbeResult:

@@ -60,6 +60,8 @@ def terminal_summary(
     lines: list[str] = []
     headline = build_headline(record)
     lines.append(f"{style('diagnose:', 'bold')} {style(_clean(headline.sentence), 'bold')}")
+    if headline.busy:
+        lines.append(f"  {style('machine busy:', 'warn')} {headline.busy_text}")
     if headline.noisy:
         lines.append(f"  {style('noisy:', 'warn')} {headline.noise_text}")
     if headline.profiler_text:

@@ -15,10 +15,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from diagnose.contention import describe as describe_load
 from diagnose.record import (
     PHASE_LABELS,
     Breakdown,
     Finding,
+    HostLoad,
     OpStat,
     ProbeResult,
     RunRecord,
@@ -188,6 +190,10 @@ class Headline:
     profiler_text: str
     #: Where the step time came from: "measured" or "trace".
     source: str
+    #: Whether other work competed for the cores while the steps or the probes were timed.
+    busy: bool = False
+    #: How busy, and what it means for the numbers on the page; "" when not busy or not known.
+    busy_text: str = ""
 
 
 def build_headline(record: RunRecord) -> Headline:
@@ -210,6 +216,7 @@ def build_headline(record: RunRecord) -> Headline:
             profiler_text="",
             source="trace" if from_trace else "none",
         )
+    busy_text = describe_machine_load(record)
     value = format_per_iteration(stats.median)
     how = _describe_stats(stats, timing, from_trace)
     spread = stats.relative_spread
@@ -232,7 +239,7 @@ def build_headline(record: RunRecord) -> Headline:
         noise_text = (
             f"The interquartile range is {format_percent(spread)} of {where} "
             f"(above {format_percent(NOISY_RELATIVE_SPREAD)}); differences smaller than that "
-            "are not conclusive. Rerun with more steps on an otherwise idle machine."
+            f"are not conclusive. {_noise_advice(record.timing.host_load)}"
         )
     sentence = f"{value} ({how})"
     if setup:
@@ -247,7 +254,48 @@ def build_headline(record: RunRecord) -> Headline:
         noise_text=noise_text,
         profiler_text=_describe_profiler(timing, from_trace),
         source="trace" if from_trace else "measured",
+        busy=bool(busy_text),
+        busy_text=busy_text,
     )
+
+
+def _noise_advice(load: HostLoad | None) -> str:
+    if load is None or load.basis != "psutil":
+        return "Rerun with more steps on an otherwise idle machine."
+    if load.contended:
+        return "The machine was busy (above): rerun with more steps on an idle machine."
+    return (
+        "The machine was not busy while the steps ran, so the spread is the workload's own "
+        "(steps that differ in content, garbage collection, thermal limits): use more steps."
+    )
+
+
+def describe_machine_load(record: RunRecord) -> str:
+    """One paragraph when other work competed for the cores during the timed steps or a probe:
+    what it took, how much of the numbers it may explain, what was set aside. "" otherwise."""
+    load = record.timing.host_load
+    busy_probes = [p for p in record.probes if p.host_load is not None and p.host_load.contended]
+    if not (load is not None and load.contended) and not busy_probes:
+        return ""
+    parts = []
+    if load is not None and load.contended:
+        parts.append(
+            f"While the timed steps ran, {describe_load(load)}. The s/it above may be up to "
+            f"{format_percent(load.allowance)} slower than this workload on an idle machine."
+        )
+    if busy_probes:
+        set_aside = sum(p.host_load.comparisons_set_aside for p in busy_probes if p.host_load)
+        names = ", ".join(p.name for p in busy_probes)
+        text = f"The machine was also busy while these probes compared settings: {names}"
+        if set_aside:
+            were = "were" if set_aside != 1 else "was"
+            text += (
+                f"; {set_aside} comparison{'s' if set_aside != 1 else ''} the load could "
+                f"explain {were} set aside rather than raised"
+            )
+        parts.append(text + ".")
+    parts.append("Rerun on an idle machine for verdicts that hold.")
+    return " ".join(parts)
 
 
 def _describe_buckets(buckets: Mapping[str, Stats], steps: int) -> str:

@@ -97,10 +97,26 @@ def test_a_rank_slow_in_its_forward_is_named_with_its_phase(runs: Path, tmp_path
     assert catalog.DATA_WAIT_IMBALANCE_ID not in _ids(record)
 
 
+def _machine_was_busy(runs: Path, scenario: str) -> bool:
+    """Whether other work competed for the cores while a scenario's ranks ran (the trainer
+    records each rank's load beside the traces)."""
+    loads = [json.loads(p.read_text()) for p in (runs / "host-load").glob(f"{scenario}-rank*")]
+    assert loads, "the trainer wrote no host load"
+    return any(load["allowance"] > 0 for load in loads)
+
+
 @pytest.mark.slow
 def test_balanced_ranks_raise_no_straggler(runs: Path, tmp_path: Path) -> None:
     record = _trace(runs / "balanced", tmp_path)
-    assert not {catalog.STRAGGLER_ID, catalog.DATA_WAIT_IMBALANCE_ID} & _ids(record)
+    named = {catalog.STRAGGLER_ID, catalog.DATA_WAIT_IMBALANCE_ID} & _ids(record)
+    if _machine_was_busy(runs, "balanced"):
+        # Other work on a shared machine can really slow one rank: then it is slower in all of
+        # its work alike, never in one phase, and the finding must not blame one.
+        for finding in record.findings:
+            if finding.id in named:
+                assert finding.evidence["slow_phase"] is None, finding.title
+    else:
+        assert not named
     judged = _checked(record) + [line for p in record.probes for line in unjudged_lines(p)]
     # Either "keep pace" or, on a very busy machine, "inconclusive": never a named straggler.
     assert any(line.startswith("ranks:") for line in judged)

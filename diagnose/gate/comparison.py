@@ -18,6 +18,7 @@ from diagnose.gate.record_metrics import (
     _compare_memory,
     _compare_phases,
     _compare_step,
+    judged_against_load,
 )
 from diagnose.record import RunRecord, StepSample
 
@@ -131,10 +132,10 @@ def compare_records(
 
     metrics: list[MetricComparison] = []
     step = _compare_step(base_runs, cur_samples, samples_kind, options, base_names)
-    metrics.append(step)
     pooled = [s.seconds for run in base_runs for s in run]
     base_step = statistics.median(pooled) if pooled else None
-    metrics.extend(_compare_phases(base_runs, cur_samples, base_step, options, base_names))
+    timings = [step, *_compare_phases(base_runs, cur_samples, base_step, options, base_names)]
+    metrics.extend(judged_against_load(m, baselines, current) for m in timings)
     memory = _compare_memory(baselines, current, options)
     metrics.extend(memory)
     profiled = sorted({str(b.config.get("profiled_steps")) for b in baselines})

@@ -4,9 +4,11 @@ threshold alone)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Iterable, Sequence
 
+from diagnose.contention import describe
 from diagnose.gate.metrics import (
     MetricComparison,
     MetricKind,
@@ -87,6 +89,40 @@ def _compare_step(
         label="s/it" if samples_kind == "unprofiled" else "s/it (profiled steps)",
         threshold=options.threshold,
         significance=options.significance,
+    )
+
+
+def judged_against_load(
+    metric: MetricComparison, baselines: Sequence[RunRecord], current: RunRecord
+) -> MetricComparison:
+    """A timing change the machine's load could explain is inconclusive, not a verdict.
+
+    Two records are two runs, so the load on either side shifts its times directly: a slowdown
+    is only a regression when even its low end is beyond what the current run's load could add
+    (a speed-up likewise against the busiest baseline's load). Quiet records are left as judged.
+    """
+    if metric.kind not in ("step", "phase") or metric.verdict not in ("slower", "faster"):
+        return metric
+    if metric.verdict == "slower":
+        load = current.timing.host_load
+        sure_ratio, side = metric.ci_low, "current"
+    else:
+        loads = [r.timing.host_load for r in baselines if r.timing.host_load is not None]
+        load = max(loads, key=lambda item: item.allowance, default=None)
+        sure_ratio = None if metric.ci_high is None else 1 / metric.ci_high
+        side = "a baseline"
+    if load is None or not load.contended:
+        return metric
+    explained = 1 / (1 - min(load.allowance, 0.9))
+    if sure_ratio is not None and sure_ratio > explained:
+        return metric
+    return dataclasses.replace(
+        metric,
+        verdict="inconclusive",
+        reason=(
+            f"{metric.reason}; but the {side} run's machine was busy ({describe(load)}): a "
+            f"change of up to {_pct(explained - 1)} could be the load. Rerun on an idle machine"
+        ),
     )
 
 

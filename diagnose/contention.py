@@ -1,0 +1,325 @@
+"""Contention: how much of the machine other work took while we measured, and what it may explain.
+
+A report is a claim about the user's machine, and a busy machine makes every timing slower and
+noisier: two runs of the same command on a shared 2-core machine once gave opposite advice. So the
+timed steps and every probe run inside a :class:`LoadWindow` that samples, in a background thread,
+the CPU time of the cores this process may use, split into ours (this process and its children:
+DataLoader workers) and everyone else's (other processes, and a VM's steal time).
+
+What a window concludes (:class:`diagnose.record.HostLoad`):
+
+- ``others_cores``: the mean cores others took; ``others_cores_high``: the most they took in the
+  busiest tenth of the window.
+- ``allowance``: the share of a measured time the load could explain. Others only slow us when
+  they compete for cores, so an interval counts when the cores were nearly all busy and others held
+  a real share of them; the allowance is the share others took in the busiest tenth of such
+  intervals, 0 on a quiet machine.
+
+A comparison made while a window is open (:func:`diagnose.stats.sure_saving`) subtracts the
+allowance times the slower side from the saving it is sure of, so a difference the load could
+explain is not raised; the window counts the comparisons it set aside, and the report says so.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from diagnose.record import HostLoad
+
+#: Seconds between readings: short enough to see bursts that hit one side of an A/B, long
+#: enough that reading the process tree costs nothing measurable.
+INTERVAL_S = 0.25
+#: Others compete with us only when the cores are nearly all busy (ours + theirs).
+BUSY_SHARE = 0.75
+#: ... and when they hold at least this share of the cores in that interval.
+OTHERS_SHARE = 0.10
+#: The allowance is taken at the busiest tenth of the intervals, not the single worst one.
+HIGH_QUANTILE = 0.9
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """One reading: a clock, and CPU seconds consumed so far on our cores."""
+
+    at: float
+    #: Busy seconds of the cores this process may use (all processes).
+    busy: float
+    #: Seconds a hypervisor ran other guests on those cores (0 outside a VM).
+    steal: float
+    #: CPU seconds of this process, its live descendants and its reaped children.
+    own: float
+
+
+Reader = Callable[[], CpuReading]
+
+
+def _cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS, Windows
+        return list(range(os.cpu_count() or 1))
+
+
+def _job_root(psutil: Any) -> Any:
+    """The process whose tree is "ours": this process, or, in one rank of a job started by a
+    launcher (torchrun, ``diagnose run --nproc``), the launcher, so the sibling ranks on this
+    machine count as the job's own work and not as other load."""
+    me = psutil.Process()
+    if os.environ.get("LOCAL_WORLD_SIZE", "1") not in ("", "0", "1"):
+        try:
+            return me.parent() or me
+        except psutil.Error:
+            return me
+    return me
+
+
+def psutil_reader() -> tuple[Reader, int] | str:
+    """A reader of this machine's CPU times and the number of cores it covers, or why not."""
+    try:
+        import psutil
+    except ImportError:
+        return "psutil is not installed"
+    cpus = _cpus()
+    me = _job_root(psutil)
+
+    def own_seconds() -> float:
+        times = me.cpu_times()
+        total = times.user + times.system + times.children_user + times.children_system
+        for child in me.children(recursive=True):
+            try:
+                child_times = child.cpu_times()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue  # it ended between the listing and the reading: reaped into ours
+            total += child_times.user + child_times.system
+        return float(total)
+
+    def read() -> CpuReading:
+        per_cpu = psutil.cpu_times(percpu=True)
+        busy = steal = 0.0
+        for index in cpus:
+            if index >= len(per_cpu):
+                continue
+            t = per_cpu[index]
+            # guest time is already inside user on Linux; idle and iowait are not busy.
+            busy += t.user + t.system + getattr(t, "nice", 0.0)
+            busy += getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+            steal += getattr(t, "steal", 0.0)
+        return CpuReading(time.perf_counter(), busy, steal, own_seconds())
+
+    try:
+        read()
+    except Exception as exc:  # a sandbox without /proc, an unsupported platform
+        return f"CPU times could not be read ({type(exc).__name__})"
+    return read, len(cpus)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Cores used over one interval between two readings."""
+
+    seconds: float
+    own: float
+    others: float
+
+
+def intervals(readings: list[CpuReading]) -> list[Interval]:
+    """Cores used between consecutive readings. CPU counters tick coarsely (10 ms), so a core
+    count is clipped at zero rather than trusted below it."""
+    out = []
+    for before, after in itertools.pairwise(readings):
+        seconds = after.at - before.at
+        if seconds <= 0:
+            continue
+        own = max(0.0, after.own - before.own) / seconds
+        busy = max(0.0, after.busy - before.busy) / seconds
+        steal = max(0.0, after.steal - before.steal) / seconds
+        out.append(Interval(seconds, own, max(0.0, busy - own) + steal))
+    return out
+
+
+def _high(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(HIGH_QUANTILE * len(ordered)))]
+
+
+def summarize(readings: list[CpuReading], cpus: int, basis: str) -> HostLoad:
+    """The load of a window from its readings (pure)."""
+    spans = intervals(readings)
+    total = sum(s.seconds for s in spans)
+    if not spans or total <= 0 or cpus <= 0:
+        return HostLoad(basis=basis, seconds=total, cpus=cpus)
+    own = sum(s.own * s.seconds for s in spans) / total
+    others = sum(s.others * s.seconds for s in spans) / total
+    # Others' share of the cores, counted only where the cores were nearly all busy.
+    competing = [
+        min(1.0, s.others / cpus)
+        if (s.own + s.others) / cpus >= BUSY_SHARE and s.others / cpus >= OTHERS_SHARE
+        else 0.0
+        for s in spans
+    ]
+    allowance = _high(competing)
+    return HostLoad(
+        basis=basis,
+        seconds=total,
+        cpus=cpus,
+        own_cores=own,
+        others_cores=others,
+        others_cores_high=_high([s.others for s in spans]),
+        load_average=_load_average(),
+        allowance=allowance if allowance >= OTHERS_SHARE else 0.0,
+    )
+
+
+def _load_average() -> float | None:
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+class LoadWindow:
+    """Samples the load from :meth:`open` to :meth:`close` in a background thread.
+
+    Never raises: without psutil or CPU counters the window reads as quiet, with the reason in
+    ``basis``. While open (``with window:``) it is the window that comparisons consult
+    (:func:`current_allowance`, :func:`note_set_aside`).
+    """
+
+    def __init__(self, reader: tuple[Reader, int] | str | None = None) -> None:
+        made = psutil_reader() if reader is None else reader
+        self._reader: Reader | None = None
+        self._cpus = 0
+        self._basis = made if isinstance(made, str) else "psutil"
+        if not isinstance(made, str):
+            self._reader, self._cpus = made
+        self._readings: list[CpuReading] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._token: contextvars.Token[LoadWindow | None] | None = None
+        self.set_aside = 0
+        self.load: HostLoad | None = None
+
+    def _read(self) -> None:
+        if self._reader is None:
+            return
+        try:
+            reading = self._reader()
+        except Exception:
+            return  # a process vanished mid-walk: the next reading covers it
+        with self._lock:
+            self._readings.append(reading)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            self._read()
+
+    def open(self) -> LoadWindow:
+        self._read()
+        if self._reader is not None:
+            self._thread = threading.Thread(target=self._loop, name="diagnose-load", daemon=True)
+            self._thread.start()
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def so_far(self) -> HostLoad:
+        """The load from the window's start to now (a reading is taken first)."""
+        self._read()
+        with self._lock:
+            readings = list(self._readings)
+        load = summarize(readings, self._cpus, self._basis)
+        load.comparisons_set_aside = self.set_aside
+        return load
+
+    def close(self) -> HostLoad:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * INTERVAL_S + 1)
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+        self.load = self.so_far()
+        return self.load
+
+    def __enter__(self) -> LoadWindow:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+_ACTIVE: contextvars.ContextVar[LoadWindow | None] = contextvars.ContextVar(
+    "diagnose_load_window", default=None
+)
+
+
+def current_allowance() -> float:
+    """The allowance of the open window so far (0 without one)."""
+    window = _ACTIVE.get()
+    return 0.0 if window is None else window.so_far().allowance
+
+
+def note_set_aside() -> None:
+    """A comparison the load could explain was not raised (counted by the open window)."""
+    window = _ACTIVE.get()
+    if window is not None:
+        window.set_aside += 1
+
+
+@contextmanager
+def quiet_window() -> Iterator[None]:
+    """No window for the comparisons inside (tests of the statistics themselves)."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def describe(load: HostLoad) -> str:
+    """One line for the reader: how busy the machine was and what it means for the numbers."""
+    others = f"other processes took {load.others_cores:.1f} of {load.cpus} cores on average"
+    if load.others_cores_high > load.others_cores + 0.05:
+        others += f" (up to {load.others_cores_high:.1f})"
+    if not load.contended:
+        return f"{others}; the cores were not contended"
+    line = (
+        f"{others}: up to {load.allowance:.0%} of a measured time may be the load, not the "
+        "workload; differences smaller than that were not judged"
+    )
+    if load.comparisons_set_aside:
+        line += f" ({load.comparisons_set_aside} set aside)"
+    return line
+
+
+__all__ = [
+    "BUSY_SHARE",
+    "INTERVAL_S",
+    "OTHERS_SHARE",
+    "CpuReading",
+    "Interval",
+    "LoadWindow",
+    "current_allowance",
+    "describe",
+    "intervals",
+    "note_set_aside",
+    "psutil_reader",
+    "quiet_window",
+    "summarize",
+]

@@ -1,0 +1,164 @@
+"""The machine's load from other work: measured, carried into every comparison, said on the page.
+
+The real-process tests burn a core in a process that is not ours (a re-parented grandchild) and,
+as the clean twin, the same burner as our own child, which is the job's work and not load.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from diagnose import contention, stats
+from diagnose.contention import CpuReading, LoadWindow, summarize
+from diagnose.gate import compare_records
+from diagnose.record import HostLoad, RunRecord, StepSample, Timing
+from reports.view import build_headline
+
+BURN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
+
+
+def _readings(own: float, others: float, cpus: int, n: int = 20) -> list[CpuReading]:
+    """Readings of a window in which we use ``own`` cores and others ``others``, per second."""
+    return [
+        CpuReading(at=float(i), busy=(own + others) * i, steal=0.0, own=own * i) for i in range(n)
+    ]
+
+
+def test_others_holding_a_core_of_a_busy_machine_are_contention() -> None:
+    load = summarize(_readings(own=1.0, others=1.0, cpus=2), 2, "test")
+    assert load.contended
+    assert load.allowance == pytest.approx(0.5)
+    assert load.others_cores == pytest.approx(1.0)
+
+
+def test_a_quiet_machine_or_spare_cores_are_not_contention() -> None:
+    # The job alone, nearly all cores busy: nothing competes with it.
+    assert not summarize(_readings(own=1.9, others=0.05, cpus=2), 2, "test").contended
+    # Others busy on cores the job does not need: the machine is not short of cores.
+    assert not summarize(_readings(own=2.0, others=4.0, cpus=16), 16, "test").contended
+
+
+def test_steal_time_of_a_vm_counts_as_others() -> None:
+    readings = [
+        CpuReading(at=float(i), busy=1.2 * i, steal=0.8 * i, own=1.2 * i) for i in range(10)
+    ]
+    load = summarize(readings, 2, "test")
+    assert load.others_cores == pytest.approx(0.8)
+    assert load.contended
+
+
+def _burner(seconds: float, *, ours: bool) -> tuple[psutil.Process, subprocess.Popen[bytes] | None]:
+    code = BURN.format(seconds=seconds)
+    if ours:
+        child = subprocess.Popen([sys.executable, "-c", code])
+        return psutil.Process(child.pid), child
+    # A grandchild whose parent exits at once is re-parented away from us: not our process tree.
+    launcher = (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {code!r}], start_new_session=True,\n"
+        "    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", launcher], check=True, capture_output=True)
+    return psutil.Process(int(done.stdout)), None
+
+
+def _cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def _window_beside(seconds: float, *, ours: bool) -> tuple[HostLoad, float, float]:
+    """The load of a window in which we burn a core and a burner does too; with the CPU seconds
+    we and the burner spent in it, read from the processes themselves."""
+    burner, child = _burner(seconds + 10.0, ours=ours)
+    time.sleep(0.3)  # let it start burning before the window opens
+    burner_before, ours_before = _cpu(burner), time.process_time()
+    with LoadWindow() as window:
+        end = time.time() + seconds
+        while time.time() < end:
+            pass
+    burned, spent = _cpu(burner) - burner_before, time.process_time() - ours_before
+    burner.kill()
+    if child is not None:
+        child.wait(timeout=30)
+    assert window.load is not None
+    return window.load, burned, spent
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs CPU affinity (Linux)")
+def test_a_process_not_ours_is_measured_as_load_and_our_child_is_not() -> None:
+    # Measured against what each process says it spent, so a busy machine cannot fail it.
+    slack = 0.15  # CPU counters tick in 10 ms; the sampler and the window's edges cost a little
+    planted, burned, spent = _window_beside(2.0, ours=False)
+    assert planted.basis == "psutil"
+    assert burned > 0.2, "the stranger did not run"
+    assert planted.own_cores * planted.seconds <= spent + slack, (planted, spent)
+    assert planted.others_cores * planted.seconds >= burned - slack, (planted, burned)
+    twin, burned, spent = _window_beside(2.0, ours=True)
+    assert burned > 0.2, "our child did not run"
+    assert twin.own_cores * twin.seconds >= spent + burned - slack, (twin, spent, burned)
+
+
+def _samples(median: float, n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [median * (1 + rng.uniform(-0.03, 0.03)) for _ in range(n)]
+
+
+def _fixed_window(own: float, others: float) -> LoadWindow:
+    readings = iter(_readings(own=own, others=others, cpus=2, n=1000))
+    return LoadWindow(reader=(lambda: next(readings), 2))
+
+
+def test_a_gap_the_load_could_explain_is_set_aside_and_counted() -> None:
+    fast, slow = _samples(1.0, 9, 1), _samples(1.3, 9, 2)
+    with contention.quiet_window():
+        assert stats.clearly_faster(fast, slow)
+    with _fixed_window(own=1.0, others=1.0) as window:
+        assert not stats.clearly_faster(fast, slow)
+        assert stats.sure_saving(fast, slow) == 0.0
+    assert window.load is not None and window.load.comparisons_set_aside == 1
+    # A gap far beyond what the load could explain stands on the same busy machine.
+    with _fixed_window(own=1.0, others=1.0) as window:
+        assert stats.clearly_faster(_samples(1.0, 9, 3), _samples(5.0, 9, 4))
+    assert window.load is not None and window.load.comparisons_set_aside == 0
+
+
+def _record(step: float, load: HostLoad | None, seed: int) -> RunRecord:
+    record = RunRecord(mode="run")
+    record.timing = Timing(
+        samples=[StepSample(index=i, seconds=s) for i, s in enumerate(_samples(step, 12, seed))],
+        host_load=load,
+    )
+    record.timing.summarize()
+    return record
+
+
+BUSY = HostLoad(basis="psutil", seconds=10, cpus=2, own_cores=1, others_cores=1, allowance=0.5)
+QUIET = HostLoad(basis="psutil", seconds=10, cpus=2, own_cores=1.9, others_cores=0.05)
+
+
+def test_the_gate_calls_a_slowdown_a_busy_machine_could_explain_inconclusive() -> None:
+    baseline = _record(1.0, QUIET, 1)
+    busy = compare_records(baseline, _record(1.3, BUSY, 2))
+    assert busy.step is not None and busy.step.verdict == "inconclusive"
+    assert "busy" in busy.step.reason
+    quiet = compare_records(baseline, _record(1.3, QUIET, 2))
+    assert quiet.step is not None and quiet.step.verdict == "slower"
+    # Beyond what the load could add, a busy run's slowdown is still a regression.
+    far = compare_records(baseline, _record(3.0, BUSY, 3))
+    assert far.step is not None and far.step.verdict == "slower"
+
+
+def test_the_report_says_the_machine_was_busy_and_what_it_means() -> None:
+    busy = build_headline(_record(1.0, BUSY, 1))
+    assert busy.busy and "1.0 of 2 cores" in busy.busy_text and "50%" in busy.busy_text
+    quiet = build_headline(_record(1.0, QUIET, 1))
+    assert not quiet.busy and quiet.busy_text == ""
