@@ -251,10 +251,26 @@ class Timing:
 
     @property
     def profiler_overhead(self) -> float | None:
-        """Profiled median / unprofiled median - 1, or None without both."""
+        """Profiled median / unprofiled median - 1, or None without both.
+
+        With several input shapes, a profiled step is compared with the unprofiled steps of its
+        own shape (the median of those ratios): the pooled medians would mostly measure which
+        buckets the few profiled steps happened to draw. None when no shape has both."""
         if not (self.unprofiled.n and self.profiled.n) or self.unprofiled.median <= 0:
             return None
-        return self.profiled.median / self.unprofiled.median - 1.0
+        if not self.buckets():
+            return self.profiled.median / self.unprofiled.median - 1.0
+        plain: dict[str, list[float]] = {}
+        for sample in self.samples:
+            if not sample.profiled and sample.bucket:
+                plain.setdefault(sample.bucket, []).append(sample.seconds)
+        medians = {bucket: statistics.median(values) for bucket, values in plain.items()}
+        ratios = [
+            s.seconds / medians[s.bucket] - 1.0
+            for s in self.samples
+            if s.profiled and medians.get(s.bucket, 0.0) > 0
+        ]
+        return statistics.median(ratios) if ratios else None
 
 
 @dataclass

@@ -280,13 +280,15 @@ def describe_machine_load(record: RunRecord) -> str:
     parts = []
     if load is not None and load.contended:
         parts.append(
-            f"While the timed steps ran, {describe_load(load)}. The s/it above may be up to "
-            f"{format_percent(load.allowance)} slower than this workload on an idle machine."
+            f"While the timed steps ran, {describe_load(load)}. Up to "
+            f"{format_percent(load.allowance)} of the s/it above may be that load, not this "
+            "workload."
         )
     if busy_probes:
         set_aside = sum(p.host_load.comparisons_set_aside for p in busy_probes if p.host_load)
         names = ", ".join(p.name for p in busy_probes)
-        text = f"The machine was also busy while these probes compared settings: {names}"
+        also = "also " if parts else ""
+        text = f"The machine was {also}busy while these probes compared settings: {names}"
         if set_aside:
             were = "were" if set_aside != 1 else "was"
             text += (
@@ -334,10 +336,19 @@ def _describe_profiler(timing: Timing, from_trace: bool) -> str:
     profiled, unprofiled = timing.profiled, timing.unprofiled
     overhead = timing.profiler_overhead
     if overhead is not None:
+        against = (
+            "each compared with the unprofiled steps of its input shape"
+            if timing.buckets()
+            else f"unprofiled median {format_seconds(unprofiled.median)}"
+        )
         return (
             f"Profiled steps: median {format_seconds(profiled.median)} over {profiled.n} "
-            f"(unprofiled median {format_seconds(unprofiled.median)}): profiler overhead "
-            f"{format_percent(overhead, signed=True)}."
+            f"({against}): profiler overhead {format_percent(overhead, signed=True)}."
+        )
+    if unprofiled.n and profiled.n:
+        return (
+            f"Profiled steps: median {format_seconds(profiled.median)} over {profiled.n}; no "
+            "unprofiled step had their input shape, so the profiler's overhead is not measured."
         )
     if unprofiled.n and not profiled.n:
         return "No step was profiled: the profiler's overhead is not measured."

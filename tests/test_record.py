@@ -66,6 +66,29 @@ def test_stats_are_derived_from_samples() -> None:
     assert RunRecord.from_dict(data).timing.unprofiled.median == pytest.approx(0.6)
 
 
+def test_profiler_overhead_compares_steps_of_the_same_input_shape() -> None:
+    # Small steps 0.2 s and large 1.4 s, unprofiled; the two profiled steps drew the large
+    # bucket and took 10% longer. The pooled medians would call that +250%.
+    plain = [
+        StepSample(index=i, seconds=0.2 if i % 2 else 1.4, bucket="64x64" if i % 2 else "128x128")
+        for i in range(8)
+    ]
+    profiled = [
+        StepSample(index=8 + i, seconds=1.54, profiled=True, bucket="128x128") for i in range(2)
+    ]
+    timing = Timing(samples=[*plain, *profiled])
+    timing.summarize()
+    assert timing.profiler_overhead == pytest.approx(0.1)
+    # A profiled shape no unprofiled step had cannot be compared.
+    odd = Timing(samples=[*plain, StepSample(index=9, seconds=3.0, profiled=True, bucket="9x9")])
+    odd.summarize()
+    assert odd.profiler_overhead is None
+    # One shape: the pooled medians, as before.
+    same = Timing(samples=[StepSample(index=0, seconds=1.0), StepSample(1, 1.2, profiled=True)])
+    same.summarize()
+    assert same.profiler_overhead == pytest.approx(0.2)
+
+
 def test_stats_of_nothing_is_nan_and_serialises_as_null() -> None:
     assert math.isnan(Stats.of([]).median)
     text = new_record("trace").to_json()
