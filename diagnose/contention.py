@@ -82,6 +82,17 @@ def _job_root(psutil: Any) -> Any:
     return me
 
 
+def job_pids() -> list[int]:
+    """The pids of this job's process tree (empty when they cannot be read)."""
+    try:
+        import psutil
+
+        root = _job_root(psutil)
+        return sorted({root.pid, *(child.pid for child in root.children(recursive=True))})
+    except Exception:
+        return []
+
+
 def psutil_reader() -> tuple[Reader, int] | str:
     """A reader of this machine's CPU times and the number of cores it covers, or why not."""
     try:
@@ -318,6 +329,7 @@ __all__ = [
     "current_allowance",
     "describe",
     "intervals",
+    "job_pids",
     "note_set_aside",
     "psutil_reader",
     "quiet_window",

@@ -259,6 +259,15 @@ def build_headline(record: RunRecord) -> Headline:
     )
 
 
+def _gpu_sharers(record: RunRecord) -> int:
+    """Processes not of this job seen on the GPU during the timed steps (0 when not known)."""
+    during = (record.inventory.get("telemetry") or {}).get("during_steps") or {}
+    others = (
+        (during.get("stats") or {}).get("other_processes_max") if isinstance(during, dict) else None
+    )
+    return others if isinstance(others, int) and not isinstance(others, bool) else 0
+
+
 def _noise_advice(load: HostLoad | None) -> str:
     if load is None or load.basis != "psutil":
         return "Rerun with more steps on an otherwise idle machine."
@@ -275,9 +284,16 @@ def describe_machine_load(record: RunRecord) -> str:
     what it took, how much of the numbers it may explain, what was set aside. "" otherwise."""
     load = record.timing.host_load
     busy_probes = [p for p in record.probes if p.host_load is not None and p.host_load.contended]
-    if not (load is not None and load.contended) and not busy_probes:
+    sharing = _gpu_sharers(record)
+    if not (load is not None and load.contended) and not busy_probes and not sharing:
         return ""
     parts = []
+    if sharing:
+        processes = f"{sharing} other process{'es' if sharing != 1 else ''}"
+        parts.append(
+            f"{processes} had work on the GPU while the timed steps ran: the GPU's time was "
+            "shared, so the s/it and the comparisons may be slower than this workload alone."
+        )
     if load is not None and load.contended:
         parts.append(
             f"While the timed steps ran, {describe_load(load)}. Up to "

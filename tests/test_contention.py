@@ -162,3 +162,12 @@ def test_the_report_says_the_machine_was_busy_and_what_it_means() -> None:
     assert busy.busy and "1.0 of 2 cores" in busy.busy_text and "50%" in busy.busy_text
     quiet = build_headline(_record(1.0, QUIET, 1))
     assert not quiet.busy and quiet.busy_text == ""
+
+
+def test_the_report_says_when_other_processes_shared_the_gpu() -> None:
+    record = _record(1.0, QUIET, 1)
+    record.inventory = {"telemetry": {"during_steps": {"stats": {"other_processes_max": 2}}}}
+    headline = build_headline(record)
+    assert headline.busy and "2 other processes had work on the GPU" in headline.busy_text
+    record.inventory["telemetry"]["during_steps"]["stats"]["other_processes_max"] = 0
+    assert not build_headline(record).busy

@@ -40,6 +40,7 @@ from diagnose.telemetry import (
     decode_nvml_throttle,
     nvml_limits,
     nvml_sample,
+    other_processes,
     pcie_speed_to_gen,
     read_telemetry_once,
     summarize,
@@ -370,7 +371,32 @@ def stand_in_pynvml(doc: dict[str, Any], calls: list[str]) -> SimpleNamespace:
         nvmlDeviceGetPcieThroughput=lambda h, counter: raw[
             "pcie_tx_kb_s" if counter == 0 else "pcie_rx_kb_s"
         ],
+        # This process and one stranger hold contexts on the GPU.
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [
+            SimpleNamespace(pid=os.getpid(), usedGpuMemory=1 << 30),
+            SimpleNamespace(pid=STRANGER, usedGpuMemory=1 << 30),
+        ],
+        nvmlDeviceGetGraphicsRunningProcesses=lambda h: [],
     )
+
+
+#: A pid no process of this test has (pid_max is at most 2**22 on Linux).
+STRANGER = 2**22 + 7
+
+
+def test_other_processes_on_the_gpu_are_counted_apart_from_the_job() -> None:
+    me = os.getpid()
+    assert other_processes({"process_pids": [me], "own_pids": [me]}) == 0
+    assert other_processes({"process_pids": [me, STRANGER], "own_pids": [me]}) == 1
+    # In a container the library lists host pids, none of them ours: all but one are others.
+    assert other_processes({"process_pids": [11, 12, 13], "own_pids": [me]}) == 2
+    assert other_processes({"process_pids": None, "own_pids": [me]}) is None
+    samples = [
+        nvml_sample({"process_pids": [me], "own_pids": [me]}, 0.0),
+        nvml_sample({"process_pids": [me, STRANGER], "own_pids": [me]}, 0.5),
+    ]
+    assert summarize(samples, DeviceLimits()).other_processes_max == 1
+    assert summarize(samples[:1], DeviceLimits()).other_processes_max == 0
 
 
 def test_nvml_reader_calls_the_library_as_documented(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -385,6 +411,7 @@ def test_nvml_reader_calls_the_library_as_documented(monkeypatch: pytest.MonkeyP
     assert sample.gfx_clock_mhz == expected.gfx_clock_mhz
     assert sample.pcie_rx_bytes_per_s == expected.pcie_rx_bytes_per_s
     assert sample.throttle_reasons == ["hw_thermal_slowdown"]  # from the fallback call
+    assert sample.other_processes == 1  # the stranger, not this process
     backend.close()
     assert calls[-1] == "nvmlShutdown"
 
@@ -415,6 +442,12 @@ def test_amdsmi_reader_tolerates_missing_calls(monkeypatch: pytest.MonkeyPatch) 
         amdsmi_get_temp_metric=lambda h, kind, metric: raw[f"temperature_{kind}"],
         amdsmi_get_gpu_activity=lambda h: raw["activity"],
         amdsmi_get_gpu_metrics_info=lambda h: raw["metrics"],
+        # Older amdsmi: process handles, looked up one by one.
+        amdsmi_get_gpu_process_list=lambda h: ["p0", "p1"],
+        amdsmi_get_gpu_process_info=lambda h, p: {
+            "p0": {"pid": os.getpid()},
+            "p1": {"pid": STRANGER},
+        }[p],
     )
     monkeypatch.setitem(sys.modules, "amdsmi", stand_in)
     backend = AmdSmiBackend.open(AMD)
@@ -425,4 +458,5 @@ def test_amdsmi_reader_tolerates_missing_calls(monkeypatch: pytest.MonkeyPatch) 
     sample = backend.sample(1.0)
     assert sample.gfx_clock_mhz == raw["clock_gfx"]["cur_clk"]
     assert sample.temperature_c == 84 and sample.utilization_pct == 99
+    assert sample.other_processes == 1
     backend.close()

@@ -49,6 +49,7 @@ from diagnose.telemetry.parsing import (
     decode_nvml_throttle,
     nvml_limits,
     nvml_sample,
+    other_processes,
     pcie_speed_to_gen,
 )
 from diagnose.telemetry.readings import (
@@ -98,6 +99,7 @@ __all__ = [
     "nvml_limits",
     "nvml_sample",
     "open_backend",
+    "other_processes",
     "pcie_speed_to_gen",
     "read_telemetry_once",
     "summarize",

@@ -61,6 +61,34 @@ def _torch_index(info: DeviceInfo) -> int:
     return int(index) if index.isdigit() else 0
 
 
+def _nvml_pids(nvml: Any, handle: Any) -> list[int]:
+    """Pids with a compute or graphics context on the GPU."""
+    found = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    graphics = getattr(nvml, "nvmlDeviceGetGraphicsRunningProcesses", None)
+    if graphics is not None:
+        found += list(graphics(handle))
+    return sorted({int(p.pid) for p in found if getattr(p, "pid", None) is not None})
+
+
+def _amdsmi_pids(smi: Any, handle: Any) -> list[int]:
+    """Pids using the GPU. Newer amdsmi lists dicts with a ``pid``; older releases list process
+    handles to look up one by one."""
+    pids = set()
+    for item in smi.amdsmi_get_gpu_process_list(handle):
+        info = item if isinstance(item, dict) else smi.amdsmi_get_gpu_process_info(handle, item)
+        pid = info.get("pid") if isinstance(info, dict) else None
+        if isinstance(pid, int):
+            pids.add(pid)
+    return sorted(pids)
+
+
+def job_pids() -> list[int]:
+    """This job's pids: this process tree, or its launcher's for one rank of several."""
+    from diagnose.contention import job_pids as pids
+
+    return pids()
+
+
 class NvmlBackend:
     """NVML through pynvml (package nvidia-ml-py)."""
 
@@ -149,6 +177,8 @@ class NvmlBackend:
             # Each PCIe throughput counter integrates over 20 ms: fine in a background thread.
             "pcie_tx_kb_s": get("pcie_tx", lambda: n.nvmlDeviceGetPcieThroughput(h, 0)),
             "pcie_rx_kb_s": get("pcie_rx", lambda: n.nvmlDeviceGetPcieThroughput(h, 1)),
+            "process_pids": get("processes", lambda: _nvml_pids(n, h)),
+            "own_pids": job_pids(),
         }
 
     def limits(self) -> DeviceLimits:
@@ -254,6 +284,8 @@ class AmdSmiBackend:
             "activity": get("activity", lambda: s.amdsmi_get_gpu_activity(h)),
             "metrics": get("metrics", lambda: s.amdsmi_get_gpu_metrics_info(h)),
             "pcie": get("pcie", lambda: s.amdsmi_get_pcie_info(h)),
+            "process_pids": get("processes", lambda: _amdsmi_pids(s, h)),
+            "own_pids": job_pids(),
         }
 
     def limits(self) -> DeviceLimits:

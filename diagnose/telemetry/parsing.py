@@ -68,6 +68,19 @@ def _int(value: Any) -> int | None:
     return None if number is None else int(number)
 
 
+def other_processes(raw: Mapping[str, Any]) -> int | None:
+    """How many processes on the GPU are not this job's, from the pids the library listed
+    (``process_pids``) and this job's pids (``own_pids``). In a container the library may list
+    the host's pids, where none of ours appears: then all but one (ours) are others."""
+    pids = raw.get("process_pids")
+    own = raw.get("own_pids") or []
+    if not isinstance(pids, list):
+        return None
+    listed = {int(p) for p in pids if isinstance(p, int) and not isinstance(p, bool)}
+    ours = listed & {int(p) for p in own if isinstance(p, int)}
+    return len(listed - ours) if ours else max(0, len(listed) - 1)
+
+
 def nvml_sample(raw: Mapping[str, Any], t: float = 0.0) -> TelemetrySample:
     """A sample from raw NVML values (the dict :class:`NvmlBackend` reads; units as NVML's)."""
     memory = raw.get("memory") or {}
@@ -90,6 +103,7 @@ def nvml_sample(raw: Mapping[str, Any], t: float = 0.0) -> TelemetrySample:
         # NVML reports KB/s (1024 bytes).
         pcie_rx_bytes_per_s=None if rx_kb is None else rx_kb * 1024.0,
         pcie_tx_bytes_per_s=None if tx_kb is None else tx_kb * 1024.0,
+        other_processes=other_processes(raw),
     )
 
 
@@ -254,6 +268,7 @@ def amdsmi_sample(raw: Mapping[str, Any], t: float = 0.0) -> TelemetrySample:
         pcie_width=_amd_int(pcie_metric.get("pcie_width")),
         # amdsmi reports one instantaneous bandwidth (Mb/s), not rx/tx: kept as rx.
         pcie_rx_bytes_per_s=None if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8,
+        other_processes=other_processes(raw),
     )
 
 

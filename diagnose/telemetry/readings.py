@@ -39,6 +39,8 @@ class TelemetrySample:
     pcie_width: int | None = None
     pcie_rx_bytes_per_s: float | None = None
     pcie_tx_bytes_per_s: float | None = None
+    #: Processes with a context on the GPU that are not this job's (None: not readable).
+    other_processes: int | None = None
 
 
 @dataclass
@@ -95,6 +97,8 @@ class TelemetryStats:
     #: Median PCIe traffic over all samples (bytes/s).
     pcie_rx_median_bytes_per_s: float | None = None
     pcie_tx_median_bytes_per_s: float | None = None
+    #: The most processes not of this job seen on the GPU at once (None: not readable).
+    other_processes_max: int | None = None
 
 
 @dataclass

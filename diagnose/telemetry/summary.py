@@ -78,6 +78,8 @@ def summarize(samples: Sequence[TelemetrySample], limits: DeviceLimits) -> Telem
     # is the point.
     stats.pcie_rx_median_bytes_per_s = _median(s.pcie_rx_bytes_per_s for s in samples)
     stats.pcie_tx_median_bytes_per_s = _median(s.pcie_tx_bytes_per_s for s in samples)
+    others = _max(s.other_processes for s in samples)
+    stats.other_processes_max = None if others is None else int(others)
     return stats
 
 
