@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from diagnose.errors import DiagnoseError, ExitCode
@@ -49,13 +50,47 @@ def prepare_out_dir(path: Path, *, force: bool) -> Path:
 
 
 def check_writable_file(path: Path, *, force: bool, option: str) -> None:
-    """Refuse to overwrite an existing file unless ``force``."""
+    """Refuse to overwrite an existing file unless ``force``, or to write where no folder is."""
     if path.is_dir():
         raise DiagnoseError(f"{option} {path}: is a folder", ExitCode.BAD_INPUT)
+    if not path.parent.is_dir():
+        raise DiagnoseError(
+            f"{option} {path}: the folder {path.parent} does not exist", ExitCode.BAD_INPUT
+        )
     if path.exists() and not force:
         raise DiagnoseError(
             f"{option} {path}: file exists; choose another or add --force", ExitCode.OUTPUT_EXISTS
         )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links
+    except OSError:
+        return False
+
+
+def refuse_outputs_over_inputs(
+    outputs: Iterable[Path], inputs: Iterable[Path], what: str = "one of this command's inputs"
+) -> None:
+    """An output written over one of the command's own inputs would destroy it: refused,
+    ``--force`` or not (ExitCode.USAGE)."""
+    sources = list(inputs)
+    for path in outputs:
+        for source in sources:
+            if _same_file(path, source):
+                raise DiagnoseError(
+                    f"{path}: that is {what}; write the output elsewhere",
+                    ExitCode.USAGE,
+                )
+
+
+def _new_file_mode() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -64,9 +99,12 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same folder, so a crash never leaves half a file."""
+    """Write via a temporary file in the same folder, so a crash never leaves half a file. The
+    rename replaces a symlink at ``path`` itself, never the file it points to."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file private; a report is a file like any other the user writes.
+        os.chmod(tmp, _new_file_mode())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
         os.replace(tmp, path)

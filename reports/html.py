@@ -80,8 +80,11 @@ def write_html(
     not_compared: str = "",
 ) -> None:
     """Render ``record`` (see :func:`render_html`) and write the page to ``path`` (UTF-8)."""
+    from diagnose.output import write_text_atomic
+
     page = render_html(record, comparison=comparison, not_compared=not_compared)
-    path.write_text(page, encoding="utf-8")
+    # Atomic: a kill mid-write must not leave an empty report beside a complete record.
+    write_text_atomic(path, page)
 
 
 __all__ = ["render_html", "write_html"]

@@ -247,13 +247,9 @@ def record_label(path: Path) -> str:
 
 def refuse_outputs_over_inputs(outputs: Sequence[Path], records: Sequence[Path]) -> None:
     """An output written over a record it compares would destroy that record, --force or not."""
-    inputs = {Path(record_label(path)).resolve() for path in records}
-    for path in outputs:
-        if path.resolve() in inputs:
-            raise DiagnoseError(
-                f"{path}: that is a record being compared; write the output elsewhere",
-                ExitCode.USAGE,
-            )
+    from diagnose.output import refuse_outputs_over_inputs as refuse
+
+    refuse(outputs, [Path(record_label(path)) for path in records], "a record being compared")
 
 
 def _refuse_duplicate_outputs(paths: Sequence[Path]) -> None:

@@ -24,13 +24,20 @@ class ReportCommand:
         parser.add_argument("--force", action="store_true", help="overwrite an existing FILE")
 
     def run(self, args: argparse.Namespace) -> int:
-        from diagnose.output import REPORT_NAME, check_writable_file
+        from diagnose.output import (
+            RECORD_NAME,
+            REPORT_NAME,
+            check_writable_file,
+            refuse_outputs_over_inputs,
+        )
         from diagnose.record import RunRecord
         from diagnose.reports import terminal_summary, write_html
 
         record = RunRecord.load(args.record)
         folder = args.record if args.record.is_dir() else args.record.parent
         out = args.out if args.out is not None else folder / REPORT_NAME
+        source = args.record / RECORD_NAME if args.record.is_dir() else args.record
+        refuse_outputs_over_inputs([out], [source])
         check_writable_file(out, force=args.force, option="--out")
         write_html(record, out)
         print(terminal_summary(record))

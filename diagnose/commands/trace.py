@@ -47,7 +47,13 @@ class TraceCommand:
             read_ranks,
             trace_files,
         )
-        from diagnose.output import RECORD_NAME, REPORT_NAME, default_out_dir, prepare_out_dir
+        from diagnose.output import (
+            RECORD_NAME,
+            REPORT_NAME,
+            default_out_dir,
+            prepare_out_dir,
+            refuse_outputs_over_inputs,
+        )
         from diagnose.redact import redact_record
         from diagnose.reports import terminal_summary, write_html
         from diagnose.trace import analysis_to_record, analyze_trace
@@ -57,6 +63,8 @@ class TraceCommand:
             raise DiagnoseError("--jobs must be at least 1", ExitCode.USAGE)
         # Parse first: a bad trace must not leave an output folder behind.
         files = trace_files(args.traces)
+        out_dir = args.out if args.out is not None else default_out_dir("trace")
+        refuse_outputs_over_inputs([out_dir / RECORD_NAME, out_dir / REPORT_NAME], files)
         if len(files) == 1:
             trace_path = files[0]
             record = analysis_to_record(analyze_trace(trace_path), trace_path)
@@ -68,7 +76,6 @@ class TraceCommand:
         settle(record)
         # Records and reports get attached to public tickets: no secret leaves this process.
         record = redact_record(record, redact_paths=args.redact_paths)
-        out_dir = args.out if args.out is not None else default_out_dir("trace")
         prepare_out_dir(out_dir, force=args.force)
         record_path = out_dir / RECORD_NAME
         report_path = out_dir / REPORT_NAME

@@ -74,8 +74,11 @@ def trace_files(paths: Sequence[Path]) -> list[Path]:
                     f"{path}: no trace files (*.json, *.json.gz) in this folder", ExitCode.BAD_INPUT
                 )
             files.extend(found)
-        elif path.exists():
+        elif path.is_file():
             files.append(path)
+        elif path.exists():
+            # A FIFO or a device would block or never end: only regular files are read.
+            raise DiagnoseError(f"{path}: not a regular file", ExitCode.BAD_INPUT)
         else:
             raise DiagnoseError(f"{path}: no such file or folder", ExitCode.BAD_INPUT)
     unique = list(dict.fromkeys(p.resolve() for p in files))
