@@ -1,7 +1,5 @@
 """`python -m diagnose`."""
 
-import sys
+from diagnose.cli import main_exit
 
-from diagnose.cli import main
-
-sys.exit(main())
+main_exit()

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from diagnose import interrupts
 from diagnose.contention import LoadWindow
 from diagnose.quiet import native_stderr_filtered
 from diagnose.record import PHASES, Breakdown, StepSample, Timing
@@ -75,6 +76,7 @@ class _StepRunner:
         self.first_batch_seconds: float | None = None
 
     def run_one(self, index: int, *, profiled: bool) -> StepSample:
+        interrupts.check()
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.timer.reset()

@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from diagnose import __version__
+from diagnose import __version__, interrupts
 from diagnose.commands import ArgumentParser, all_commands
 from diagnose.errors import DiagnoseError, ExitCode
 
@@ -41,9 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DiagnoseError as exc:
         print(f"diagnose: error: {exc.message}", file=sys.stderr)
         return int(exc.code)
-    except KeyboardInterrupt:
-        print("diagnose: interrupted", file=sys.stderr)
-        return int(ExitCode.INTERRUPTED)
+    except KeyboardInterrupt as exc:
+        code = interrupts.exit_code(exc)
+        what = "terminated (SIGTERM)" if code == ExitCode.TERMINATED else "interrupted"
+        print(f"diagnose: {what}; nothing half-written was left behind", file=sys.stderr)
+        return int(code)
     except BrokenPipeError:
         # The reader of our output went away (`diagnose compare ... | head`). Commands write
         # their files before printing, so nothing is lost; stdout is pointed at /dev/null so
@@ -65,4 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def main_exit() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    interrupts.install()
+    code = main()
+    interrupts.ignore()
+    sys.exit(code)

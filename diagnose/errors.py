@@ -31,6 +31,8 @@ class ExitCode(IntEnum):
     CHECK_FAILED = 7
     #: Interrupted by the user (Ctrl-C).
     INTERRUPTED = 130
+    #: Stopped by SIGTERM (a job scheduler's cancel, ``kill``): 128 + SIGTERM.
+    TERMINATED = 143
     #: The reader of the terminal output closed it early (`| head`); files were written first.
     #: 128 + SIGPIPE, what a shell reports for a writer stopped by a closed pipe.
     BROKEN_PIPE = 141

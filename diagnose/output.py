@@ -49,6 +49,23 @@ def prepare_out_dir(path: Path, *, force: bool) -> Path:
     return path
 
 
+def remove_partial_outputs(out_dir: Path, *, created: bool, since: float) -> None:
+    """After a run that did not finish: remove the files it wrote (those diagnose writes,
+    changed since ``since``, a ``time.time()``), and the folder when this run created it and
+    nothing else is in it. An earlier run's files in the folder are left as they were."""
+    for path in [
+        *(out_dir / n for n in (TRACE_NAME, RECORD_NAME, REPORT_NAME)),
+        *out_dir.glob(".*.tmp"),
+    ]:
+        try:
+            if path.stat().st_mtime >= since - 1.0:  # file systems keep coarse times
+                path.unlink()
+        except FileNotFoundError:
+            continue
+    if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+
+
 def check_writable_file(path: Path, *, force: bool, option: str) -> None:
     """Refuse to overwrite an existing file unless ``force``, or to write where no folder is."""
     if path.is_dir():

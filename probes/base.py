@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from diagnose import interrupts
 from diagnose.contention import LoadWindow, describe
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord
 
@@ -113,6 +114,7 @@ def run_probe(probe: Probe, ctx: ProbeContext) -> ProbeResult:
 
     The probe runs inside a load window: its comparisons are judged against how busy the
     machine was meanwhile, and a comparison the load could explain is said to be set aside."""
+    interrupts.check()
     with LoadWindow() as window:
         result = _run_alone(probe, ctx)
     load = window.load

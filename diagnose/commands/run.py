@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from diagnose.commands import comma_ints
@@ -210,7 +211,9 @@ class RunCommand:
                         )
         out_dir = args.out if args.out is not None else default_out_dir("run")
         created = not out_dir.exists()
+        started = time.time()
         prepare_out_dir(out_dir, force=args.force)
+        from diagnose.output import remove_partial_outputs
         from diagnose.run import execute_run
 
         try:
@@ -223,9 +226,9 @@ class RunCommand:
                     progress=progress,
                 )
         except BaseException:
-            # A run that failed before writing anything leaves no empty folder behind.
-            if created and out_dir.is_dir() and not any(out_dir.iterdir()):
-                out_dir.rmdir()
+            # A run that did not finish leaves nothing half-written: a trace without its record
+            # would read as a whole run, and would block a rerun into the folder.
+            remove_partial_outputs(out_dir, created=created, since=started)
             raise
         outcome = None
         refused: DiagnoseError | None = None
