@@ -10,10 +10,15 @@ What a window concludes (:class:`diagnose.record.HostLoad`):
 
 - ``others_cores``: the mean cores others took; ``others_cores_high``: the most they took in the
   busiest tenth of the window.
-- ``allowance``: the share of a measured time the load could explain. Others only slow us when
-  they compete for cores, so an interval counts when the cores were nearly all busy and others held
-  a real share of them; the allowance is the share others took in the busiest tenth of such
-  intervals, 0 on a quiet machine.
+- ``competing_share``: the share of a measured time the load could explain. Others only slow us
+  when they compete for cores, so an interval counts when the cores were nearly all busy and
+  others held a real share of them; the share is what others took in the busiest tenth of such
+  intervals, 0 on a quiet machine. A time measured in the window (the s/it) may be inflated by
+  that much; two runs on differently loaded machines differ by up to that much.
+- ``allowance``: how much of a time the load's *swings* could explain. An interleaved A/B runs
+  both sides under the same load: a steady load slows both alike and leaves their ratio, so only
+  a load that came and went can fake a difference between them. The allowance is the spread of
+  the competing share over the window (its busiest tenth against its quietest tenth).
 
 A comparison made while a window is open (:func:`diagnose.stats.sure_saving`) subtracts the
 allowance times the slower side from the saving it is sure of, so a difference the load could
@@ -42,8 +47,10 @@ INTERVAL_S = 0.25
 BUSY_SHARE = 0.75
 #: ... and when they hold at least this share of the cores in that interval.
 OTHERS_SHARE = 0.10
-#: The allowance is taken at the busiest tenth of the intervals, not the single worst one.
+#: Shares are taken at the busiest (and quietest) tenth of the intervals, not the single extreme.
 HIGH_QUANTILE = 0.9
+#: No load can explain all of a time: a gap of ten times stands on any machine.
+MAX_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,13 @@ def intervals(readings: list[CpuReading]) -> list[Interval]:
     return out
 
 
+def _low(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[int((1 - HIGH_QUANTILE) * len(ordered))]
+
+
 def _high(values: list[float]) -> float:
     if not values:
         return 0.0
@@ -179,7 +193,8 @@ def summarize(readings: list[CpuReading], cpus: int, basis: str) -> HostLoad:
         else 0.0
         for s in spans
     ]
-    allowance = _high(competing)
+    high = min(MAX_SHARE, _high(competing))
+    contended = high >= OTHERS_SHARE
     return HostLoad(
         basis=basis,
         seconds=total,
@@ -188,7 +203,8 @@ def summarize(readings: list[CpuReading], cpus: int, basis: str) -> HostLoad:
         others_cores=others,
         others_cores_high=_high([s.others for s in spans]),
         load_average=_load_average(),
-        allowance=allowance if allowance >= OTHERS_SHARE else 0.0,
+        competing_share=high if contended else 0.0,
+        allowance=max(0.0, high - _low(competing)) if contended else 0.0,
     )
 
 
@@ -310,12 +326,16 @@ def describe(load: HostLoad) -> str:
         others += f" (up to {load.others_cores_high:.1f})"
     if not load.contended:
         return f"{others}; the cores were not contended"
-    line = (
-        f"{others}: up to {load.allowance:.0%} of a measured time may be the load, not the "
-        "workload; differences smaller than that were not judged"
-    )
-    if load.comparisons_set_aside:
-        line += f" ({load.comparisons_set_aside} set aside)"
+    line = f"{others}, up to {load.competing_share:.0%} of the cores while ours were busy"
+    if load.allowance > 0:
+        line += (
+            f"; the load came and went by {load.allowance:.0%}, so differences smaller than "
+            "that were not judged"
+        )
+        if load.comparisons_set_aside:
+            line += f" ({load.comparisons_set_aside} set aside)"
+    else:
+        line += ", steadily (it slowed both sides of each comparison alike)"
     return line
 
 

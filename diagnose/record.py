@@ -165,9 +165,12 @@ class HostLoad:
     others_cores_high: float = 0.0
     #: The 1-minute load average at the end of the window, when the OS has one.
     load_average: float | None = None
-    #: The share of a time measured in this window the load could explain (0 on a quiet
-    #: machine). Comparisons made in the window are not sure of a difference smaller than this
-    #: share of the slower side.
+    #: The share of the cores others held while ours were busy (their busiest tenth; 0 on a
+    #: quiet machine): how much of a time measured in this window the load could explain.
+    competing_share: float = 0.0
+    #: How much of a time the load's swings could explain (its busiest tenth against its
+    #: quietest): an interleaved A/B made in the window is not sure of a difference smaller than
+    #: this share of its slower side. A steady load slows both sides alike.
     allowance: float = 0.0
     #: Comparisons in the window whose verdict the load set aside (sure on a quiet machine,
     #: not sure with the allowance).
@@ -175,7 +178,7 @@ class HostLoad:
 
     @property
     def contended(self) -> bool:
-        return self.allowance > 0
+        return self.competing_share > 0
 
 
 @dataclass

@@ -297,7 +297,7 @@ def describe_machine_load(record: RunRecord) -> str:
     if load is not None and load.contended:
         parts.append(
             f"While the timed steps ran, {describe_load(load)}. Up to "
-            f"{format_percent(load.allowance)} of the s/it above may be that load, not this "
+            f"{format_percent(load.competing_share)} of the s/it above may be that load, not this "
             "workload."
         )
     if busy_probes:

@@ -11,6 +11,8 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import pytest
@@ -31,11 +33,32 @@ def _readings(own: float, others: float, cpus: int, n: int = 20) -> list[CpuRead
     ]
 
 
+def _bursty(own: float, others: float, n: int = 40) -> list[CpuReading]:
+    """Others take ``others`` cores every other second and none in between; we keep the rest."""
+    readings, busy, mine = [], 0.0, 0.0
+    for i in range(n):
+        readings.append(CpuReading(at=float(i), busy=busy, steal=0.0, own=mine))
+        taken = others if i % 2 else 0.0
+        busy += 2.0 if taken else own
+        mine += 2.0 - taken if taken else own
+    return readings
+
+
 def test_others_holding_a_core_of_a_busy_machine_are_contention() -> None:
     load = summarize(_readings(own=1.0, others=1.0, cpus=2), 2, "test")
     assert load.contended
-    assert load.allowance == pytest.approx(0.5)
+    assert load.competing_share == pytest.approx(0.5)
     assert load.others_cores == pytest.approx(1.0)
+    # A steady load slows both sides of an interleaved comparison alike: nothing to allow for.
+    assert load.allowance == 0.0
+
+
+def test_a_load_that_comes_and_goes_is_allowed_for_in_comparisons() -> None:
+    load = summarize(_bursty(own=1.9, others=1.0), 2, "test")
+    assert load.contended
+    assert load.allowance == pytest.approx(0.5)
+    # No load explains everything: a ten-fold gap stands on any machine.
+    assert summarize(_bursty(own=0.1, others=2.0), 2, "test").allowance <= 0.9
 
 
 def test_a_quiet_machine_or_spare_cores_are_not_contention() -> None:
@@ -112,21 +135,26 @@ def _samples(median: float, n: int, seed: int) -> list[float]:
     return [median * (1 + rng.uniform(-0.03, 0.03)) for _ in range(n)]
 
 
-def _fixed_window(own: float, others: float) -> LoadWindow:
-    readings = iter(_readings(own=own, others=others, cpus=2, n=1000))
-    return LoadWindow(reader=(lambda: next(readings), 2))
+@contextmanager
+def _bursty_window() -> Iterator[LoadWindow]:
+    """An open window that has already seen 40 s of a load that came and went."""
+    readings = iter(_bursty(own=1.9, others=1.0, n=1000))
+    with LoadWindow(reader=(lambda: next(readings), 2)) as window:
+        for _ in range(40):
+            window.so_far()
+        yield window
 
 
 def test_a_gap_the_load_could_explain_is_set_aside_and_counted() -> None:
     fast, slow = _samples(1.0, 9, 1), _samples(1.3, 9, 2)
     with contention.quiet_window():
         assert stats.clearly_faster(fast, slow)
-    with _fixed_window(own=1.0, others=1.0) as window:
+    with _bursty_window() as window:
         assert not stats.clearly_faster(fast, slow)
         assert stats.sure_saving(fast, slow) == 0.0
     assert window.load is not None and window.load.comparisons_set_aside == 1
     # A gap far beyond what the load could explain stands on the same busy machine.
-    with _fixed_window(own=1.0, others=1.0) as window:
+    with _bursty_window() as window:
         assert stats.clearly_faster(_samples(1.0, 9, 3), _samples(5.0, 9, 4))
     assert window.load is not None and window.load.comparisons_set_aside == 0
 
@@ -141,7 +169,9 @@ def _record(step: float, load: HostLoad | None, seed: int) -> RunRecord:
     return record
 
 
-BUSY = HostLoad(basis="psutil", seconds=10, cpus=2, own_cores=1, others_cores=1, allowance=0.5)
+BUSY = HostLoad(
+    basis="psutil", seconds=10, cpus=2, own_cores=1, others_cores=1, competing_share=0.5
+)
 QUIET = HostLoad(basis="psutil", seconds=10, cpus=2, own_cores=1.9, others_cores=0.05)
 
 

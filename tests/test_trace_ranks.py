@@ -102,7 +102,7 @@ def _machine_was_busy(runs: Path, scenario: str) -> bool:
     records each rank's load beside the traces)."""
     loads = [json.loads(p.read_text()) for p in (runs / "host-load").glob(f"{scenario}-rank*")]
     assert loads, "the trainer wrote no host load"
-    return any(load["allowance"] > 0 for load in loads)
+    return any(load["competing_share"] > 0 for load in loads)
 
 
 @pytest.mark.slow

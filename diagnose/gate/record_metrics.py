@@ -108,12 +108,12 @@ def judged_against_load(
         sure_ratio, side = metric.ci_low, "current"
     else:
         loads = [r.timing.host_load for r in baselines if r.timing.host_load is not None]
-        load = max(loads, key=lambda item: item.allowance, default=None)
+        load = max(loads, key=lambda item: item.competing_share, default=None)
         sure_ratio = None if metric.ci_high is None else 1 / metric.ci_high
         side = "a baseline"
     if load is None or not load.contended:
         return metric
-    explained = 1 / (1 - min(load.allowance, 0.9))
+    explained = 1 / (1 - load.competing_share)
     if sure_ratio is not None and sure_ratio > explained:
         return metric
     return dataclasses.replace(
