@@ -347,6 +347,22 @@ def test_steps_without_a_valid_time_are_left_out_and_said(baseline: RunRecord) -
     assert any(note.startswith("3 steps with no valid time") for note in comparison.notes)
 
 
+@pytest.mark.parametrize("bad", [[], [math.nan, -1.0, 0.0, math.inf]])
+def test_a_record_without_a_valid_step_is_never_passed(
+    baseline: RunRecord, bad: list[float]
+) -> None:
+    current = copy.deepcopy(baseline)
+    current.created = "2026-11-30T10:00:00+00:00"
+    current.timing.samples = [StepSample(index=i, seconds=v) for i, v in enumerate(bad)]
+    with pytest.raises(DiagnoseError) as raised:
+        compare_records(baseline, current)
+    assert raised.value.code == ExitCode.BAD_INPUT
+    assert "nothing to compare" in raised.value.message
+    # Its twin with one valid step is compared (and says the rest were left out).
+    current.timing.samples.append(StepSample(index=9, seconds=1.0))
+    compare_records(baseline, current)
+
+
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [

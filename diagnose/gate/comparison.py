@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.gate.comparability import environment_changes, record_differences
 from diagnose.gate.finding_changes import FindingChange, diff_findings
-from diagnose.gate.metrics import MetricComparison, _drift, _pct
+from diagnose.gate.metrics import MetricComparison, _drift, _finite, _pct
 from diagnose.gate.options import CompareOptions
 from diagnose.gate.record_metrics import (
     _comparable_samples,
@@ -126,6 +126,8 @@ def compare_records(
             ExitCode.BAD_INPUT,
         )
     notes: list[str] = []
+    for name, record in zip(names, [*baselines, current], strict=True):
+        _refuse_unmeasured(record, name)
     base_runs, cur_samples, samples_kind, sample_note = _comparable_samples(baselines, current)
     if sample_note:
         notes.append(sample_note)
@@ -175,6 +177,19 @@ def compare_records(
         environment_changes=tuple(environment),
         notes=tuple(notes),
     )
+
+
+def _refuse_unmeasured(record: RunRecord, name: str) -> None:
+    """A record without one valid timed step has nothing to gate on: passing it would call an
+    unmeasured run as fast as its baseline (ExitCode.BAD_INPUT)."""
+    valid = [s for s in record.timing.samples if _finite(s.seconds) and s.seconds > 0]
+    if not valid:
+        had = len(record.timing.samples)
+        why = f"none of its {had} steps has a valid time" if had else "it holds no timed step"
+        raise DiagnoseError(
+            f"{name}: {why} (a positive, finite number of seconds); nothing to compare",
+            ExitCode.BAD_INPUT,
+        )
 
 
 def _refuse_repeated_runs(records: Sequence[RunRecord], names: Sequence[str]) -> None:

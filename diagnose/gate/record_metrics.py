@@ -37,7 +37,7 @@ def _comparable_samples(
 
     def split(record: RunRecord) -> tuple[list[StepSample], list[StepSample]]:
         nonlocal invalid
-        samples = [s for s in record.timing.samples if _finite(s.seconds) and s.seconds >= 0]
+        samples = [s for s in record.timing.samples if _finite(s.seconds) and s.seconds > 0]
         invalid += len(record.timing.samples) - len(samples)
         return [s for s in samples if not s.profiled], [s for s in samples if s.profiled]
 
@@ -46,7 +46,7 @@ def _comparable_samples(
     empty: list[list[StepSample]] = [[] for _ in baselines]
     dropped = (
         f"{invalid} step{'s' if invalid != 1 else ''} with no valid time (not a finite, "
-        "non-negative number of seconds) left out. "
+        "positive number of seconds) left out. "
         if invalid
         else ""
     )
