@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,6 +54,8 @@ class Measurement:
     trace_path: Path | None
     #: Device telemetry sampled during the timed steps, when a sampler was given.
     telemetry: TelemetrySummary | None = None
+    #: Wall seconds of the warm-up, timed and profiled steps (the profiler's export included).
+    wall_seconds: dict[str, float] = field(default_factory=dict)
 
 
 ProgressCallback = Callable[[str], None]
@@ -120,9 +122,12 @@ def measure(
     runner = _StepRunner(workload)
     timing = Timing(warmup_steps=warmup)
 
+    wall: dict[str, float] = {}
+    started = time.perf_counter()
     for i in range(warmup):
         say(f"warm-up step {i + 1}/{warmup}")
         timing.warmup_seconds.append(runner.run_one(i, profiled=False).seconds)
+    wall["warm-up steps"] = time.perf_counter() - started
 
     index = warmup
     summary: TelemetrySummary | None = None
@@ -131,12 +136,14 @@ def measure(
     if telemetry is not None:
         telemetry.start()
     load = LoadWindow().open()
+    started = time.perf_counter()
     try:
         for i in range(steps):
             say(f"timed step {i + 1}/{steps}")
             timing.samples.append(runner.run_one(index, profiled=False))
             index += 1
     finally:
+        wall["timed steps"] = time.perf_counter() - started
         timing.host_load = load.close()
         if telemetry is not None:
             summary = telemetry.stop()
@@ -145,7 +152,9 @@ def measure(
 
     saved_trace: Path | None = None
     if profiled_steps > 0 and trace_path is not None:
+        started = time.perf_counter()
         saved_trace = _profile(runner, timing, index, profiled_steps, trace_path, say)
+        wall["profiled steps"] = time.perf_counter() - started
 
     timing.summarize()
     timing.peak_rss_bytes = _peak_rss_bytes()
@@ -158,6 +167,7 @@ def measure(
         breakdown=phase_breakdown(timing),
         trace_path=saved_trace,
         telemetry=summary,
+        wall_seconds=wall,
     )
 
 

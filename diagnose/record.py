@@ -478,6 +478,10 @@ class RunRecord:
     #: Per-rank data of a multi-process run or a folder of rank traces (empty for one process).
     #: ``timing`` then holds the slowest rank's steps: the job runs at that rank's pace.
     ranks: list[RankStat] = field(default_factory=list)
+    #: Where the command's own wall time went, in order ("start-up", "inventory", "build",
+    #: "warm-up steps", "timed steps", "profiled steps", "trace analysis", "probe <name>",
+    #: "record and report"): seconds each.
+    wall_seconds: dict[str, float] = field(default_factory=dict)
 
     def all_checks(self) -> list[Check]:
         """Every check of every probe and trace rule, in probe order."""

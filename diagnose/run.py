@@ -6,11 +6,13 @@ probe error in the record, and the report is still written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
+import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,6 +146,25 @@ def redact_own_trace(trace_path: Path, record: RunRecord) -> Path | None:
     return trace_path
 
 
+@contextlib.contextmanager
+def _stage(into: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        into[name] = into.get(name, 0.0) + time.perf_counter() - start
+
+
+def _seconds_since_process_start() -> float:
+    """Wall time from this process's start to now: the interpreter and the imports."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except Exception:
+        return 0.0
+
+
 def execute_run(
     config: RunConfig,
     out_dir: Path,
@@ -175,15 +196,19 @@ def execute_run(
             say=say,
         )
 
-    say("collecting the inventory")
     record = new_record("run")
-    record.device = device_info
-    record.inventory = collect_inventory(device_info.kind, redact_paths=redact_paths)
+    wall = record.wall_seconds
+    wall["start-up"] = _seconds_since_process_start()
+    say("collecting the inventory")
+    with _stage(wall, "inventory"):
+        record.device = device_info
+        record.inventory = collect_inventory(device_info.kind, redact_paths=redact_paths)
     record.command = config.command_line()
     torch.manual_seed(config.seed)
 
     say("building the model")
-    workload = build_workload(config, device)
+    with _stage(wall, "build"):
+        workload = build_workload(config, device)
     trace_path = out_dir / TRACE_NAME
     scratch = Path(tempfile.mkdtemp(prefix="diagnose-scratch-"))
     try:
@@ -203,6 +228,7 @@ def execute_run(
         )
         record.timing = measurement.timing
         record.breakdown = measurement.breakdown
+        wall.update(measurement.wall_seconds)
         if measurement.telemetry is not None:
             record.inventory.setdefault("telemetry", {})["during_steps"] = (
                 measurement.telemetry.to_dict()
@@ -210,7 +236,8 @@ def execute_run(
         if measurement.trace_path is not None:
             record.trace_path = measurement.trace_path.name
             say("analysing the trace")
-            trace_result = _analyze_own_trace(measurement.trace_path, record)
+            with _stage(wall, "trace analysis"):
+                trace_result = _analyze_own_trace(measurement.trace_path, record)
             if trace_result is not None:
                 record.probes.append(trace_result)
         if record.timing.unprofiled.n < 5:
@@ -235,6 +262,9 @@ def execute_run(
                 on_start=lambda probe: say(f"probe {probe.name}"),
             )
         )
+        for result in record.probes:
+            if result.duration_seconds:
+                wall[f"probe {result.name}"] = result.duration_seconds
     finally:
         workload.close()
         shutil.rmtree(scratch, ignore_errors=True)

@@ -18,6 +18,7 @@ from .view import (
     build_checks,
     build_findings,
     build_headline,
+    describe_wall,
 )
 
 #: How many findings the summary lists; the rest are counted and left to the report.
@@ -121,6 +122,9 @@ def terminal_summary(
     if troubles:
         probe_line += " — " + "; ".join(troubles)
     lines.append(probe_line)
+    wall = describe_wall(record.wall_seconds)
+    if wall:
+        lines.append(style(_clean(wall), "dim"))
 
     for label, path in (paths or {}).items():
         lines.append(f"{_clean(label)}: {_clean(str(path))}")

@@ -835,6 +835,8 @@ class ReportView:
     comparison: CompareView | None = None
     #: Every rank beside the pacing one (multi-process runs, folders of rank traces).
     ranks: RanksView | None = None
+    #: Where this command's own wall time went ("" when the record does not say).
+    wall_text: str = ""
 
 
 def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> ReportView:
@@ -868,8 +870,27 @@ def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> R
         render_notes=tuple(problems),
         comparison=comparison,
         ranks=build_ranks(record.ranks),
+        wall_text=describe_wall(record.wall_seconds),
     )
     return view
+
+
+def describe_wall(wall: Mapping[str, float]) -> str:
+    """``"This run took 1 min 52 s: start-up 8.1 s · build 3.0 s · … · probes 50.2 s (dataloader
+    24.0 s, …)"``: where the command's own time went, so a slow run says what to skip."""
+    if not wall:
+        return ""
+    probes = {k.removeprefix("probe "): v for k, v in wall.items() if k.startswith("probe ")}
+    stages = [(k, v) for k, v in wall.items() if not k.startswith("probe ")]
+    parts = [f"{name} {format_seconds(seconds)}" for name, seconds in stages]
+    if probes:
+        each = ", ".join(
+            f"{name} {format_seconds(s)}"
+            for name, s in sorted(probes.items(), key=lambda kv: -kv[1])
+        )
+        parts.append(f"probes {format_seconds(sum(probes.values()))} ({each})")
+    total = sum(wall.values())
+    return f"This run took {format_seconds(total)} before writing its outputs: " + " · ".join(parts)
 
 
 def _chart(draw: Callable[[], str], problems: list[str]) -> str:

@@ -82,6 +82,15 @@ def test_run_writes_record_report_and_trace(default_run: Path) -> None:
         names = {e.get("name") for e in json.load(handle)["traceEvents"]}
     assert any(str(n).startswith("ProfilerStep#") for n in names)
     assert "diagnose::forward" in names
+    # Where the command's own time went: every stage, each probe that ran, and the timed steps
+    # at least as long as the steps they timed.
+    wall = record.wall_seconds
+    for stage in ("inventory", "build", "warm-up steps", "timed steps", "profiled steps"):
+        assert wall[stage] > 0, stage
+    ran = {p.name for p in record.probes if p.status == "ok"}
+    assert ran and {f"probe {name}" for name in ran} <= set(wall)
+    plain = sum(s.seconds for s in record.timing.samples if not s.profiled)
+    assert wall["timed steps"] >= plain
 
 
 def test_report_is_self_contained_and_states_the_number(default_run: Path) -> None:
