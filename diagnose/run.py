@@ -160,7 +160,7 @@ def _seconds_since_process_start() -> float:
     try:
         import psutil
 
-        return max(0.0, time.time() - psutil.Process().create_time())
+        return max(0.0, time.time() - float(psutil.Process().create_time()))
     except Exception:
         return 0.0
 
