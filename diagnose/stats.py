@@ -10,6 +10,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from diagnose import contention
 
@@ -20,6 +21,10 @@ EXACT_MAX_SAMPLES = 50
 #: not on its median: a saving that hovers at a severity boundary would otherwise read warn in one
 #: run and info in the next, and `diagnose compare` reads a severity change as a regression.
 SAVING_SIGNIFICANCE = 0.05
+#: An interleaved A/B that keeps sampling until it is sure looks at its samples several times;
+#: each look asks for this stricter level, so that looking again does not make a wrong verdict
+#: likely (with 5 samples a side the exact test can reach it).
+SEQUENTIAL_SIGNIFICANCE = 0.01
 
 
 @dataclass(frozen=True)
@@ -222,3 +227,84 @@ def clearly_faster(
     if not sure and sure_saving(faster, slower, allowance=0.0) > min_saving:
         contention.note_set_aside()
     return sure
+
+
+# --------------------------------------------------------------------------------------------
+# A verdict that does not flip: sure faster, sure not faster, or inconclusive
+
+#: The answer of :func:`ab_verdict`: ``candidate`` is surely faster than ``baseline`` by more
+#: than the margin, surely not, or the samples cannot say which (yet).
+ABOutcome = Literal["faster", "not_faster", "inconclusive"]
+
+
+@dataclass(frozen=True)
+class ABVerdict:
+    """Whether ``candidate`` beats ``baseline`` by more than ``min_relative`` of its time."""
+
+    outcome: ABOutcome
+    #: Interval of candidate / baseline time at ``significance``; None with too few samples.
+    ratio: tuple[float, float] | None
+    baseline_samples: int
+    candidate_samples: int
+    significance: float
+    min_relative: float
+    #: Sure on a quiet machine, but not beyond what the load's swings could explain.
+    set_aside: bool = False
+
+    @property
+    def decided(self) -> bool:
+        return self.outcome != "inconclusive"
+
+    def text(self) -> str:
+        """``0.48–0.52× the time (99% interval, 7 and 7 samples)``, or why there is none."""
+        n = f"{self.baseline_samples} and {self.candidate_samples} samples"
+        if self.ratio is None:
+            return f"too few samples for an interval ({n})"
+        low, high = self.ratio
+        level = f"{1 - self.significance:.0%}"
+        return f"{low:.2f}–{high:.2f}× the time ({level} interval, {n})"
+
+
+def ab_verdict(
+    baseline: Sequence[float],
+    candidate: Sequence[float],
+    *,
+    min_relative: float,
+    significance: float = SEQUENTIAL_SIGNIFICANCE,
+) -> ABVerdict:
+    """Is ``candidate`` faster than ``baseline`` by more than ``min_relative`` of its time?
+
+    Three answers from one interval of the time ratio (:func:`ratio_interval`): "faster" when
+    the whole interval lies below ``1 - min_relative``, "not_faster" when it lies above it, and
+    "inconclusive" when it straddles it. The two sure answers exclude each other, so a rerun can
+    only move between one of them and "inconclusive", never from one to the other, unless the
+    interval itself is wrong (at most ``significance`` of the time).
+
+    On a busy machine (an open load window, :mod:`diagnose.contention`) the swing of the load
+    could make either side look faster by its allowance: "faster" then needs the interval below
+    ``(1 - min_relative) * (1 - allowance)``, "not_faster" above ``(1 - min_relative) /
+    (1 - allowance)``; an answer only the load kept from being sure says so (``set_aside``), for
+    the caller's final verdict to count (a sequential A/B asks after every sample)."""
+    interval = ratio_interval(baseline, candidate, significance)
+    keep = 1.0 - min_relative
+    allowance = contention.current_allowance() if interval is not None else 0.0
+    outcome: ABOutcome = "inconclusive"
+    if interval is not None:
+        if interval[1] < keep * (1 - allowance):
+            outcome = "faster"
+        elif interval[0] > keep / (1 - allowance):
+            outcome = "not_faster"
+    set_aside = (
+        outcome == "inconclusive"
+        and interval is not None
+        and (interval[1] < keep or interval[0] > keep)
+    )
+    return ABVerdict(
+        outcome=outcome,
+        ratio=interval,
+        baseline_samples=len(baseline),
+        candidate_samples=len(candidate),
+        significance=significance,
+        min_relative=min_relative,
+        set_aside=set_aside,
+    )

@@ -17,8 +17,13 @@ after a torch upgrade and the trainer quietly uses something slower; kohya witho
    backend; whether xFormers and flash-attn are installed, import, and match this torch
    (:mod:`diagnose.probes.attention_environment`).
 3. **What it costs** — every backend that runs here is microbenchmarked at the exact
-   signatures, forward+backward, with memory; the saving is (time of the path that ran − best
-   available) per call × calls per step (:mod:`diagnose.probes.attention_judging`).
+   signatures, forward+backward, with memory, the backends sampled in turn until
+   :func:`diagnose.stats.ab_verdict` is sure or the time budget is spent (then inconclusive);
+   the saving is (time of the path that ran − best available) per call × calls per step
+   (:mod:`diagnose.probes.attention_judging`).
+4. **At full size** — on a run that trained a preset's tiny stand-in, which kernel is fastest
+   is judged again at the real model's attention shapes, or withheld with the reason
+   (:mod:`diagnose.probes.attention_full_size`): the tiny shapes' winner is no advice.
 
 Its answers (:mod:`diagnose.probes.attention_findings`) use the ids of
 :mod:`diagnose.catalogs.attention_catalog`, the same as the trace rule's.
@@ -34,8 +39,9 @@ from typing import Any
 import torch
 
 from diagnose import attention_paths as ap
+from diagnose.carry_over import shrunk_preset
 from diagnose.catalogs import attention_catalog as ac
-from diagnose.probes.attention_bench import SignatureTrials, benchmark_signature
+from diagnose.probes.attention_bench import GPU_ONLY, SignatureTrials, benchmark_signature
 from diagnose.probes.attention_calls import AttentionCall, Signature, sdpa_switches
 from diagnose.probes.attention_capture import capture_step
 from diagnose.probes.attention_environment import (
@@ -48,30 +54,42 @@ from diagnose.probes.attention_environment import (
 )
 from diagnose.probes.attention_findings import (
     answer_checks,
+    fused_with_alternative,
     manual_rule,
     math_rule,
+    slower_backend_at_full_size,
     slower_backend_rule,
     xformers_rule,
+)
+from diagnose.probes.attention_full_size import (
+    FULL_SIZE_BUDGET_S,
+    FullSizeJudgement,
+    RealShapes,
+    judge_at_full_size,
+    real_attention_shapes,
 )
 from diagnose.probes.attention_judging import (
     Judged,
     PathGroup,
     Saving,
+    comparisons_decided,
     evidence_rows,
     group_calls,
     group_saving,
     why_not_fused,
 )
 from diagnose.probes.base import ProbeContext, ProbeSkipped
-from diagnose.record import ProbeResult
-from diagnose.stats import SAVING_SIGNIFICANCE, minimum_samples
+from diagnose.record import Check, ProbeResult
+from diagnose.stats import SEQUENTIAL_SIGNIFICANCE, minimum_samples
 from diagnose.timing import device_synchronizer
 
-#: Benchmark settings (per backend and signature). Fewer samples than the U test needs for a
-#: significant difference could never show a backend to be faster.
-MIN_SAMPLES = max(5, minimum_samples(SAVING_SIGNIFICANCE))
-MAX_SAMPLES = 15
-TRIAL_BUDGET_S = 0.15
+#: Benchmark settings (per signature, the backends sampled in turn). Fewer samples than the U
+#: test needs at the sequential level could never show a backend to be faster; past them, more
+#: rounds are taken until every comparison at the signature is sure, up to MAX_SAMPLES a backend
+#: or TRIAL_BUDGET_S seconds of sampling, after which an unsure comparison is inconclusive.
+MIN_SAMPLES = max(5, minimum_samples(SEQUENTIAL_SIGNIFICANCE))
+MAX_SAMPLES = 40
+TRIAL_BUDGET_S = 1.0
 #: At most this many signatures are benchmarked (the most expensive first).
 MAX_SIGNATURES = 16
 #: CPU microbenchmarks run on this many threads (None: as the run). With several threads a
@@ -88,7 +106,7 @@ def _positive(value: float | None) -> float | None:
 def _backends_for(device_kind: str, packages: Mapping[str, PackageStatus]) -> list[str]:
     backends = ["flash", "efficient", "cudnn", "math"]
     if device_kind != "cpu":
-        backends += [n for n in ("xformers", "flash_attn") if packages[n].imports]
+        backends += [n for n in ("xformers", "flash_attn") if n in packages and packages[n].imports]
     return backends
 
 
@@ -106,7 +124,14 @@ class AttentionProbe:
         trial_budget_s: float = TRIAL_BUDGET_S,
         max_signatures: int = MAX_SIGNATURES,
         cpu_threads: int | None = CPU_BENCHMARK_THREADS,
+        full_size_budget_s: float = FULL_SIZE_BUDGET_S,
+        real_shapes: Callable[[str, int, str], RealShapes] = real_attention_shapes,
     ) -> None:
+        """``real_shapes``: the attention shapes of a preset's full-size model, (preset, batch,
+        dtype) -> RealShapes; ``full_size_budget_s``: what measuring the kernel choice there
+        may take."""
+        self.real_shapes = real_shapes
+        self.full_size_budget_s = full_size_budget_s
         self.cpu_threads = cpu_threads
         self.min_samples = min_samples
         self.max_samples = max_samples
@@ -192,18 +217,72 @@ class AttentionProbe:
 
         # The answers: findings first, then what they leave found fine or not judged.
         s_per_it = _positive(ctx.record.timing.headline.median)
+        slower = slower_backend_rule(judged, s_per_it=s_per_it)
+        shrunk = shrunk_preset(ctx.config)
+        every_call_fused = all(c.path in ap.FUSED_PATHS for c in calls)
+        # A shrunk model's answer to it (a finding, or "nothing faster" when every call ran
+        # fused) depends on its shapes: judged again at the real model's, or withheld.
+        if (
+            shrunk is not None
+            and fused_with_alternative(judged)
+            and (slower is not None or every_call_fused)
+        ):
+            say("attention: judging the kernel choice at the full-size shapes")
+            backends = _backends_for(device_kind, packages)
+            judgement = self._judge_full_size(shrunk, judged, calls, device, sync, backends)
+            data["full_size"] = judgement.to_dict()
+            slower, outcome, text = slower_backend_at_full_size(slower, judged, judgement)
+            if outcome is not None:
+                result.checks.append(Check(ac.SLOWER_ID, outcome, text))
         for finding in (
             math_rule(
                 judged, device_kind=device_kind, arch=arch, rocm=rocm, total_calls=len(calls)
             ),
             manual_rule(judged),
-            slower_backend_rule(judged, s_per_it=s_per_it),
+            slower,
             xformers_rule(packages["xformers"], config_attention=config_attention),
         ):
             if finding is not None:
                 result.add_finding(finding)
         answer_checks(result, calls=calls, judged=judged, packages=packages, s_per_it=s_per_it)
         return result
+
+    def _judge_full_size(
+        self,
+        preset: str,
+        judged: Sequence[Judged],
+        calls: Sequence[AttentionCall],
+        device: torch.device,
+        sync: Any,
+        backends: Sequence[str],
+    ) -> FullSizeJudgement:
+        """The fused backend that ran most against the others at the preset's largest real
+        attention shape, in the dtype the step's attention ran in."""
+        fused = [j for j in fused_with_alternative(judged) if j.saving is not None]
+        ran: Counter[str] = Counter()
+        for j in fused:
+            if j.saving is not None:
+                ran[j.saving.ran] += j.group.calls
+        heaviest = max(fused, key=lambda j: j.group.seconds)
+        dtype = heaviest.group.signature.dtype if heaviest.group.signature else "float32"
+        batch = max(
+            (c.signature.batch for c in calls if c.signature and c.signature.backward), default=1
+        )
+        shapes = self.real_shapes(preset, batch, dtype)
+        threads = torch.get_num_threads()
+        if device.type == "cpu" and self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)  # as the other microbenchmarks (see above)
+        try:
+            return judge_at_full_size(
+                shapes,
+                ran.most_common(1)[0][0],
+                [b for b in backends if b not in GPU_ONLY or device.type == "cuda"],
+                device,
+                sync,
+                budget_s=self.full_size_budget_s,
+            )
+        finally:
+            torch.set_num_threads(threads)
 
     def _benchmark_all(
         self,
@@ -235,7 +314,9 @@ class AttentionProbe:
             "step_threads": threads,
             "min_samples": self.min_samples,
             "max_samples": self.max_samples,
-            "seconds_per_trial": self.trial_budget_s,
+            "seconds_per_signature": self.trial_budget_s,
+            "order": "interleaved: the backends sampled in turn, until every comparison with the "
+            "backend that ran is sure or the budget is spent",
         }
         benchmarked: dict[Signature, SignatureTrials] = {}
         torch.set_num_threads(bench_threads)
@@ -272,6 +353,7 @@ class AttentionProbe:
     ) -> SignatureTrials:
         """Every backend at ``signature`` (plus the hand-written one where it ran)."""
         needs_manual = any(g.signature == signature and g.path == ap.MANUAL for g in groups)
+        ran = sorted({g.backend for g in groups if g.signature == signature and g.backend})
         trials = benchmark_signature(
             signature,
             device,
@@ -281,6 +363,7 @@ class AttentionProbe:
             max_samples=self.max_samples,
             budget_s=self.trial_budget_s,
             rocm_experimental=experimental,
+            decided=comparisons_decided(ran),
         )
         fused_ran = any(t.runs for t in trials.trials if t.backend not in ("math", "manual"))
         if signature.dropout_p > 0 and not fused_ran:

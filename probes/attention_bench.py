@@ -9,9 +9,11 @@ dropout, causal, training or not) every backend gets a :class:`Trial`:
    On GPU builds ``torch.backends.cuda.can_use_flash_attention`` / ``can_use_efficient_attention``
    / ``can_use_cudnn_attention`` with ``SDPAParams`` and ``debug=True`` add their reasons (they
    log through c10, so native stderr is captured as well as Python warnings).
-2. **What it costs** — device-synchronised medians of forward (+ backward for a training call),
-   per call; peak memory from ``max_memory_allocated`` on a GPU, estimated from the shapes on the
-   CPU (whose allocator keeps no peak), and the trial says which.
+2. **What it costs** — device-synchronised seconds per call of forward (+ backward for a
+   training call), the backends sampled in turn (interleaved) until the comparison the caller
+   needs is sure or its time budget is spent; peak memory from ``max_memory_allocated`` on a
+   GPU, estimated from the shapes on the CPU (whose allocator keeps no peak), and the trial says
+   which.
 
 Backends: SDPA ``flash`` (on the CPU: its fused CPU kernel), ``efficient``, ``cudnn``, ``math``;
 ``manual`` (the hand-written softmax(QKᵀ)V a custom processor computes); ``xformers`` and
@@ -26,10 +28,11 @@ import contextlib
 import importlib
 import math
 import os
+import random
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,10 +304,14 @@ def env_set(name: str, value: str) -> Iterator[None]:
             os.environ[name] = before
 
 
-def try_backend(backend: str, signature: Signature, device: torch.device) -> tuple[Trial, Inputs]:
-    """One call of ``backend``; the trial says whether it ran and, if not, torch's reasons."""
+def try_backend(
+    backend: str, signature: Signature, device: torch.device, inputs: Inputs | None = None
+) -> tuple[Trial, Inputs]:
+    """One call of ``backend``; the trial says whether it ran and, if not, torch's reasons.
+    ``inputs``: the q/k/v to call it on (made from the signature when not given)."""
     trial = Trial(backend)
-    inputs = make_inputs(signature, device)
+    if inputs is None:
+        inputs = make_inputs(signature, device)
     if device.type != "cuda" and backend in GPU_ONLY:
         trial.reasons = [f"no {device.type.upper()} kernel: {backend} runs only on CUDA/ROCm GPUs"]
         return trial, inputs
@@ -334,33 +341,86 @@ def try_backend(backend: str, signature: Signature, device: torch.device) -> tup
 # What does it cost?
 
 
-def time_calls(
-    call: Callable[[], None],
+#: A decision rule for :func:`interleaved_samples`: given the samples so far (seconds per call,
+#: per backend), whether the comparison it serves is sure and sampling can stop.
+Decided = Callable[[Mapping[str, Sequence[float]]], bool]
+
+
+def _call_seconds(call: Callable[[], None], sync: Callable[[], None]) -> float:
+    """Seconds of one call, timed after a warm-up call (a first call pays one-off costs)."""
+    call()
+    seconds = _timed(call, sync)
+    if seconds < MIN_SAMPLE_S / 4:  # short calls: time a few together for a steadier estimate
+        seconds = _timed(call, sync, 4) / 4
+    return seconds
+
+
+def _timed(call: Callable[[], None], sync: Callable[[], None], times: int = 1) -> float:
+    sync()
+    start = time.perf_counter()
+    for _ in range(times):
+        call()
+    sync()
+    return time.perf_counter() - start
+
+
+def interleaved_samples(
+    calls: Mapping[str, Callable[[], None]],
     sync: Callable[[], None],
     *,
     min_samples: int,
     max_samples: int,
     budget_s: float,
-) -> list[float]:
-    """Seconds per call: after one warm-up, samples of enough calls to last MIN_SAMPLE_S."""
-    sync()
-    start = time.perf_counter()
-    call()
-    sync()
-    first = time.perf_counter() - start
-    inner = max(1, min(MAX_INNER_CALLS, int(MIN_SAMPLE_S / max(first, 1e-9))))
-    samples: list[float] = []
+    decided: Decided | None = None,
+) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Seconds per call of every one of ``calls``, sampled in turn (A B, then B A, ...) so that
+    load from other processes falls on all of them alike.
+
+    ``min_samples`` rounds are always taken; then more, until ``decided`` says the comparison
+    is sure, ``max_samples`` rounds are taken, or ``budget_s`` seconds of sampling have passed
+    (then the caller's rule says "inconclusive"). A call that runs out of memory is dropped;
+    the second value says which, and why."""
+    failed: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    for name, call in calls.items():
+        try:
+            seconds[name] = _call_seconds(call, sync)
+        except torch.OutOfMemoryError:
+            failed[name] = "out of memory while timing at these shapes"
+    # One count of calls a sample for every backend, so the slowest one's samples last
+    # MIN_SAMPLE_S: a sample of more calls runs each call with warmer caches, and counts that
+    # differ between backends would show up as a difference between identical calls.
+    inner = max(1, min(MAX_INNER_CALLS, round(MIN_SAMPLE_S / max([*seconds.values(), 1e-9]))))
+    samples: dict[str, list[float]] = {name: [] for name in seconds}
+    order = list(seconds)
     began = time.perf_counter()
-    while len(samples) < max_samples and (
-        len(samples) < min_samples or time.perf_counter() - began < budget_s
-    ):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            call()
-        sync()
-        samples.append((time.perf_counter() - t0) / inner)
-    return samples
+    rounds = 0
+    while rounds < max_samples and order:
+        if rounds >= min_samples and (
+            (decided is not None and decided(samples))
+            or decided is None
+            or time.perf_counter() - began >= budget_s
+        ):
+            break
+        for name in _round_order(order, rounds):
+            try:
+                samples[name].append(_timed(calls[name], sync, inner) / inner)
+            except torch.OutOfMemoryError:
+                failed[name] = "out of memory while timing at these shapes"
+        order = [name for name in order if name not in failed]
+        rounds += 1
+    return {name: values for name, values in samples.items() if name not in failed}, failed
+
+
+def _round_order(names: Sequence[str], round_index: int) -> list[str]:
+    """The order of one round: forwards, then backwards, alternately, for two; for more, a
+    seeded shuffle, so that no backend always follows the same neighbour (a call that follows
+    one which filled the caches with its own data runs slower)."""
+    if len(names) <= 2:
+        return list(names) if round_index % 2 == 0 else list(reversed(names))
+    shuffled = list(names)
+    random.Random(round_index).shuffle(shuffled)
+    return shuffled
 
 
 def measured_peak_bytes(call: Callable[[], None], device: torch.device) -> int:
@@ -424,49 +484,74 @@ def benchmark_signature(
     max_samples: int = 15,
     budget_s: float = 0.2,
     rocm_experimental: bool = False,
+    decided: Decided | None = None,
 ) -> SignatureTrials:
-    """Try and time every backend in ``backends`` at ``signature``.
+    """Try every backend in ``backends`` at ``signature``, then time those that run,
+    interleaved (:func:`interleaved_samples`): at least ``min_samples`` each, more until
+    ``decided`` is sure or ``budget_s`` is spent (without ``decided``, ``min_samples``).
 
     ``rocm_experimental``: run the fused SDPA trials with ROCM_EXPERIMENTAL_ENV=1 (a ROCm GPU
     that needs it and runs without); the trial's note says so.
     """
     result = SignatureTrials(signature)
     result.can_use = can_use_reasons(signature, device)
+    inputs = make_inputs(signature, device)
+    calls: dict[str, Callable[[], None]] = {}
     for backend in backends:
         experimental = rocm_experimental and backend in ("flash", "efficient")
-        env = env_set(ROCM_EXPERIMENTAL_ENV, "1") if experimental else contextlib.nullcontext()
-        with env:
-            trial, inputs = try_backend(backend, signature, device)
-            if experimental:
-                trial.note = f"with {ROCM_EXPERIMENTAL_ENV}=1 set for this measurement only"
-            if trial.runs:
-                call = attention_call(backend, inputs, signature)
-                try:
-                    trial.samples = time_calls(
-                        call,
-                        sync,
-                        min_samples=min_samples,
-                        max_samples=max_samples,
-                        budget_s=budget_s,
-                    )
-                    if device.type == "cuda":
-                        trial.peak_bytes = measured_peak_bytes(call, device)
-                        trial.memory_basis = "measured"
-                    else:
-                        trial.peak_bytes = estimated_peak_bytes(signature, backend)
-                        trial.memory_basis = "estimated"
-                except torch.OutOfMemoryError:
-                    trial.runs = False
-                    trial.samples = []
-                    trial.reasons = ["out of memory while timing at these shapes"]
-        del inputs
+        with _maybe_experimental(experimental):
+            trial, _ = try_backend(backend, signature, device, inputs)
+        if experimental:
+            trial.note = f"with {ROCM_EXPERIMENTAL_ENV}=1 set for this measurement only"
+        if trial.runs:
+            calls[backend] = _in_env(attention_call(backend, inputs, signature), experimental)
         result.trials.append(trial)
+    samples, failed = interleaved_samples(
+        calls,
+        sync,
+        min_samples=min_samples,
+        max_samples=max_samples,
+        budget_s=budget_s,
+        decided=decided,
+    )
+    for trial in result.trials:
+        if trial.backend in failed:
+            trial.runs = False
+            trial.reasons = [failed[trial.backend]]
+        elif trial.backend in samples:
+            trial.samples = samples[trial.backend]
+            if device.type == "cuda":
+                trial.peak_bytes = measured_peak_bytes(calls[trial.backend], device)
+                trial.memory_basis = "measured"
+            else:
+                trial.peak_bytes = estimated_peak_bytes(signature, trial.backend)
+                trial.memory_basis = "estimated"
+    del inputs, calls
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return result
+
+
+def _maybe_experimental(on: bool) -> contextlib.AbstractContextManager[None]:
+    return env_set(ROCM_EXPERIMENTAL_ENV, "1") if on else contextlib.nullcontext()
+
+
+def _in_env(call: Callable[[], None], experimental: bool) -> Callable[[], None]:
+    """``call`` run with ROCM_EXPERIMENTAL_ENV=1 set around it when ``experimental``."""
+    if not experimental:
+        return call
+
+    def wrapped() -> None:
+        with env_set(ROCM_EXPERIMENTAL_ENV, "1"):
+            call()
+
+    return wrapped
 
 
 __all__ = [
     "GPU_ONLY",
     "SDPA_BACKENDS",
+    "Decided",
     "Inputs",
     "SignatureTrials",
     "Trial",
@@ -476,8 +561,8 @@ __all__ = [
     "clean_reason",
     "env_set",
     "estimated_peak_bytes",
+    "interleaved_samples",
     "make_inputs",
     "measured_peak_bytes",
-    "time_calls",
     "try_backend",
 ]

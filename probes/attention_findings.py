@@ -23,6 +23,7 @@ from diagnose.probes.attention_environment import (
     rocm_experimental_missing,
     torch_base_version,
 )
+from diagnose.probes.attention_full_size import FullSizeJudgement
 from diagnose.probes.attention_judging import (
     Judged,
     best_backend,
@@ -33,7 +34,7 @@ from diagnose.probes.attention_judging import (
     sure_total,
     total_saving,
 )
-from diagnose.record import Finding, ProbeResult
+from diagnose.record import Finding, Outcome, ProbeResult
 
 _NOTHING_FASTER = (
     " No fused backend measured faster than math at these inputs here, so fixing it saves "
@@ -145,7 +146,7 @@ def manual_rule(judged: Sequence[Judged]) -> Finding | None:
     )
 
 
-def _fused_with_alternative(judged: Sequence[Judged]) -> list[Judged]:
+def fused_with_alternative(judged: Sequence[Judged]) -> list[Judged]:
     return [j for j in judged if j.group.path in ap.FUSED_PATHS and j.saving is not None]
 
 
@@ -159,7 +160,7 @@ def worth_acting_on(saving: float, s_per_it: float | None) -> bool:
 def slower_backend_rule(judged: Sequence[Judged], *, s_per_it: float | None) -> Finding | None:
     """``attention.slower_backend`` when a fused path ran but another backend is clearly faster."""
     groups = [
-        j for j in _fused_with_alternative(judged) if j.saving is not None and j.saving.clearly
+        j for j in fused_with_alternative(judged) if j.saving is not None and j.saving.clearly
     ]
     saving, savings = total_saving(groups)
     if not groups or saving is None or not worth_acting_on(saving, s_per_it):
@@ -185,6 +186,72 @@ def slower_backend_rule(judged: Sequence[Judged], *, s_per_it: float | None) -> 
         },
         saving=saving,
         sure_saving=sure_total(savings),
+    )
+
+
+def _label(backend: str) -> str:
+    return ac.BACKEND_LABELS.get(backend, backend)
+
+
+def tiny_shapes_text(judged: Sequence[Judged]) -> str:
+    """``Lq ≤ 256, head dims 8/16/32``: the shapes a shrunk model's kernel choice was made at."""
+    signatures = [j.group.signature for j in judged if j.group.signature is not None]
+    if not signatures:
+        return "unknown shapes"
+    dims = "/".join(str(d) for d in sorted({s.head_dim for s in signatures}))
+    return f"Lq ≤ {max(s.q_len for s in signatures)}, head dims {dims}"
+
+
+def slower_backend_at_full_size(
+    tiny: Finding | None, judged: Sequence[Judged], judgement: FullSizeJudgement
+) -> tuple[Finding | None, Outcome | None, str]:
+    """The answer to ``attention.slower_backend`` of a run that trained a shrunk model, judged
+    at the full-size shapes: the tiny model's finding only where the full-size measurement finds
+    the same backend surely faster; otherwise found fine (nothing is faster there), or not
+    judged (not measured, inconclusive, or faster there by a saving not measured for a step),
+    naming the tiny model's own result as the artefact it is. Returns the finding, or the
+    outcome and text of the check that replaces it (None: the tiny model's answer stands)."""
+    where = judgement.shape_text()
+    ran = _label(judgement.ran)
+    measured = "; ".join(f"{_label(b)} {v.text()}" for b, v in judgement.verdicts.items())
+    artefact = (
+        f' (this tiny model\'s own result, "{tiny.title}", is an artefact of its shapes, '
+        "not advice for the real model)"
+        if tiny is not None
+        else ""
+    )
+    if tiny is not None:
+        best = tiny.evidence.get("best")
+        if isinstance(best, str) and best in judgement.faster:
+            tiny.evidence = {**tiny.evidence, "full_size": judgement.to_dict()}
+            tiny.detail += (
+                f" At {where} {_label(best)} is measured faster too: "
+                f"{judgement.verdicts[best].text()} of {ran}'s."
+            )
+            return tiny, None, ""
+    if judgement.none_faster:
+        return (
+            None,
+            "ok",
+            f"attention: no backend that runs here is faster than {ran} at {where} (measured, "
+            f"per call: {measured}){artefact}",
+        )
+    if judgement.faster:
+        faster = ", ".join(_label(b) for b in judgement.faster)
+        return (
+            None,
+            "not_judged",
+            f"attention: at {where} {faster} is measured faster per call than {ran} "
+            f"({measured}), but what that saves a step of the real model is not measured on a "
+            f"tiny run: run it at full size to judge it{artefact}",
+        )
+    why = judgement.not_measured or f"the comparison is inconclusive ({measured})"
+    return (
+        None,
+        "not_judged",
+        "attention: which kernel is fastest depends on the shapes, and this tiny model's "
+        f"({tiny_shapes_text(judged)}) are not {judgement.shapes.preset}'s "
+        f"({judgement.shapes.summary()}); at full size it was not judged: {why}{artefact}",
     )
 
 
@@ -229,7 +296,7 @@ def _no_faster_backend_text(judged: Sequence[Judged], s_per_it: float | None) ->
     if not saving or best is None:
         return (
             "attention: no backend that runs here is measurably faster than the fused kernel "
-            f"that ran, at {signatures} attention signatures (microbenchmarked)"
+            f"that ran, at {signatures} attention signatures (microbenchmarked, interleaved)"
         )
     share = f" ({saving / s_per_it:.1%} of s/it)" if s_per_it else ""
     return (
@@ -249,7 +316,8 @@ def answer_checks(
 ) -> None:
     """Add the "found fine" and "could not judge" answers to the questions the findings in
     ``result`` left open, each under the id of the finding it excludes."""
-    raised = {f.id for f in result.findings}
+    # A question already answered (a full-size judgement on a shrunk model's run) keeps its answer.
+    raised = {f.id for f in result.findings} | {c.id for c in result.checks}
     paths = Counter(c.path for c in calls)
     fused_calls = sum(n for p, n in paths.items() if p in ap.FUSED_PATHS)
     unknown = paths.get("unknown", 0)
@@ -268,8 +336,20 @@ def answer_checks(
     # ran one: beside a math or hand-written path it would deny the saving that finding measured.
     every_call_fused = bool(calls) and fused_calls == len(calls)
     if ac.SLOWER_ID not in raised and every_call_fused:
-        compared = _fused_with_alternative(judged)
-        if compared:
+        compared = fused_with_alternative(judged)
+        unsure = [j for j in compared if j.saving and j.saving.verdict.outcome == "inconclusive"]
+        if unsure and best_backend(total_saving(compared)[1]) is None:
+            worst = max(unsure, key=lambda j: j.group.seconds)
+            assert worst.saving is not None and worst.group.signature is not None
+            result.add_not_judged(
+                ac.SLOWER_ID,
+                f"attention: whether another backend is faster than the fused kernel that ran "
+                f"is inconclusive at {len(unsure)} of {len(compared)} attention signatures, "
+                f"after interleaved samples up to the time budget (at "
+                f"{worst.group.signature.label()}: {_label(worst.saving.best)} "
+                f"{worst.saving.verdict.text()} of {_label(worst.saving.ran)}'s)",
+            )
+        elif compared:
             result.add_ok(ac.SLOWER_ID, _no_faster_backend_text(compared, s_per_it))
         else:
             result.add_not_judged(
@@ -292,9 +372,12 @@ def answer_checks(
 
 __all__ = [
     "answer_checks",
+    "fused_with_alternative",
     "manual_rule",
     "math_rule",
+    "slower_backend_at_full_size",
     "slower_backend_rule",
+    "tiny_shapes_text",
     "worth_acting_on",
     "xformers_rule",
 ]

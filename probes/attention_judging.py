@@ -9,12 +9,12 @@ reasons a fused kernel refused the inputs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from diagnose import attention_paths as ap
-from diagnose import stats
+from diagnose import contention, stats
 from diagnose.catalogs.attention_catalog import BACKEND_LABELS, MIN_RELATIVE_GAIN
 from diagnose.probes.attention_bench import GPU_ONLY, SignatureTrials, Trial
 from diagnose.probes.attention_calls import AttentionCall, Signature
@@ -88,12 +88,17 @@ class Saving:
     ran_seconds: float
     best_seconds: float
     calls: int
-    #: Whether the best is faster beyond the noise (MIN_RELATIVE_GAIN and quartiles apart).
-    clearly: bool
+    #: Whether the best is surely faster by more than MIN_RELATIVE_GAIN (diagnose.stats'
+    #: interleaved A/B verdict): "faster", "not_faster" or "inconclusive".
+    verdict: stats.ABVerdict
     best_note: str = ""
     #: The per-call saving the A/B is sure of (diagnose.stats.sure_saving, never negative):
     #: severity is graded on it, so that it does not flip between runs.
     sure_per_call: float = 0.0
+
+    @property
+    def clearly(self) -> bool:
+        return self.verdict.outcome == "faster"
 
     @property
     def per_call(self) -> float:
@@ -108,21 +113,36 @@ class Saving:
         return self.sure_per_call * self.calls if self.clearly else 0.0
 
 
-def clearly_faster(ran: Trial, other: Trial, min_relative: float = MIN_RELATIVE_GAIN) -> bool:
-    """Whether ``other`` beats ``ran`` by ``min_relative`` in both median and lower quartile.
+def faster_verdict(ran: Trial, other: Trial) -> stats.ABVerdict:
+    """Whether ``other`` is surely faster than ``ran`` by more than MIN_RELATIVE_GAIN, on their
+    interleaved samples (diagnose.stats.ab_verdict): faster, not faster, or inconclusive."""
+    verdict = stats.ab_verdict(ran.samples, other.samples, min_relative=MIN_RELATIVE_GAIN)
+    if verdict.set_aside:
+        contention.note_set_aside()
+    return verdict
 
-    Timing noise on a shared machine only adds time, and comes in bursts (a descheduled thread
-    costs a scheduler tick), so upper quartiles say little; the lower quartile is the stable
-    part of the distribution and the median the typical one. Requiring both keeps one lucky or
-    unlucky burst from making a finding. (The U test's interval, diagnose.stats.clearly_faster,
-    needs more samples per backend than a microbenchmark of every backend at every signature
-    can afford on a loaded machine; it still grades the finding, through ``sure_per_call``.)
-    """
-    base, alt = ran.stats, other.stats
-    if not (base.n and alt.n):
-        return False
-    keep = 1 - min_relative
-    return bool(alt.median <= base.median * keep and alt.q1 <= base.q1 * keep)
+
+def comparisons_decided(
+    ran_backends: Sequence[str], *, exclude: Sequence[str] = ("manual",)
+) -> Callable[[Mapping[str, Sequence[float]]], bool]:
+    """The benchmark's stopping rule at one signature: every backend that ran there compared
+    with every other one that runs has a sure answer (faster or not faster). With no backend
+    known to have run, nothing needs deciding."""
+
+    def decided(samples: Mapping[str, Sequence[float]]) -> bool:
+        for ran in ran_backends:
+            base = samples.get(ran)
+            if not base:
+                continue
+            for other, values in samples.items():
+                if other == ran or other in exclude or not values:
+                    continue
+                verdict = stats.ab_verdict(base, values, min_relative=MIN_RELATIVE_GAIN)
+                if not verdict.decided:
+                    return False
+        return True
+
+    return decided
 
 
 def best_alternative(
@@ -151,7 +171,7 @@ def group_saving(group: PathGroup, trials: SignatureTrials | None) -> Saving | N
         ran_seconds=ran.stats.median,
         best_seconds=best.stats.median,
         calls=group.calls,
-        clearly=clearly_faster(ran, best),
+        verdict=faster_verdict(ran, best),
         best_note=best.note,
         sure_per_call=stats.sure_saving(best.samples, ran.samples),
     )
@@ -275,6 +295,8 @@ def evidence_rows(judged: Sequence[Judged]) -> list[dict[str, Any]]:
                 best=j.saving.best,
                 best_ms_per_call=round(j.saving.best_seconds * 1e3, 5),
                 clearly_faster=j.saving.clearly,
+                verdict=j.saving.verdict.outcome,
+                ratio=j.saving.verdict.text(),
                 saving_ms_per_step=round(j.saving.per_step * 1e3, 4),
             )
         if j.trials is not None:
@@ -319,15 +341,15 @@ def best_label(best: str, savings: Sequence[Saving]) -> str:
 
 _MEASURED_DETAIL = (
     " Each backend was microbenchmarked per call at the model's exact attention inputs "
-    "(forward{bwd}, device-synchronised median) and the difference scaled by the calls per step; "
-    "a backend counts as faster only when both its median and its lower quartile are at least "
-    "{gain:.0%} lower than those of the one that ran."
+    "(forward{bwd}, device-synchronised, the backends sampled in turn) and the difference of "
+    "medians scaled by the calls per step; a backend counts as faster only when the U test's "
+    "interval of its time ratio lies wholly below {keep:.0%} of the one that ran's."
 )
 
 
 def measured_detail(judged: Sequence[Judged]) -> str:
     backward = any(j.group.signature and j.group.signature.backward for j in judged)
-    return _MEASURED_DETAIL.format(bwd="+backward" if backward else "", gain=MIN_RELATIVE_GAIN)
+    return _MEASURED_DETAIL.format(bwd="+backward" if backward else "", keep=1 - MIN_RELATIVE_GAIN)
 
 
 __all__ = [
@@ -337,8 +359,9 @@ __all__ = [
     "best_alternative",
     "best_backend",
     "best_label",
-    "clearly_faster",
+    "comparisons_decided",
     "evidence_rows",
+    "faster_verdict",
     "group_calls",
     "group_saving",
     "measured_detail",

@@ -201,3 +201,15 @@ def test_the_report_says_when_other_processes_shared_the_gpu() -> None:
     assert headline.busy and "2 other processes had work on the GPU" in headline.busy_text
     record.inventory["telemetry"]["during_steps"]["stats"]["other_processes_max"] = 0
     assert not build_headline(record).busy
+
+
+def test_an_interleaved_ab_verdict_allows_for_the_load_swings() -> None:
+    slow, fast = _samples(1.3, 9, 5), _samples(1.0, 9, 6)
+    with contention.quiet_window():
+        assert stats.ab_verdict(slow, fast, min_relative=0.1).outcome == "faster"
+    with _bursty_window():
+        verdict = stats.ab_verdict(slow, fast, min_relative=0.1)
+        assert verdict.outcome == "inconclusive" and verdict.set_aside
+        # Far beyond the swings, the answer stands; a same-speed twin is never called faster.
+        assert stats.ab_verdict(_samples(5.0, 9, 7), fast, min_relative=0.1).outcome == "faster"
+        assert stats.ab_verdict(_samples(1.0, 9, 8), fast, min_relative=0.1).outcome != "faster"
