@@ -17,6 +17,24 @@ from diagnose.telemetry import TelemetrySummary
 GIB = 1024**3
 
 
+@dataclass(frozen=True)
+class FullSizeMemory:
+    """The memory a run's real model holds before any activation, for a run that trained its
+    shrunk stand-in: counted on the preset's full size built on the meta device."""
+
+    preset: str
+    #: Bytes of the frozen weights (denoiser, text encoders, VAE) in the run's weight dtype.
+    frozen_bytes: int
+    #: Bytes of the LoRA weights, their gradients and the optimizer's state.
+    trainable_bytes: int
+    #: How the numbers were obtained (parameter counts, bytes per parameter).
+    basis: str = ""
+
+    @property
+    def static_bytes(self) -> int:
+        return self.frozen_bytes + self.trainable_bytes
+
+
 @dataclass
 class EnvironmentFacts:
     """Everything the rules judge: built by the environment probe's ``gather_facts`` in a run,
@@ -35,6 +53,9 @@ class EnvironmentFacts:
     allocator_scope: str = ""
     #: Resolution buckets the run cycled through.
     resolutions: list[int] = field(default_factory=list)
+    #: For a run that trained a shrunk (tiny) stand-in on a GPU: the real model's memory before
+    #: activations, which memory advice is judged on instead of the tiny model's peak.
+    full_size: FullSizeMemory | None = None
 
     @property
     def env(self) -> Mapping[str, str]:

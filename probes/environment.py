@@ -20,7 +20,8 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from diagnose.environment_facts import EnvironmentFacts, Rule
+from diagnose.carry_over import shrunk_preset
+from diagnose.environment_facts import EnvironmentFacts, FullSizeMemory, Rule
 from diagnose.probes.base import ProbeContext
 from diagnose.probes.environment_cpu import rule_cpu_threads
 from diagnose.probes.environment_device import (
@@ -128,6 +129,7 @@ def gather_facts(ctx: ProbeContext) -> EnvironmentFacts:
         # Counters since the process started: model build, warm-up, timed and profiled steps.
         allocator, scope = _allocator_from_torch(ctx), "whole run"
     resolutions = record.config.get("resolution") or ctx.config.resolution or []
+    on_gpu = ctx.device_info.kind in ("cuda", "rocm")
     return EnvironmentFacts(
         device=ctx.device_info,
         inventory=record.inventory,
@@ -137,6 +139,55 @@ def gather_facts(ctx: ProbeContext) -> EnvironmentFacts:
         allocator=allocator,
         allocator_scope=scope,
         resolutions=[int(r) for r in resolutions if isinstance(r, int)],
+        full_size=full_size_memory(ctx.config) if on_gpu else None,
+    )
+
+
+#: Bytes a trainable parameter holds besides itself and its gradient, per optimizer: AdamW's two
+#: fp32 moments, AdamW8bit's two 8-bit ones, Adafactor's factored second moment (at most one
+#: fp32 value a parameter, counted in full).
+_OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "adafactor": 4}
+
+
+def full_size_memory(config: Any) -> FullSizeMemory | None:
+    """The real model's memory before activations, for a run that trained a shrunk stand-in
+    (None otherwise, or when the full-size preset cannot be built on the meta device)."""
+    preset = shrunk_preset(config)
+    if preset is None:
+        return None
+    import torch
+
+    from diagnose.workload.models import (
+        build_text_encoder,
+        build_vae,
+        construct_on,
+        count_parameters,
+        describe_preset,
+    )
+    from diagnose.workload.presets import load_preset
+
+    try:
+        info = describe_preset(preset, "full", config.rank, config.target_modules)
+        spec = load_preset(preset, "full")
+        with construct_on(torch.device("meta"), torch.float32):
+            others = count_parameters(build_vae(spec)) + sum(
+                count_parameters(build_text_encoder(e)) for e in spec.text_encoders
+            )
+    except Exception:  # the full-size numbers only refine the verdict; without them it stands
+        return None
+    weight = 4 if config.precision == "fp32" else 2
+    lora = 2 if config.precision == "bf16-full" else 4
+    state = _OPTIMIZER_STATE_BYTES.get(config.optimizer, 8)
+    return FullSizeMemory(
+        preset=preset,
+        frozen_bytes=(info.parameters + others) * weight,
+        trainable_bytes=info.trainable_parameters * (2 * lora + state),
+        basis=(
+            f"{preset} at full size built on the meta device: {info.parameters + others:,} "
+            f"frozen parameters at {weight} bytes, {info.trainable_parameters:,} LoRA "
+            f"parameters at {lora} bytes plus their gradient and {state} bytes of "
+            f"{config.optimizer} state"
+        ),
     )
 
 
@@ -173,6 +224,7 @@ __all__ = [
     "EnvironmentProbe",
     "Rule",
     "evaluate",
+    "full_size_memory",
     "gather_facts",
     "hipblaslt_supported",
     "hsa_override_target",

@@ -10,6 +10,7 @@ from diagnose.catalogs import memory_catalog as cat
 from diagnose.device import is_integrated_gpu
 from diagnose.environment_facts import (
     EnvironmentFacts,
+    FullSizeMemory,
     fine,
     found,
     gib,
@@ -37,6 +38,8 @@ def rule_vram_spill(facts: EnvironmentFacts) -> ProbeResult:
     total = facts.device.memory_bytes or (sampled.limits.memory_total_bytes if sampled else None)
     timing = facts.timing
     reserved = timing.peak_reserved_bytes if timing else None
+    if facts.full_size is not None:
+        return _vram_at_full_size(facts, facts.full_size, total, reserved)
     used_fraction = sampled.stats.memory_used_max_fraction if sampled else None
     if not total or (reserved is None and used_fraction is None):
         result = unknown(cat.VRAM_SPILL.id, "VRAM spill: no peak memory recorded")
@@ -102,6 +105,35 @@ def rule_vram_spill(facts: EnvironmentFacts) -> ProbeResult:
         cat.vram_near_capacity_finding(
             peak=pct(peak), signals=signals, sysmem_fallback=sysmem, evidence=evidence
         )
+    )
+    return result
+
+
+def _vram_at_full_size(
+    facts: EnvironmentFacts, full: FullSizeMemory, total: int | None, reserved: int | None
+) -> ProbeResult:
+    """A shrunk model's peak memory is no advice for the real one: the VRAM questions are
+    withheld, with the real model's memory before activations (meta device) against the GPU's,
+    and what that already says."""
+    result = judged()
+    tiny = f"the tiny model's peak reservation ({gib(reserved)})"
+    static = full.static_bytes
+    share = f" ({pct(static / total)})" if total else ""
+    base = (
+        f"{tiny} says nothing about {full.preset}'s: at full size its weights, LoRA, gradients "
+        f"and optimizer state take {gib(static)} of the GPU's {gib(total)}{share} before any "
+        "activation"
+    )
+    if total and static >= total:
+        spill = (
+            f"VRAM spill: {base}, more than it has: a full-size run spills or runs out of memory"
+        )
+    else:
+        spill = f"VRAM spill: {base}; whether the activations fit is measured only at full size"
+    result.add_not_judged(cat.VRAM_SPILL.id, spill)
+    result.add_not_judged(
+        cat.VRAM_NEAR_CAPACITY.id,
+        f"VRAM headroom: judged only at full size ({tiny} is the tiny model's)",
     )
     return result
 

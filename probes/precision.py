@@ -56,7 +56,9 @@ from diagnose.precision_policy import (
 from diagnose.probes.base import ProbeContext, ProbeSkipped
 from diagnose.probes.precision_audit import AuditLog, OpGroup, ReplaySpec, audit_step
 from diagnose.probes.precision_findings import (
+    Bf16Hardware,
     UpcastSite,
+    bf16_hardware,
     bf16_not_native_rule,
     bf16_slower_rule,
     dtype_warning_rule,
@@ -87,7 +89,7 @@ from diagnose.probes.precision_weights import (
     keep_fp32_parts,
     workload_components,
 )
-from diagnose.record import DeviceInfo, ProbeResult
+from diagnose.record import DeviceInfo, Finding, ProbeResult
 from diagnose.timing import device_synchronizer
 
 #: Signatures (largest estimated work first) benchmarked for the model-shape speed comparison.
@@ -203,8 +205,16 @@ class PrecisionProbe:
                 FP32_WEIGHTS_ID,
                 "precision: every weight is bf16 in this bf16-full run (no fp32 parameters)",
             )
-        self._native_check(result, precision, native, ctx.device_info, fp16_comparison, scale)
-        self._speed_check(result, precision, ctx.device_info, comparison, scale)
+        hardware = bf16_hardware(precision, ctx.device_info, native)
+        not_native = bf16_not_native_rule(
+            precision, ctx.device_info, native, fp16_comparison, scale
+        )
+        # One cause, one finding: the hardware fact alone (no measured saving of its own) is
+        # carried by the measured slowdown when there is one.
+        alone = not_native is not None and not_native.est_seconds_saved_per_it is None
+        foldable = hardware if alone else None
+        folded = self._speed_check(result, precision, ctx.device_info, comparison, scale, foldable)
+        self._native_check(result, precision, native, ctx.device_info, not_native, folded)
         return result
 
     # ------------------------------------------------------------ parts of run()
@@ -359,14 +369,22 @@ class PrecisionProbe:
         precision: str,
         native: bool | None,
         info: DeviceInfo,
-        fp16_comparison: SpeedComparison | None,
-        scale: HeadlineScale | None,
+        finding: Finding | None,
+        folded: Finding | None,
     ) -> None:
+        """The answer to "does this device compute bf16 natively?" in a bf16 run: the
+        ``bf16_not_native`` finding, or, when the measured slowdown ``folded`` carries that fact,
+        a check that names it and points there (one cause is not counted twice)."""
         if requested_low_dtype(precision) != "bf16":
             return
         device = f"{info.name or info.kind}" + (f" ({info.arch})" if info.arch else "")
-        finding = bf16_not_native_rule(precision, info, native, fp16_comparison, scale)
-        if finding is not None:
+        if folded is not None:
+            result.add_ok(
+                BF16_NOT_NATIVE_ID,
+                f"precision: {device} has no native bf16 arithmetic: the cause of the measured "
+                f"bf16 slowdown, so it is said there ({folded.id}), not as a second finding",
+            )
+        elif finding is not None:
             result.add_finding(finding)
         elif native:
             result.add_ok(BF16_NOT_NATIVE_ID, f"precision: {device} computes bf16 natively")
@@ -384,9 +402,13 @@ class PrecisionProbe:
         info: DeviceInfo,
         comparison: SpeedComparison | None,
         scale: HeadlineScale | None,
-    ) -> None:
+        hardware: Bf16Hardware | None = None,
+    ) -> Finding | None:
         """One answer to the speed question of this run's precision: bf16 slower than fp32 (a
-        bf16 run), fp32 training where low precision is faster (an fp32 run), or fp16's speed."""
+        bf16 run), fp32 training where low precision is faster (an fp32 run), or fp16's speed.
+
+        ``hardware``: the device lacks native bf16, a fact with no measurement of its own; a
+        bf16-slower finding carries it. Returns that finding when it did, else None."""
         low = requested_low_dtype(precision)
         check_id = {"bf16": BF16_SLOWER_ID, None: FP32_TRAINING_ID}.get(low, FP16_SPEED_CHECK)
         if comparison is None or not math.isfinite(comparison.speedup):
@@ -396,9 +418,9 @@ class PrecisionProbe:
                 f"precision: {comparison.low if comparison else low or 'bf16'} "
                 f"against fp32 at this model's shapes was not measured ({why})",
             )
-            return
+            return None
         finding = (
-            bf16_slower_rule(precision, comparison, scale)
+            bf16_slower_rule(precision, comparison, scale, hardware)
             if check_id == BF16_SLOWER_ID
             else fp32_training_rule(precision, info, comparison, scale)
             if check_id == FP32_TRAINING_ID
@@ -406,7 +428,7 @@ class PrecisionProbe:
         )
         if finding is not None:
             result.add_finding(finding)
-            return
+            return finding if hardware is not None and finding.id == BF16_SLOWER_ID else None
         measured = speed_summary(comparison)
         if low is None:
             if comparison.clearly_slower:
@@ -425,6 +447,7 @@ class PrecisionProbe:
             result.add_ok(
                 check_id, f"precision: {measured}, so {precision} is not a measurable slowdown here"
             )
+        return None
 
 
 __all__ = ["PrecisionProbe"]

@@ -320,6 +320,47 @@ _SAVING_DETAIL = (
 )
 
 
+@dataclass(frozen=True)
+class Bf16Hardware:
+    """The hardware fact behind ``precision.bf16_not_native``: bf16 was asked of a device without
+    native bf16 arithmetic. Raised as its own finding, or carried by the measured
+    ``precision.bf16_slower_than_fp32`` when that one says the same cause in seconds."""
+
+    #: The device as titles name it: "AMD Radeon RX 6800 XT (gfx1030)".
+    device: str
+    on_cpu: bool
+    evidence: dict[str, Any]
+    #: What the device does with bf16 instead (one or two sentences for a finding's detail).
+    why: str
+
+
+def bf16_hardware(precision: str, info: DeviceInfo, native: bool | None) -> Bf16Hardware | None:
+    """The hardware fact, when this run asks for bf16 and the device is known to lack it."""
+    if requested_low_dtype(precision) != "bf16" or native is not False:
+        return None
+    on_cpu = info.kind == "cpu"
+    evidence: dict[str, Any] = {
+        "device": info.name or info.kind,
+        "arch": info.arch,
+        "kind": info.kind,
+        "bf16_native": native,
+    }
+    if on_cpu:
+        evidence["isa"] = info.extra.get("isa")
+        why = (
+            "Without AVX512-BF16/AMX-BF16 (x86) or the BF16 extension (Arm), torch converts bf16 "
+            f"to fp32 and back around every op. ISA flags seen: {info.extra.get('isa')}."
+        )
+    else:
+        why = (
+            "torch.cuda.is_bf16_supported() returns True on every HIP build, so the stack does "
+            "not refuse bf16; without bf16 matrix instructions (Volta/Turing, RDNA1/RDNA2, Vega) "
+            "it is emulated through fp32."
+        )
+    device = (info.name or info.kind) + (f" ({info.arch})" if info.arch else "")
+    return Bf16Hardware(device, on_cpu, evidence, why)
+
+
 def bf16_not_native_rule(
     precision: str,
     info: DeviceInfo,
@@ -327,43 +368,30 @@ def bf16_not_native_rule(
     fp16: SpeedComparison | None,
     scale: HeadlineScale | None,
 ) -> Finding | None:
-    """``precision.bf16_not_native``: bf16 asked of a device without native bf16."""
-    if requested_low_dtype(precision) != "bf16" or native is not False:
+    """``precision.bf16_not_native``: bf16 asked of a device without native bf16. On a GPU its
+    saving is fp16's, measured against bf16 at the model's shapes; without that it is the
+    hardware fact alone (which a measured ``bf16_slower_than_fp32`` then carries instead)."""
+    hardware = bf16_hardware(precision, info, native)
+    if hardware is None:
         return None
-    on_cpu = info.kind == "cpu"
     saving = sure = None
     speed: dict[str, Any] = {}
     fp16_vs_bf16: float | None = None
-    if not on_cpu and fp16 is not None and math.isfinite(fp16.speedup):
+    if not hardware.on_cpu and fp16 is not None and math.isfinite(fp16.speedup):
         fp16_vs_bf16 = fp16.speedup
         saving, sure, speed = _saving_evidence(fp16, fp16.base, scale)
-    device = (info.name or info.kind) + (f" ({info.arch})" if info.arch else "")
-    if on_cpu:
-        detail = (
-            "Without AVX512-BF16/AMX-BF16 (x86) or the BF16 extension (Arm), torch converts bf16 "
-            f"to fp32 and back around every op. ISA flags seen: {info.extra.get('isa')}. "
-            f"See {BF16_SLOWER_ID} for the measured ratio, when it is slower."
-        )
-    else:
-        detail = (
-            "torch.cuda.is_bf16_supported() returns True on every HIP build, so the stack does "
-            "not refuse bf16; without bf16 matrix instructions (Volta/Turing, RDNA1/RDNA2, Vega) "
-            "it is emulated through fp32."
-            + (
-                f" fp16 measured {fp16_vs_bf16:.2f}x faster than bf16 at this model's shapes. "
-                + _SAVING_DETAIL
-                if fp16_vs_bf16
-                else ""
-            )
-        )
+    detail = hardware.why + (
+        f" fp16 measured {fp16_vs_bf16:.2f}x faster than bf16 at this model's shapes. "
+        + _SAVING_DETAIL
+        if fp16_vs_bf16
+        else " No measurement of bf16 against fp32 at this model's shapes stands behind this "
+        f"finding (when one shows bf16 slower, {BF16_SLOWER_ID} carries this fact instead)."
+    )
     return bf16_not_native_finding(
-        device=device,
-        on_cpu=on_cpu,
+        device=hardware.device,
+        on_cpu=hardware.on_cpu,
         evidence={
-            "device": info.name or info.kind,
-            "arch": info.arch,
-            "kind": info.kind,
-            "bf16_native": native,
+            **hardware.evidence,
             "fp16_vs_bf16_speedup": round_or_none(fp16_vs_bf16, 3),
             **speed,
         },
@@ -374,9 +402,15 @@ def bf16_not_native_rule(
 
 
 def bf16_slower_rule(
-    precision: str, comparison: SpeedComparison | None, scale: HeadlineScale | None
+    precision: str,
+    comparison: SpeedComparison | None,
+    scale: HeadlineScale | None,
+    hardware: Bf16Hardware | None = None,
 ) -> Finding | None:
-    """``precision.bf16_slower_than_fp32``: a bf16 run on a device where bf16 measured slower."""
+    """``precision.bf16_slower_than_fp32``: a bf16 run on a device where bf16 measured slower.
+
+    ``hardware``: the device has no native bf16 (the slowdown's cause); the finding carries that
+    fact in its title, evidence and detail, so one cause makes one finding."""
     if requested_low_dtype(precision) != "bf16" or comparison is None:
         return None
     speedup = comparison.speedup
@@ -392,6 +426,7 @@ def bf16_slower_rule(
             "benchmark_bf16_seconds_per_step": round_or_none(low),
             "benchmark_fp32_seconds_per_step": round_or_none(fp32),
             **evidence,
+            **({"bf16_not_native": hardware.evidence} if hardware else {}),
         },
         saving=saving,
         sure_saving=sure,
@@ -400,7 +435,14 @@ def bf16_slower_rule(
             "from the audited step) were re-run in bf16 and in fp32 on this device, calls "
             f"alternating ({ms(low)} against {ms(fp32)} per step of them in the benchmark). "
             + _SAVING_DETAIL
+            + (
+                f" Why: {hardware.device} has no native bf16 arithmetic. {hardware.why}"
+                if hardware
+                else ""
+            )
         ),
+        not_native=hardware.device if hardware else "",
+        on_cpu=hardware.on_cpu if hardware else False,
     )
 
 
@@ -441,7 +483,9 @@ def fp32_training_rule(
 
 __all__ = [
     "TABLE_ROWS",
+    "Bf16Hardware",
     "UpcastSite",
+    "bf16_hardware",
     "bf16_not_native_rule",
     "bf16_slower_rule",
     "dtype_warning_rule",

@@ -63,6 +63,8 @@ def terminal_summary(
     lines.append(f"{style('diagnose:', 'bold')} {style(_clean(headline.sentence), 'bold')}")
     if headline.busy:
         lines.append(f"  {style('machine busy:', 'warn')} {headline.busy_text}")
+    if headline.scale_text:
+        lines.append(f"  {style('tiny model:', 'dim')} {_clean(headline.scale_text)}")
     if headline.noisy:
         lines.append(f"  {style('noisy:', 'warn')} {headline.noise_text}")
     if headline.profiler_text:
@@ -148,6 +150,8 @@ def _finding_lines(finding: FindingView, style: Callable[[str, str], str], width
     )
     badge = style(f"[{_clean(finding.severity)}]", finding.severity)
     head = f"  {finding.rank}. {badge} {_clean(finding.title)}"
+    if finding.at_full_size.startswith("holds for the tiny model only"):
+        head += style(" (tiny model only)", "dim")
     out = [f"{head} — {saving}"]
     if finding.fix:
         fix = textwrap.fill(

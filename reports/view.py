@@ -10,11 +10,13 @@ without a model, an old record): it says "not measured" or leaves the part out, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from diagnose.carry_over import carry_over
 from diagnose.contention import describe as describe_load
 from diagnose.record import (
     PHASE_LABELS,
@@ -194,6 +196,10 @@ class Headline:
     busy: bool = False
     #: How busy, and what it means for the numbers on the page; "" when not busy or not known.
     busy_text: str = ""
+    #: On a run of a shrunk (tiny) model: which verdicts carry over to the real one, in one line;
+    #: and one line per verdict. Empty at the real size.
+    scale_text: str = ""
+    scale_lines: tuple[str, ...] = ()
 
 
 def build_headline(record: RunRecord) -> Headline:
@@ -215,6 +221,7 @@ def build_headline(record: RunRecord) -> Headline:
             noise_text="",
             profiler_text="",
             source="trace" if from_trace else "none",
+            **_scale(record),
         )
     busy_text = describe_machine_load(record)
     value = format_per_iteration(stats.median)
@@ -256,6 +263,7 @@ def build_headline(record: RunRecord) -> Headline:
         source="trace" if from_trace else "measured",
         busy=bool(busy_text),
         busy_text=busy_text,
+        **_scale(record),
     )
 
 
@@ -266,6 +274,13 @@ def _gpu_sharers(record: RunRecord) -> int:
         (during.get("stats") or {}).get("other_processes_max") if isinstance(during, dict) else None
     )
     return others if isinstance(others, int) and not isinstance(others, bool) else 0
+
+
+def _scale(record: RunRecord) -> dict[str, Any]:
+    scale = carry_over(record)
+    if scale is None:
+        return {}
+    return {"scale_text": scale.summary(), "scale_lines": tuple(scale.lines())}
 
 
 def _noise_advice(load: HostLoad | None) -> str:
@@ -527,12 +542,29 @@ class FindingView:
     detail: str
     source: str
     evidence: tuple[KV, ...]
+    #: On a tiny run, what this finding says about the real model ("" at the real size):
+    #: "holds for the tiny model only: <why>", "carries over", "judged at full size".
+    at_full_size: str = ""
 
 
 def build_findings(record: RunRecord) -> tuple[FindingView, ...]:
     # Shares are of the step the verdicts graded against (the bucket mix's s/it, when mixed).
     step = step_seconds_of(record)
-    return tuple(_finding_view(i + 1, f, step) for i, f in enumerate(record.ranked_findings()))
+    scale = carry_over(record)
+    kinds = {} if scale is None else {i.check_id: i for i in scale.items}
+    views = []
+    for i, finding in enumerate(record.ranked_findings()):
+        view = _finding_view(i + 1, finding, step)
+        item = kinds.get(finding.id)
+        if item is not None and item.kind != "unclassified":
+            note = (
+                item.kind
+                if item.kind != "tiny-model only"
+                else f"holds for the tiny model only: {item.why}"
+            )
+            view = dataclasses.replace(view, at_full_size=note)
+        views.append(view)
+    return tuple(views)
 
 
 def _finding_view(rank: int, finding: Finding, step_seconds: float | None) -> FindingView:

@@ -54,3 +54,21 @@ def test_findings_are_only_made_from_the_catalog() -> None:
                 if re.search(r"(?<![\w.])Finding\(", line):
                     offenders.append(f"{path.relative_to(REPO_ROOT)}:{number}")
     assert offenders == [], offenders
+
+
+def test_every_finding_says_what_a_tiny_run_tells_of_the_real_model() -> None:
+    """Each concern states, per question, whether a tiny run's answer carries over to the real
+    model, is judged at full size, or holds for the tiny model only, and why."""
+    from diagnose.catalogs import CARRY_OVER_KINDS
+
+    missing = [s.id for s in specs() if s.at_full_size is None]
+    assert missing == [], f"set at_full_size on {missing}"
+    for entry in specs():
+        assert entry.at_full_size is not None
+        assert entry.at_full_size.kind in CARRY_OVER_KINDS
+        assert entry.at_full_size.why and "\n" not in entry.at_full_size.why
+    # The questions whose probes judge them on the preset's real shapes say so.
+    judged = {
+        s.id for s in specs() if s.at_full_size and s.at_full_size.kind == "judged at full size"
+    }
+    assert {"attention.slower_backend", "optimizer.8bit_state_mostly_fp32"} <= judged

@@ -335,3 +335,38 @@ def test_every_catalog_question_is_answered_somewhere() -> None:
         assert "finding" in answered.get(entry.id, set()) or entry.id in {
             "environment.cpu_threads_low"
         }, entry.id
+
+
+@pytest.mark.slow
+def test_memory_advice_of_a_tiny_run_is_judged_on_the_full_size_model() -> None:
+    """A tiny stand-in's peak memory says nothing about the real model's: on a tiny run the VRAM
+    questions are withheld with the real model's memory before activations (SD1.5 at full
+    size, built on the meta device). Planted: the same recorded facts as a run at the size it
+    trains give their measured answers (the clean twin of each case is its full-size self)."""
+    import dataclasses
+
+    from diagnose.probes.environment import full_size_memory
+
+    full = full_size_memory(RunConfig(preset="sd15", size="tiny", precision="bf16-mixed"))
+    assert full is not None and full.preset == "sd15"
+    # The real SD1.5 (UNet, CLIP-L, VAE: about a billion parameters) is over 1 GiB in bf16.
+    assert full.frozen_bytes > 2**30 and 0 < full.trainable_bytes < full.frozen_bytes
+    assert full_size_memory(RunConfig(preset="sd15", size="full")) is None
+    for name in ("healthy_nvidia", "vram_spill_on_windows"):
+        facts = facts_for(next(c for c in CASES if c["name"] == name))
+        as_measured = evaluate(facts)
+        tiny = evaluate(dataclasses.replace(facts, full_size=full))
+        memory = {"memory.vram_spill", "memory.vram_near_capacity"}
+        assert not [f for f in tiny.findings if f.id in memory]
+        answers = {c.id: c for c in tiny.checks if c.id in memory}
+        assert {c.outcome for c in answers.values()} == {"not_judged"}
+        assert "says nothing about sd15's" in answers["memory.vram_spill"].text
+        # The measured answers stand for a run at its real size.
+        assert {c.id for c in as_measured.checks if c.outcome != "not_judged"} & memory
+    # A GPU smaller than the real model's weights: withheld, and said not to fit.
+    small = dataclasses.replace(
+        facts_for(next(c for c in CASES if c["name"] == "healthy_nvidia")), full_size=full
+    )
+    small.device = dataclasses.replace(small.device, memory_bytes=full.static_bytes // 2)
+    [spill] = [c for c in evaluate(small).checks if c.id == "memory.vram_spill"]
+    assert "more than it has" in spill.text

@@ -16,13 +16,44 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from diagnose.record import PHASES, Basis, Category, Finding, Severity
 
 #: Where a finding can come from: an active probe of ``diagnose run``, or a rule that reads any
 #: trace (``diagnose trace`` and the trace ``diagnose run`` captures).
 FoundBy = Literal["probe", "trace"]
+
+#: Whether a run that trained a shrunk model (a preset's ``tiny`` size) answers a question for the
+#: real model too: "carries over" (a property of the code path, settings or machine, whatever the
+#: model's size), "judged at full size" (it depends on shapes or sizes, and the probe judges it
+#: on the preset's real configuration, built on the meta device, or withholds it with the
+#: reason), "tiny-model only" (it depends on the model's size and is not judged again: the tiny
+#: run's answer says nothing about the real model).
+CarryOverKind = Literal["carries over", "judged at full size", "tiny-model only"]
+CARRY_OVER_KINDS: tuple[CarryOverKind, ...] = get_args(CarryOverKind)
+
+
+@dataclass(frozen=True)
+class AtFullSize:
+    """What a tiny run's answer to one question says about the real model, and why."""
+
+    kind: CarryOverKind
+    #: One line: why (what the answer depends on).
+    why: str
+
+
+def carries_over(why: str) -> AtFullSize:
+    return AtFullSize("carries over", why)
+
+
+def judged_at_full_size(why: str) -> AtFullSize:
+    return AtFullSize("judged at full size", why)
+
+
+def tiny_model_only(why: str) -> AtFullSize:
+    return AtFullSize("tiny-model only", why)
+
 
 #: The trainers whose vocabulary fixes are written in, in the order a fix lists them.
 TRAINERS: dict[str, str] = {
@@ -65,6 +96,9 @@ class FindingSpec:
     #: rule's answer to it is set aside (kept as evidence or a note): the probe measured the
     #: timed steps the headline and the phase bar come from, the rule only the profiled ones.
     probe_answer_stands: bool = False
+    #: What a tiny run's answer says about the real model (diagnose.carry_over reads it).
+    #: Every spec sets it; None only while a new one is being written (a test says which).
+    at_full_size: AtFullSize | None = None
 
     def __post_init__(self) -> None:
         concern = self.id.split(".", 1)[0]
@@ -149,11 +183,17 @@ def markdown_table() -> str:
 
 
 __all__ = [
+    "CARRY_OVER_KINDS",
     "CONCERN_MODULES",
     "TRAINERS",
+    "AtFullSize",
+    "CarryOverKind",
     "FindingSpec",
+    "carries_over",
     "in_trainers",
+    "judged_at_full_size",
     "markdown_table",
     "spec",
     "specs",
+    "tiny_model_only",
 ]

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diagnose.attention_paths import ROCM_EXPERIMENTAL_ENV, rocm_needs_experimental
-from diagnose.catalogs import FindingSpec, in_trainers
+from diagnose.catalogs import FindingSpec, carries_over, in_trainers, judged_at_full_size
 from diagnose.record import Basis, Finding
 
 #: The phases in which attention runs.
@@ -28,6 +28,10 @@ MATH_FALLBACK = FindingSpec(
     # Without a measured saving (no fused kernel could run the inputs here) the fallback is still
     # worth a warning: on the user's GPU it is usually the largest attention cost.
     severity_without_saving="warn",
+    at_full_size=carries_over(
+        "the path SDPA takes is set by the switches, dtype, dropout and device, the same at "
+        "full size; its saving was measured at the tiny model's shapes"
+    ),
 )
 UNFUSED_MANUAL = FindingSpec(
     "attention.unfused_manual",
@@ -36,6 +40,10 @@ UNFUSED_MANUAL = FindingSpec(
     ("probe", "trace"),
     phases=ATTENTION_PHASES,
     severity_without_saving="warn",
+    at_full_size=carries_over(
+        "the attention processor the code installs, whatever the model's size; its saving was "
+        "measured at the tiny model's shapes"
+    ),
 )
 SLOWER_BACKEND = FindingSpec(
     "attention.slower_backend",
@@ -43,6 +51,10 @@ SLOWER_BACKEND = FindingSpec(
     "a fused backend ran, and another one that runs here was measured faster",
     ("probe",),
     phases=ATTENTION_PHASES,
+    at_full_size=judged_at_full_size(
+        "which kernel is fastest depends on sequence length and head dim: judged at the "
+        "preset's real attention shapes (meta device), or withheld"
+    ),
 )
 XFORMERS_UNAVAILABLE = FindingSpec(
     "attention.xformers_unavailable",
@@ -50,6 +62,7 @@ XFORMERS_UNAVAILABLE = FindingSpec(
     "the run asked for xFormers, which does not import here",
     ("probe",),
     phases=ATTENTION_PHASES,
+    at_full_size=carries_over("a property of the installed packages"),
 )
 SPECS = (MATH_FALLBACK, UNFUSED_MANUAL, SLOWER_BACKEND, XFORMERS_UNAVAILABLE)
 
@@ -73,8 +86,9 @@ FLASH_ATTN_CHECK = "attention.flash_attn_package"
 # --------------------------------------------------------------------------------------------
 # Thresholds that decide whether a finding is raised (severity is diagnose.verdicts' alone)
 
-#: A backend counts as faster only when its median and lower quartile both beat those of the one
-#: that ran by this share: a smaller gain is noise between kernels that a rerun can reverse.
+#: A backend counts as faster only when the interleaved A/B is sure it takes less than 1 - this
+#: share of the time of the one that ran (diagnose.stats.ab_verdict): a smaller gain is noise
+#: between kernels that a rerun can reverse.
 MIN_RELATIVE_GAIN = 0.10
 #: A faster fused backend is worth a finding from this share of s/it (or, without a measured
 #: s/it, from this many seconds per step): below, switching kernels is not worth the user's time.
@@ -209,6 +223,43 @@ MANUAL_FIX = (
 )
 
 
+#: Hand-written attention inside the text encoder is the encoder's own code (T5 adds a relative
+#: position bias, older transformers releases compute it by hand): the denoiser's attention
+#: switches do not reach it.
+TEXT_ENCODER_MANUAL_FIX = (
+    "This is the text encoder's own attention; the denoiser's attention settings (diffusers "
+    "set_attn_processor, kohya --sdpa/--xformers) do not change it. "
+    + in_trainers(
+        "When the text encoder is not trained, encode each caption once instead of every step; "
+        "load it with attn_implementation='sdpa' (transformers) where its class supports it",
+        kohya="--cache_text_encoder_outputs (--cache_text_encoder_outputs_to_disk)",
+        diffusers="precompute the prompt embeddings (encode_prompt) before the training loop",
+    )
+    + "."
+)
+#: The VAE's mid-block attention runs only to encode the images.
+VAE_MANUAL_FIX = (
+    "This is the VAE's own attention, which runs only to encode the images. "
+    + in_trainers(
+        "Cache the latents so the VAE does not run every step, or give it SDPA processors: "
+        "vae.set_attn_processor(AttnProcessor2_0())",
+        kohya="--cache_latents (--cache_latents_to_disk)",
+        diffusers="precompute the latents before the training loop",
+    )
+    + "."
+)
+
+
+def manual_fix_for(component: str) -> str:
+    """The fix for hand-written attention run by ``component`` ("text_encoder", "vae", or the
+    denoiser / unknown, which the trainers' attention switches govern)."""
+    if component == "text_encoder":
+        return TEXT_ENCODER_MANUAL_FIX
+    if component == "vae":
+        return VAE_MANUAL_FIX
+    return MANUAL_FIX
+
+
 def xformers_fix(torch_version: str = "") -> str:
     """Reinstall xFormers against the installed torch, or do without it."""
     pin = f"torch {torch_version}" if torch_version else "the installed torch"
@@ -289,6 +340,8 @@ def unfused_manual(
     faster_with: str | None = None,
     how_measured: str = "",
     fix_extra: str = "",
+    where: str = "",
+    fix: str = MANUAL_FIX,
     evidence: Mapping[str, Any],
     saving: float | None,
     sure_saving: float | None = None,
@@ -296,17 +349,21 @@ def unfused_manual(
     source: str = "",
 ) -> Finding:
     """``attention.unfused_manual``: ``calls`` per step compute softmax(QKᵀ)V by hand (by
-    ``processors`` on ``modules``, when known)."""
+    ``processors`` on ``modules``, when known; inside the component ``where``, e.g. "the text
+    encoder (T5EncoderModel)", with that component's ``fix``)."""
     by = f" by {processors}" if processors else ""
     took = f", {ms_text(seconds_per_step)}/step forward" if seconds_per_step is not None else ""
+    count = f" in {where}, {_count(calls)} calls" if where else f" in {_count(calls)} calls"
     title = (
-        f"Attention is computed by hand (matmul → softmax → matmul){by} in {_count(calls)} calls "
-        f"per step{took}" + _measured_tail(faster_with, saving)
+        f"Attention is computed by hand (matmul → softmax → matmul){by}{count} per step{took}"
+        + _measured_tail(faster_with, saving)
     )
     who = f"{processors} on {modules}" if processors and modules else "The forward pass"
+    if where and not (processors and modules):
+        who = where[0].upper() + where[1:]
     return UNFUSED_MANUAL.build(
         title,
-        fix=MANUAL_FIX + (f" {fix_extra}" if fix_extra else ""),
+        fix=fix + (f" {fix_extra}" if fix_extra else ""),
         evidence=evidence,
         saving=saving,
         sure_saving=sure_saving,
@@ -401,10 +458,13 @@ __all__ = [
     "SLOWER_BACKEND",
     "SLOWER_ID",
     "SPECS",
+    "TEXT_ENCODER_MANUAL_FIX",
     "THREADS_CHECK",
     "UNFUSED_MANUAL",
+    "VAE_MANUAL_FIX",
     "XFORMERS_ID",
     "XFORMERS_UNAVAILABLE",
+    "manual_fix_for",
     "math_fallback",
     "math_fix",
     "ms_text",

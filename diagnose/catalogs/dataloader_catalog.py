@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from diagnose.catalogs import FindingSpec, in_trainers
+from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding, RunRecord
 from diagnose.trace.rules import ms, pct, per_it
 from diagnose.verdicts import phase_bound, step_seconds
@@ -26,6 +26,10 @@ GPU_STARVED = FindingSpec(
     ("probe", "trace"),
     phases=("data_wait",),
     probe_answer_stands=True,
+    at_full_size=tiny_model_only(
+        "the wait is measured against the tiny model's short step: the same loader leaves a "
+        "larger share of a tiny step waiting than of the real model's"
+    ),
 )
 SLOW_LOADER = FindingSpec(
     "dataloader.slow_loader",
@@ -35,6 +39,10 @@ SLOW_LOADER = FindingSpec(
     ("probe",),
     # What a loader change can shorten: the wait, the batch's copy, the per-step VAE encode.
     phases=("data_wait", "h2d", "encode"),
+    at_full_size=tiny_model_only(
+        "the loader's work is measured against the tiny model's short step; behind the real "
+        "model's longer step it is a smaller share, and workers may hide it"
+    ),
 )
 CORRUPT_IMAGES = FindingSpec(
     "dataloader.corrupt_images",
@@ -43,6 +51,7 @@ CORRUPT_IMAGES = FindingSpec(
     ("probe",),
     # A trainer stops or loops on such a file: worth a warning although it costs no time here.
     severity_without_saving="warn",
+    at_full_size=carries_over("a property of the image files, whatever the model"),
 )
 SPECS = (GPU_STARVED, SLOW_LOADER, CORRUPT_IMAGES)
 

@@ -6,7 +6,7 @@ their findings here, so a straggler reads the same whichever way it was found.
 
 from __future__ import annotations
 
-from diagnose.catalogs import FindingSpec
+from diagnose.catalogs import FindingSpec, tiny_model_only
 from diagnose.catalogs.dataloader_catalog import (
     CACHE_LATENTS_ADVICE,
     DEFAULT_WORKERS,
@@ -22,6 +22,9 @@ STRAGGLER = FindingSpec(
     "(rank traces, `run --nproc`) one rank is slower in a compute phase and the others wait for "
     "it in every step's collectives",
     ("trace",),
+    at_full_size=tiny_model_only(
+        "a tiny model's short steps make a little host jitter on one rank look like a slow rank"
+    ),
 )
 DATA_WAIT_IMBALANCE = FindingSpec(
     "distributed.data_wait_imbalance",
@@ -29,6 +32,7 @@ DATA_WAIT_IMBALANCE = FindingSpec(
     "(rank traces, `run --nproc`) the same, when the slow rank's extra time is its wait for data",
     ("trace",),
     phases=("data_wait",),
+    at_full_size=tiny_model_only("data waits are inflated by the tiny model's short steps"),
 )
 EXPOSED_COMM = FindingSpec(
     "distributed.exposed_communication",
@@ -36,6 +40,10 @@ EXPOSED_COMM = FindingSpec(
     "(rank traces, `run --nproc`) collective time with nothing else running, on the rank that "
     "waits least (transfer, not a wait)",
     ("trace",),
+    at_full_size=tiny_model_only(
+        "the tiny LoRA's gradients are smaller and its step shorter: how much communication "
+        "hides behind compute differs at full size"
+    ),
 )
 SPECS = (STRAGGLER, DATA_WAIT_IMBALANCE, EXPOSED_COMM)
 #: A wait (or exposed transfer) is raised as a finding from the share the one severity rule

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from diagnose.catalogs import FindingSpec, in_trainers
+from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Finding, Severity
 
 CPU_WITH_GPU_PRESENT = FindingSpec(
@@ -21,6 +21,7 @@ CPU_WITH_GPU_PRESENT = FindingSpec(
     "training runs on the CPU while the machine has a GPU (torch sees it, or the PCI bus does)",
     ("probe",),
     severity_without_saving="critical",
+    at_full_size=carries_over("the device the run was given"),
 )
 INTEGRATED_GPU = FindingSpec(
     "environment.integrated_gpu",
@@ -29,6 +30,7 @@ INTEGRATED_GPU = FindingSpec(
     "is present",
     ("probe",),
     severity_without_saving="critical",
+    at_full_size=carries_over("the device the run was given"),
 )
 ROCM_KERNEL_SEARCH_WARMUP = FindingSpec(
     "environment.rocm_kernel_search_warmup",
@@ -37,6 +39,10 @@ ROCM_KERNEL_SEARCH_WARMUP = FindingSpec(
     "searched kernels at startup",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=tiny_model_only(
+        "the first step's excess is measured against the tiny model's few shapes and short "
+        "steps; the real model searches more shapes for a longer step"
+    ),
 )
 TUNABLEOP_TUNING = FindingSpec(
     "environment.tunableop_tuning",
@@ -45,6 +51,7 @@ TUNABLEOP_TUNING = FindingSpec(
     "training",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over("an environment setting"),
 )
 HSA_OVERRIDE = FindingSpec(
     "environment.hsa_override",
@@ -53,6 +60,7 @@ HSA_OVERRIDE = FindingSpec(
     "useless, or dangerous across generations)",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over("an environment setting and the GPU"),
 )
 HIPBLASLT_UNSUPPORTED = FindingSpec(
     "environment.hipblaslt_unsupported",
@@ -60,12 +68,14 @@ HIPBLASLT_UNSUPPORTED = FindingSpec(
     "hipBLASLt is requested on a GPU torch's hipBLASLt path does not support; GEMMs fall back to "
     "hipBLAS",
     ("probe",),
+    at_full_size=carries_over("an environment setting and the GPU"),
 )
 HIPBLASLT_OFF = FindingSpec(
     "environment.hipblaslt_off",
     "environment",
     "hipBLASLt is switched off by `TORCH_BLAS_PREFER_HIPBLASLT` on a GPU that supports it",
     ("probe",),
+    at_full_size=carries_over("an environment setting and the GPU"),
 )
 LAUNCH_BLOCKING = FindingSpec(
     "environment.launch_blocking",
@@ -74,6 +84,7 @@ LAUNCH_BLOCKING = FindingSpec(
     "launch waits for the GPU",
     ("probe",),
     severity_without_saving="critical",
+    at_full_size=carries_over("an environment setting"),
 )
 AMD_LOG_LEVEL = FindingSpec(
     "environment.amd_log_level",
@@ -81,6 +92,7 @@ AMD_LOG_LEVEL = FindingSpec(
     "`AMD_LOG_LEVEL` of 3 or more: the HIP runtime logs every API call",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over("an environment setting"),
 )
 GPU_THROTTLED = FindingSpec(
     "environment.gpu_throttled",
@@ -88,6 +100,10 @@ GPU_THROTTLED = FindingSpec(
     "the GPU throttled (thermal, hardware slowdown or power brake) in a part of the busy samples",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=tiny_model_only(
+        "a tiny model hardly loads the GPU; the real model's sustained load is what heats and "
+        "throttles it"
+    ),
 )
 POWER_LIMITED = FindingSpec(
     "environment.power_limited",
@@ -95,6 +111,9 @@ POWER_LIMITED = FindingSpec(
     "the GPU's power limit is lowered below its default and the GPU sits at it",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=tiny_model_only(
+        "a tiny model does not draw the power that reaches the limit; the real model may"
+    ),
 )
 CLOCKS_LOW = FindingSpec(
     "environment.clocks_low",
@@ -103,6 +122,9 @@ CLOCKS_LOW = FindingSpec(
     "it (locked or application clocks, a power profile)",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=tiny_model_only(
+        "a tiny model's light load lets the clocks drop; the real model's load raises them"
+    ),
 )
 PCIE_LINK_DEGRADED = FindingSpec(
     "environment.pcie_link_degraded",
@@ -110,6 +132,7 @@ PCIE_LINK_DEGRADED = FindingSpec(
     "the GPU's PCIe link runs narrower or at an older generation than the GPU and slot allow",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over("a property of the machine"),
 )
 DRIVER_OLD = FindingSpec(
     "environment.driver_old",
@@ -117,6 +140,7 @@ DRIVER_OLD = FindingSpec(
     "the NVIDIA driver supports an older CUDA than the one this torch is built for",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over("the installed driver and torch"),
 )
 CPU_ONE_THREAD = FindingSpec(
     "environment.cpu_one_thread",
@@ -124,18 +148,21 @@ CPU_ONE_THREAD = FindingSpec(
     "a CPU run where torch computes on one thread of several cores",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over("torch's thread settings"),
 )
 CPU_THREADS_LOW = FindingSpec(
     "environment.cpu_threads_low",
     "environment",
     "a CPU run where torch uses fewer than half the physical cores",
     ("probe",),
+    at_full_size=carries_over("torch's thread settings"),
 )
 CPU_FEW_CORES = FindingSpec(
     "environment.cpu_few_cores",
     "environment",
     "a CPU run on a machine with few cores: the numbers are a smoke test, not a training speed",
     ("probe",),
+    at_full_size=carries_over("a property of the machine"),
 )
 SPECS = (
     CPU_WITH_GPU_PRESENT,

@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from diagnose.catalogs import FindingSpec, in_trainers
+from diagnose.catalogs import (
+    FindingSpec,
+    carries_over,
+    in_trainers,
+    judged_at_full_size,
+    tiny_model_only,
+)
 from diagnose.record import Finding, Severity
 
 VRAM_SPILL = FindingSpec(
@@ -21,6 +27,10 @@ VRAM_SPILL = FindingSpec(
     "and every step streams it over PCIe",
     ("probe",),
     severity_without_saving="critical",
+    at_full_size=judged_at_full_size(
+        "a tiny model's peak memory says nothing about the real model's: judged on the preset's "
+        "full-size weights, LoRA, gradients and optimizer state (meta device), or withheld"
+    ),
 )
 VRAM_NEAR_CAPACITY = FindingSpec(
     "memory.vram_near_capacity",
@@ -29,6 +39,10 @@ VRAM_NEAR_CAPACITY = FindingSpec(
     "utilisation, allocator retries)",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=judged_at_full_size(
+        "a tiny model's peak memory says nothing about the real model's: judged on the preset's "
+        "full-size weights, LoRA, gradients and optimizer state (meta device), or withheld"
+    ),
 )
 ALLOCATOR_RETRIES = FindingSpec(
     "memory.allocator_retries",
@@ -37,6 +51,9 @@ ALLOCATOR_RETRIES = FindingSpec(
     "(a device synchronisation each time)",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=tiny_model_only(
+        "retries come with memory pressure, which a tiny model does not create"
+    ),
 )
 CACHING_ALLOCATOR_OFF = FindingSpec(
     "memory.caching_allocator_off",
@@ -45,6 +62,7 @@ CACHING_ALLOCATOR_OFF = FindingSpec(
     "device malloc and every free synchronises",
     ("probe",),
     severity_without_saving="critical",
+    at_full_size=carries_over("an environment variable"),
 )
 ALLOCATOR_CONF_CONFLICT = FindingSpec(
     "memory.allocator_conf_conflict",
@@ -52,6 +70,7 @@ ALLOCATOR_CONF_CONFLICT = FindingSpec(
     "`max_split_size_mb` set together with `expandable_segments:True` in the allocator settings",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over("allocator settings in the environment"),
 )
 SPECS = (
     VRAM_SPILL,

@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from diagnose.catalogs import FindingSpec, in_trainers
+from diagnose.catalogs import (
+    FindingSpec,
+    carries_over,
+    in_trainers,
+    judged_at_full_size,
+    tiny_model_only,
+)
 from diagnose.record import Finding, Severity
 
 SYNC_IN_STEP = FindingSpec(
@@ -20,6 +26,7 @@ SYNC_IN_STEP = FindingSpec(
     "host-device synchronisations inside `Optimizer.step`",
     ("probe", "trace"),
     phases=("optimizer",),
+    at_full_size=carries_over("the optimizer's code synchronises whatever the tensors' sizes"),
 )
 SLOWER_THAN_ALTERNATIVE = FindingSpec(
     "optimizer.slower_than_alternative",
@@ -27,6 +34,10 @@ SLOWER_THAN_ALTERNATIVE = FindingSpec(
     "another optimizer that trains the same LoRA was measured faster here",
     ("probe",),
     phases=("optimizer",),
+    at_full_size=tiny_model_only(
+        "which optimizer steps fastest depends on the number and size of the LoRA tensors, "
+        "measured here on the tiny model's"
+    ),
 )
 STATE_MOSTLY_FP32 = FindingSpec(
     "optimizer.8bit_state_mostly_fp32",
@@ -34,6 +45,9 @@ STATE_MOSTLY_FP32 = FindingSpec(
     "an 8-bit optimizer keeps most of its state in fp32 (tensors below its size threshold)",
     ("probe",),
     phases=("optimizer",),
+    at_full_size=judged_at_full_size(
+        "bitsandbytes' size threshold is judged on the preset's real LoRA tensors (meta device)"
+    ),
 )
 NUMERICS_8BIT = FindingSpec(
     "optimizer.8bit_numerics",
@@ -42,6 +56,9 @@ NUMERICS_8BIT = FindingSpec(
     "quantisation bound",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over(
+        "the numerics of this build's 8-bit kernels, whatever the tensors' sizes"
+    ),
 )
 SPECS = (SYNC_IN_STEP, SLOWER_THAN_ALTERNATIVE, STATE_MOSTLY_FP32, NUMERICS_8BIT)
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from diagnose.catalogs import FindingSpec, in_trainers
+from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding
 
 #: The phases in which the step computes with the model's weights.
@@ -28,6 +28,9 @@ UPCAST = FindingSpec(
     # An fp32 island in a run that asked for low precision is a configuration fault even where
     # its cost cannot be put in seconds.
     severity_without_saving="warn",
+    at_full_size=carries_over(
+        "which ops run in fp32 is set by the code path and autocast, not by the model's size"
+    ),
 )
 FP32_TRAINING = FindingSpec(
     "precision.fp32_training",
@@ -35,6 +38,7 @@ FP32_TRAINING = FindingSpec(
     "the whole run computes in fp32",
     ("probe", "trace"),
     phases=COMPUTE_PHASES,
+    at_full_size=carries_over("the precision the run was configured with"),
 )
 FP32_WEIGHTS = FindingSpec(
     "precision.fp32_weights_in_full_bf16",
@@ -43,6 +47,9 @@ FP32_WEIGHTS = FindingSpec(
     ("probe",),
     phases=COMPUTE_PHASES,
     severity_without_saving="warn",
+    at_full_size=carries_over(
+        "which weights stay fp32 is set by the code that casts them, not by the model's size"
+    ),
 )
 DTYPE_MISMATCH = FindingSpec(
     "precision.dtype_mismatch_warning",
@@ -51,6 +58,9 @@ DTYPE_MISMATCH = FindingSpec(
     ("probe",),
     phases=COMPUTE_PHASES,
     severity_without_saving="warn",
+    at_full_size=carries_over(
+        "the dtypes a kernel is handed are set by the code path, not by the model's size"
+    ),
 )
 BF16_NOT_NATIVE = FindingSpec(
     "precision.bf16_not_native",
@@ -59,6 +69,7 @@ BF16_NOT_NATIVE = FindingSpec(
     ("probe",),
     phases=COMPUTE_PHASES,
     severity_without_saving="warn",
+    at_full_size=carries_over("a property of the device"),
 )
 BF16_SLOWER = FindingSpec(
     "precision.bf16_slower_than_fp32",
@@ -66,6 +77,10 @@ BF16_SLOWER = FindingSpec(
     "bf16 measured slower than fp32 on this device",
     ("probe",),
     phases=COMPUTE_PHASES,
+    at_full_size=tiny_model_only(
+        "measured at the tiny model's matmul/convolution shapes; at the real model's larger "
+        "shapes the bf16/fp32 ratio differs"
+    ),
 )
 SPECS = (UPCAST, FP32_TRAINING, FP32_WEIGHTS, DTYPE_MISMATCH, BF16_NOT_NATIVE, BF16_SLOWER)
 
@@ -300,14 +315,26 @@ def bf16_slower_finding(
     saving: float | None,
     sure_saving: float | None,
     detail: str,
+    not_native: str = "",
+    on_cpu: bool = False,
 ) -> Finding:
     """``precision.bf16_slower_than_fp32``. The title quotes only the measured ratio: the
     microbenchmark's own seconds are not the run's, and the saving the report shows next to the
-    title is the run's (see the probe's headline scaling)."""
-    return BF16_SLOWER.build(
+    title is the run's (see the probe's headline scaling).
+
+    ``not_native`` (the device as titles name it) says the device has no native bf16 arithmetic:
+    the cause of the slowdown, carried by this one finding rather than raised a second time as
+    ``precision.bf16_not_native``. The title then names it, and a CPU gets that finding's fix
+    (fp32, or a CPU with bf16 units)."""
+    title = (
         f"bf16 runs this model's {signatures} largest matmul/conv signature(s) {slowdown:.2f}x "
-        "slower than fp32 on this device",
-        fix=FP32_HERE_FIX,
+        "slower than fp32 on this device"
+    )
+    if not_native:
+        title += f": {not_native} has no native bf16 arithmetic"
+    return BF16_SLOWER.build(
+        title,
+        fix=CPU_WITHOUT_BF16_FIX if not_native and on_cpu else FP32_HERE_FIX,
         evidence=evidence,
         saving=saving,
         sure_saving=sure_saving,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from diagnose.catalogs import FindingSpec
+from diagnose.catalogs import FindingSpec, carries_over
 from diagnose.record import Finding, Severity
 
 MISCOMPILE = FindingSpec(
@@ -19,6 +19,10 @@ MISCOMPILE = FindingSpec(
     "computes a wrong answer (checked against a float64 CPU reference)",
     ("probe",),
     severity_without_saving="critical",
+    at_full_size=carries_over(
+        "the probe's own kernels typical of LoRA training, at their own shapes: a property of "
+        "the compiler and device"
+    ),
 )
 COMPILE_ERROR = FindingSpec(
     "triton.compile_error",
@@ -26,6 +30,9 @@ COMPILE_ERROR = FindingSpec(
     "a Triton or `torch.compile` kernel typical of LoRA training fails to compile or launch here",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over(
+        "the probe's own kernels typical of LoRA training: a property of the compiler and device"
+    ),
 )
 VERSION_MISMATCH = FindingSpec(
     "triton.version_mismatch",
@@ -34,6 +41,7 @@ VERSION_MISMATCH = FindingSpec(
     "vendor's build, or two installs mixed)",
     ("probe",),
     severity_without_saving="warn",
+    at_full_size=carries_over("the installed packages"),
 )
 SPECS = (MISCOMPILE, COMPILE_ERROR, VERSION_MISMATCH)
 
