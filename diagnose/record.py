@@ -61,7 +61,12 @@ PHASES: tuple[str, ...] = (
     "forward",  # denoiser forward and loss
     "backward",
     "optimizer",  # optimizer.step() and zero_grad()
+    "communication",  # collectives (all-reduce...) with no compute beside them: transfer and the
+    # wait for other ranks
     "sync",  # host-device synchronisation not attributed to a phase above
+    "allocator",  # device idle while the host is in cudaMalloc/cudaFree/hipMalloc...
+    "device_work",  # device work whose launching code is not in the trace (from a trace)
+    "host_code",  # the training thread between ops: Python, untraced native code (CPU traces)
     "idle",  # device idle with nothing else to blame (from a trace)
     "other",  # step time not covered by the phases above
 )
@@ -73,7 +78,11 @@ PHASE_LABELS: dict[str, str] = {
     "forward": "forward",
     "backward": "backward",
     "optimizer": "optimizer",
+    "communication": "communication",
     "sync": "host-device sync",
+    "allocator": "allocator calls",
+    "device_work": "GPU work, phase unknown",
+    "host_code": "host code between ops",
     "idle": "device idle",
     "other": "other",
 }

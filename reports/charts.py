@@ -41,7 +41,11 @@ PHASE_COLORS: dict[str, str] = {
     "forward": "#0072B2",
     "backward": "#56B4E9",
     "optimizer": "#009E73",
+    "communication": "#882255",
     "sync": "#D55E00",
+    "allocator": "#AA4499",
+    "device_work": "#332288",
+    "host_code": "#DDCC77",
     "idle": "#999999",
     "other": "#CCCCCC",
 }

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from diagnose.distributed.collectives import Communication, communication
 from diagnose.record import (
     Breakdown,
@@ -28,6 +30,7 @@ from diagnose.record import (
     StepSample,
     new_record,
 )
+from diagnose.trace.attribution import placement_notes
 from diagnose.trace.breakdown import (
     StepBreakdown,
     build_phases,
@@ -35,6 +38,7 @@ from diagnose.trace.breakdown import (
     summarize_breakdown,
     top_ops,
 )
+from diagnose.trace.buckets import step_buckets
 from diagnose.trace.context import TraceContext
 from diagnose.trace.device import detect_device
 from diagnose.trace.kernels import (
@@ -61,9 +65,10 @@ __all__ = [
 #: How the trace breakdown was made, for the report's "how this was measured" line.
 BREAKDOWN_METHOD = (
     "From the trace: device-busy time is charged to the phase of the host code that launched "
-    "each kernel; device-idle time to what the host was doing meanwhile (waiting for data, "
-    "blocked in a sync, running ops of a phase) and otherwise to 'idle'. Median over the "
-    "profiled steps."
+    "each kernel (a collective kernel to communication, where no compute runs beside it); "
+    "device-idle time to what the host was doing meanwhile (waiting for data, blocked in a sync "
+    "or an allocator call, inside a collective, running ops of a phase) and otherwise to 'idle'. "
+    "Work launched outside the trace is placed by its kernel. Median over the profiled steps."
 )
 #: Kernel names classed "other" listed in the record (all are counted; the list is for reading).
 _UNCLASSIFIED_LISTED = 100
@@ -83,6 +88,8 @@ class StepStat:
     #: Device-idle part of ``phases`` by host activity (GPU traces).
     device_idle_by_phase: dict[str, float] = field(default_factory=dict)
     kernel_seconds_by_class: dict[str, float] = field(default_factory=dict)
+    #: The input shape the step trained ("2x4x64x64"), when the steps had several; else "".
+    bucket: str = ""
 
 
 @dataclass
@@ -135,7 +142,7 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
     steps = find_steps(trace, structure, busy)
     labels = label_kernels(trace, structure)
     tables = kernel_tables(trace, labels, steps, device.primary_device)
-    phases = build_phases(trace, structure, device.primary_device)
+    phases = build_phases(trace, structure, device.primary_device, labels)
     per_step = step_breakdowns(steps, phases, busy, has_device)
     breakdown = summarize_breakdown(per_step, tables.per_step)
     ctx = TraceContext(
@@ -154,13 +161,15 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
     results = run_rules(ctx)
     comm = communication(ctx)
 
+    buckets, bucket_notes = step_buckets(trace, structure, steps, ctx.modules())
     notes = list(steps.notes)
+    notes.extend(bucket_notes)
     notes.extend(_coverage_notes(ctx, comm))
     findings = [f for r in results for f in r.findings]
     return TraceAnalysis(
         path=trace.path,
         device=device.info,
-        steps=_step_stats(steps.steps, per_step, tables.per_step),
+        steps=_step_stats(steps.steps, per_step, tables.per_step, buckets),
         breakdown=breakdown,
         kernel_classes=tables.classes,
         top_kernels=tables.top,
@@ -179,7 +188,10 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
 
 
 def _step_stats(
-    windows: list[StepWindow], per_step: list[StepBreakdown], kernels: list[dict[str, float]]
+    windows: list[StepWindow],
+    per_step: list[StepBreakdown],
+    kernels: list[dict[str, float]],
+    buckets: list[str],
 ) -> list[StepStat]:
     return [
         StepStat(
@@ -193,8 +205,9 @@ def _step_stats(
             phases=b.seconds,
             device_idle_by_phase=b.device_idle,
             kernel_seconds_by_class=k,
+            bucket=bucket,
         )
-        for w, b, k in zip(windows, per_step, kernels, strict=True)
+        for w, b, k, bucket in zip(windows, per_step, kernels, buckets, strict=True)
     ]
 
 
@@ -211,8 +224,9 @@ def _coverage_notes(ctx: TraceContext, comm: Communication) -> list[str]:
     if not len(trace.host):
         notes.append(
             "No CPU ops in the trace (GPU activity only): the step cannot be split into data "
-            "wait / forward / backward / optimizer, and op-level rules (precision, attention "
-            "path, optimizer syncs) cannot run; device time is reported as 'other'."
+            "wait / forward / backward / optimizer by what launched the work, and op-level "
+            "rules (precision, attention path, optimizer syncs) cannot run; device time is "
+            "placed by kernel (see the note on GPU work of unknown phase)."
         )
     elif ctx.has_device and not len(trace.runtime):
         notes.append(
@@ -229,13 +243,19 @@ def _coverage_notes(ctx: TraceContext, comm: Communication) -> list[str]:
             f"This is rank {ctx.device.rank} of {ctx.device.world_size} "
             f"({ctx.device.backend or 'distributed'}); other ranks may differ."
         )
-    if ctx.has_device and len(trace.host):
-        unlinked = int((ctx.structure.device_runtime < 0).sum())
-        if unlinked:
-            notes.append(
-                f"{unlinked} device activities have no launch in the trace (queued before "
-                "profiling started); their time counts as 'other'."
-            )
+    launched = ctx.structure.device_op >= 0
+    launched |= ~np.isnan(ctx.structure.launch_ts)
+    notes.extend(
+        placement_notes(
+            trace,
+            ctx.kernels,
+            ctx.phases,
+            ctx.steps,
+            ctx.breakdown,
+            ctx.device.primary_device,
+            launched,
+        )
+    )
     exposed = comm.median("exposed_seconds")
     if exposed > 0:
         step = statistics.median(s.wall_seconds for s in comm.steps)
@@ -297,7 +317,13 @@ def analysis_to_record(analysis: TraceAnalysis, trace_path: Path) -> RunRecord:
     record.device = analysis.device
     record.trace_path = str(trace_path)
     record.timing.samples = [
-        StepSample(index=s.number, seconds=s.wall_seconds, profiled=True, phases=dict(s.phases))
+        StepSample(
+            index=s.number,
+            seconds=s.wall_seconds,
+            profiled=True,
+            phases=dict(s.phases),
+            bucket=s.bucket,
+        )
         for s in analysis.steps
     ]
     record.timing.summarize()

@@ -1,4 +1,5 @@
-"""Where each step's wall time went: data wait, forward, backward, optimizer, sync, idle, other.
+"""Where each step's wall time went: data wait, forward, backward, optimizer, communication, sync,
+allocator, idle, and what the trace cannot place.
 
 How a step is split (basis "trace"):
 
@@ -8,15 +9,20 @@ How a step is split (basis "trace"):
    ``__next__`` range (data_wait), an ``Optimizer.step#``/``Optimizer.zero_grad#`` range
    (optimizer), autograd work (``autograd::engine::evaluate_function``, ``*Backward*`` ops, the
    autograd threads: backward), a blocking sync (sync), a top-level op that only copies host to
-   device (h2d), any other op of the training thread (forward).
+   device (h2d), any other op of the training thread (forward). A collective kernel is
+   communication whoever launched it. Work whose launch is not in the trace gets its phase from
+   the kernel (see :mod:`diagnose.trace.attribution`), else "device_work" (phase unknown).
 2. Device idle time is charged to what the host was doing meanwhile, in this order: waiting for
-   the next batch (data_wait), blocked in a sync (sync), then optimizer, backward, h2d, forward
-   (the host was busy launching: launch-bound time). Idle time with none of these is "idle".
+   the next batch (data_wait), blocked in a sync (sync), in an allocator call (allocator), inside
+   a collective op (communication), then optimizer, backward, h2d, forward (the host was busy
+   launching: launch-bound time), then a collective running on another thread (communication).
+   Idle time with none of these is "idle".
 3. Without device activity (a CPU trace) the same host ranges split the wall time, and time in no
-   range (Python between ops) is "other".
+   range is "host_code": the training thread ran code between ops (Python, untraced native code).
 
 Overlapping device work (two streams) counts once; its phase is the first of backward, forward,
-optimizer, encode, h2d, data_wait, sync, other that covers it.
+optimizer, encode, h2d, data_wait, sync, device_work, communication that covers it, so a
+collective counts only where no compute runs beside it (its exposed part).
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ import numpy as np
 import numpy.typing as npt
 
 from diagnose.record import Breakdown, OpStat
+from diagnose.trace.attribution import (
+    allocator_ranges,
+    collective_ranges,
+    fill_between,
+    phase_from_kernel,
+)
 from diagnose.trace.intervals import (
     EMPTY,
     Intervals,
@@ -39,9 +51,11 @@ from diagnose.trace.intervals import (
     union,
     union_of,
 )
+from diagnose.trace.kernels import KERNEL_CLASSES, KernelLabels
 from diagnose.trace.reader import MEMCPY, ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
+from diagnose.trace.syncs import SyncPoints, find_syncs
 
 #: Phases a launch can carry (same names as diagnose.record.PHASES).
 LAUNCH_PHASES: tuple[str, ...] = (
@@ -51,53 +65,41 @@ LAUNCH_PHASES: tuple[str, ...] = (
     "forward",
     "backward",
     "optimizer",
+    "communication",
     "sync",
+    "device_work",
     "other",
 )
-_DEVICE_ORDER = ("backward", "forward", "optimizer", "encode", "h2d", "data_wait", "sync", "other")
-_IDLE_ORDER = ("data_wait", "sync", "optimizer", "backward", "h2d", "encode", "forward")
+_DEVICE_ORDER = (
+    "backward",
+    "forward",
+    "optimizer",
+    "encode",
+    "h2d",
+    "data_wait",
+    "sync",
+    "device_work",
+    "communication",
+    "other",
+)
+#: (host ranges, the phase device-idle time inside them is charged to), in precedence order.
+_IDLE_ORDER: tuple[tuple[str, str], ...] = (
+    ("data_wait", "data_wait"),
+    ("sync", "sync"),
+    ("allocator", "allocator"),
+    ("collective", "communication"),
+    ("optimizer", "optimizer"),
+    ("backward", "backward"),
+    ("h2d", "h2d"),
+    ("encode", "encode"),
+    ("forward", "forward"),
+    ("collective_elsewhere", "communication"),
+)
 _DIAGNOSE_PHASES = ("data_wait", "h2d", "encode", "forward", "backward", "optimizer")
 
 _DATALOADER = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__|dataloader_next", re.I)
 _OPTIMIZER = re.compile(r"^Optimizer\.(step|zero_grad)#|optimizer_step|optimizer_zero_grad", re.I)
 _DIAGNOSE = re.compile(r"^diagnose::(\w+)$")
-
-#: Host API calls that block until the device catches up.
-SYNC_CALLS = frozenset(
-    {
-        "cudaDeviceSynchronize",
-        "cudaStreamSynchronize",
-        "cudaEventSynchronize",
-        "cuCtxSynchronize",
-        "cuStreamSynchronize",
-        "cuEventSynchronize",
-        "hipDeviceSynchronize",
-        "hipStreamSynchronize",
-        "hipEventSynchronize",
-        "cudaMemcpy",
-        "hipMemcpy",
-        "hipMemcpyWithStream",
-        "cudaMemcpy2D",
-        "hipMemcpy2D",
-        "cuMemcpyDtoH_v2",
-        "cuMemcpyDtoH",
-        "hipMemcpyDtoH",
-    }
-)
-_ASYNC_COPIES = frozenset({"cudaMemcpyAsync", "hipMemcpyAsync", "cuMemcpyDtoHAsync_v2"})
-#: Ops that read a device value on the host (``.item()``, ``bool(tensor)``, ``print``).
-SYNC_OPS = frozenset({"aten::_local_scalar_dense"})
-
-
-@dataclass
-class SyncPoints:
-    """Host-blocking device synchronisations (outermost only: an ``.item()`` counts once)."""
-
-    ts: npt.NDArray[np.float64]
-    dur: npt.NDArray[np.float64]
-    names: list[str]
-    #: Thread index of each sync.
-    thread: npt.NDArray[np.int64]
 
 
 @dataclass
@@ -127,66 +129,9 @@ def _ranges(trace: ParsedTrace, mask: npt.NDArray[np.bool_]) -> Intervals:
     return union(trace.host.ts[mask], trace.host.ts[mask] + trace.host.dur[mask])
 
 
-def find_syncs(trace: ParsedTrace, structure: Structure) -> SyncPoints:
-    """Blocking sync calls, blocking device-to-host copies and ``_local_scalar_dense`` ops."""
-    host, runtime, device = trace.host, trace.runtime, trace.device
-    names = trace.names
-    if not len(device):
-        empty = np.empty(0)
-        return SyncPoints(empty, empty, [], np.empty(0, dtype=np.int64))
-    sync_op_ids = [i for i, n in enumerate(names) if n in SYNC_OPS]
-    op_mask = (
-        np.isin(host.name, np.asarray(sync_op_ids, dtype=np.int32))
-        if sync_op_ids
-        else (np.zeros(len(host), dtype=bool))
-    )
-    call_ids = [i for i, n in enumerate(names) if n in SYNC_CALLS]
-    call_mask = (
-        np.isin(runtime.name, np.asarray(call_ids, dtype=np.int32))
-        if call_ids
-        else (np.zeros(len(runtime), dtype=bool))
-    )
-    # An async copy blocks when it is device-to-host into pageable memory: the call returns only
-    # after the copy ended on the device.
-    async_ids = [i for i, n in enumerate(names) if n in _ASYNC_COPIES]
-    if async_ids and len(device):
-        is_async = np.isin(runtime.name, np.asarray(async_ids, dtype=np.int32))
-        dtoh_ids = [i for i, n in enumerate(names) if n.startswith("Memcpy DtoH")]
-        copies = np.flatnonzero(
-            (device.kind == MEMCPY)
-            & np.isin(device.name, np.asarray(dtoh_ids or [-1], dtype=np.int32))
-            & (structure.device_runtime >= 0)
-        )
-        calls = structure.device_runtime[copies]
-        blocking = runtime.ts[calls] + runtime.dur[calls] >= device.ts[copies] + device.dur[copies]
-        blocking_calls = calls[blocking & is_async[calls]]
-        call_mask[blocking_calls] = True
-    # Drop calls made inside a sync op (the op already counts them).
-    calls = np.flatnonzero(call_mask)
-    if calls.size and op_mask.any():
-        op = structure.runtime_op[calls]
-        inside = np.zeros(calls.size, dtype=bool)
-        current = op.copy()
-        while True:
-            valid = current >= 0
-            if not valid.any():
-                break
-            inside[valid] |= op_mask[current[valid]]
-            current[valid] = structure.parent[current[valid]]
-            current[~valid] = -1
-        calls = calls[~inside]
-    ops = np.flatnonzero(op_mask)
-    ts = np.concatenate([host.ts[ops], runtime.ts[calls]])
-    dur = np.concatenate([host.dur[ops], runtime.dur[calls]])
-    threads = np.concatenate([host.thread[ops], runtime.thread[calls]]).astype(np.int64)
-    labels = [names[i] for i in host.name[ops].tolist()] + [
-        names[i] for i in runtime.name[calls].tolist()
-    ]
-    order = np.argsort(ts, kind="stable")
-    return SyncPoints(ts[order], dur[order], [labels[i] for i in order.tolist()], threads[order])
-
-
-def build_phases(trace: ParsedTrace, structure: Structure, primary_device: int) -> PhaseModel:
+def build_phases(
+    trace: ParsedTrace, structure: Structure, primary_device: int, kernels: KernelLabels
+) -> PhaseModel:
     host = trace.host
     main = structure.main_thread
     on_main = host.thread == main
@@ -217,6 +162,8 @@ def build_phases(trace: ParsedTrace, structure: Structure, primary_device: int) 
     }
     syncs = find_syncs(trace, structure)
     heuristic["sync"] = union(syncs.ts, syncs.ts + syncs.dur)
+    heuristic["allocator"] = allocator_ranges(trace)
+    heuristic["collective"], heuristic["collective_elsewhere"] = collective_ranges(trace, structure)
 
     host_phases: dict[str, Intervals] = {}
     for phase, ranges in heuristic.items():
@@ -224,7 +171,7 @@ def build_phases(trace: ParsedTrace, structure: Structure, primary_device: int) 
         rest = subtract(ranges, covered) if len(covered) else ranges
         host_phases[phase] = union_of([own, rest]) if len(own) else rest
 
-    device_phase = _launch_phases(trace, structure, diagnose, heuristic)
+    device_phase = _launch_phases(trace, structure, diagnose, heuristic, kernels)
     device_union: dict[str, Intervals] = {}
     if len(trace.device) and primary_device >= 0:
         on_device = trace.device.device == primary_device
@@ -298,6 +245,7 @@ def _launch_phases(
     structure: Structure,
     diagnose: dict[str, Intervals],
     heuristic: dict[str, Intervals],
+    kernels: KernelLabels,
 ) -> npt.NDArray[np.int8]:
     device = trace.device
     n = len(device)
@@ -333,6 +281,22 @@ def _launch_phases(
     assign("h2d", heuristic["h2d"].contains(safe_ts))
     if has_ops:
         assign("forward", (op >= 0) | heuristic["forward"].contains(safe_ts))
+    # Whatever its launch, a collective kernel moves data between ranks (or waits for them).
+    phase[kernels.classes == KERNEL_CLASSES.index("communication")] = LAUNCH_PHASES.index(
+        "communication"
+    )
+    unplaced = np.flatnonzero(phase == LAUNCH_PHASES.index("other"))
+    if unplaced.size:
+        phase[unplaced] = [
+            LAUNCH_PHASES.index(p) for p in phase_from_kernel(trace, kernels, unplaced)
+        ]
+        fill_between(
+            phase,
+            device.ts,
+            device.device,
+            LAUNCH_PHASES.index("device_work"),
+            tuple(LAUNCH_PHASES.index(p) for p in ("forward", "backward", "optimizer")),
+        )
     return phase
 
 
@@ -372,8 +336,8 @@ def step_breakdowns(
         _add(seconds, "other", remaining.total)
 
         idle = complement(step_busy, s, e)
-        for phase in _IDLE_ORDER:
-            ranges = phases.host.get(phase, EMPTY)
+        for key, phase in _IDLE_ORDER:
+            ranges = phases.host.get(key, EMPTY)
             if not len(idle) or not len(ranges):
                 continue
             part = intersect(ranges.clip(s, e), idle)
@@ -381,7 +345,7 @@ def step_breakdowns(
             if has_device:
                 _add(idle_seconds, phase, part.total)
             idle = subtract(idle, part)
-        leftover = "idle" if has_device else "other"
+        leftover = "idle" if has_device else "host_code"
         _add(seconds, leftover, idle.total)
         if has_device:
             _add(idle_seconds, "idle", idle.total)

@@ -12,6 +12,7 @@ from diagnose.trace.breakdown import PhaseModel, StepBreakdown
 from diagnose.trace.device import DeviceSummary
 from diagnose.trace.intervals import Intervals
 from diagnose.trace.kernels import KernelLabels, KernelTables, in_steps_mask
+from diagnose.trace.modules import ModuleScopes, module_scopes
 from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
@@ -32,6 +33,7 @@ class TraceContext:
     per_step: list[StepBreakdown]
     breakdown: Breakdown
     _inclusive: npt.NDArray[np.float64] | None = field(default=None, repr=False)
+    _modules: ModuleScopes | None = field(default=None, repr=False)
 
     @property
     def n_steps(self) -> int:
@@ -57,6 +59,12 @@ class TraceContext:
         """Name-table ids of the given host names that occur in this trace."""
         ids = [i for i, n in enumerate(self.trace.names) if n in names]
         return np.asarray(ids, dtype=np.int32)
+
+    def modules(self) -> ModuleScopes:
+        """The trace's module ranges (text encoder, VAE, denoiser...), built on first use."""
+        if self._modules is None:
+            self._modules = module_scopes(self.trace, self.structure)
+        return self._modules
 
     def inclusive_device_time(self) -> npt.NDArray[np.float64]:
         """Per host range: microseconds of device work launched by it or by its descendants."""

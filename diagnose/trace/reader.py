@@ -127,6 +127,23 @@ class DeviceTable:
         return int(self.name.size)
 
 
+@dataclass(frozen=True)
+class ModuleTable:
+    """``nn.Module: <Class>_<n>`` ranges (python_function events of with_stack/with_modules)."""
+
+    name: IntArray
+    ts: FloatArray
+    dur: FloatArray
+    thread: IntArray  # index into ParsedTrace.threads, as for the host ops
+
+    def __len__(self) -> int:
+        return int(self.name.size)
+
+
+#: The prefix torch gives the python_function event of a module's forward.
+MODULE_PREFIX = "nn.Module: "
+
+
 @dataclass
 class ParsedTrace:
     """A trace in columnar form; ``names`` is the string table that all ``name`` columns index."""
@@ -152,6 +169,8 @@ class ParsedTrace:
     #: True when the file was read in more than one chunk.
     streamed: bool = False
     counts: dict[str, int] = field(default_factory=dict)
+    #: Module forward ranges; empty unless the trace was captured with with_stack/with_modules.
+    modules: ModuleTable = field(default_factory=lambda: ModuleTable(**_concat([], _MODULE_FIELDS)))
 
     def name_of(self, index: int) -> str:
         return self.names[index] if index >= 0 else ""
@@ -193,6 +212,10 @@ def read_trace(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> ParsedTrace:
         if gc_was_enabled:
             gc.enable()
     return builder.finish(top_level, streamed)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -456,6 +479,7 @@ class _Builder:
         self._host: list[dict[str, npt.NDArray[Any]]] = []
         self._runtime: list[dict[str, npt.NDArray[Any]]] = []
         self._device: list[dict[str, npt.NDArray[Any]]] = []
+        self._modules: list[tuple[int, float, float, int]] = []
         self._seen = 0
 
     # -- interning (only on first sight; the hot loop does dict.get)
@@ -545,6 +569,8 @@ class _Builder:
             if code is None:
                 if cat is None and event.get("ph") == "M":
                     self._metadata(event)
+                elif cat == "python_function":
+                    self._module(event)
                 continue
             if event.get("ph") != "X":
                 continue
@@ -666,6 +692,26 @@ class _Builder:
                 }
             )
 
+    def _module(self, event: dict[str, Any]) -> None:
+        name = event.get("name")
+        if not (isinstance(name, str) and name.startswith(MODULE_PREFIX)) or event.get("ph") != "X":
+            return
+        ts: Any = event.get("ts")
+        dur: Any = event.get("dur", 0)
+        key = (event.get("pid"), event.get("tid"))
+        # Module ranges only enrich the analysis: a malformed one is skipped, never fatal.
+        if not (_is_number(ts) and _is_number(dur)):
+            return
+        if isinstance(key[0], (list, dict)) or isinstance(key[1], (list, dict)):
+            return
+        nid = self._name_ids.get(name)
+        if nid is None:
+            nid = self._intern(name)
+        thread = self._thread_ids.get(key)
+        if thread is None:
+            thread = self._thread(key)
+        self._modules.append((nid, float(ts), float(dur), thread))
+
     def _metadata(self, event: dict[str, Any]) -> None:
         kind = event.get("name")
         if kind not in ("thread_name", "process_name", "process_labels"):
@@ -693,8 +739,22 @@ class _Builder:
                 ExitCode.BAD_INPUT,
             )
         base = float(min(float(np.min(t["ts"])) for t in (host, runtime, device) if t["ts"].size))
+        modules = _concat(
+            [
+                {
+                    "name": _ints((m[0] for m in self._modules), "i"),
+                    "ts": _floats(m[1] for m in self._modules),
+                    "dur": _floats(m[2] for m in self._modules),
+                    "thread": _ints((m[3] for m in self._modules), "i"),
+                }
+            ]
+            if self._modules
+            else [],
+            _MODULE_FIELDS,
+        )
+        self._modules = []
         tables = []
-        for columns in (host, runtime, device):
+        for columns in (host, runtime, device, modules):
             columns["ts"] = columns["ts"] - base
             ts = columns["ts"]
             if ts.size and not bool(np.all(ts[1:] >= ts[:-1])):
@@ -728,6 +788,7 @@ class _Builder:
             base_us=base,
             event_count=self._seen,
             streamed=streamed,
+            modules=ModuleTable(**tables[3]),
             counts={
                 "host": int(tables[0]["name"].size),
                 "runtime": int(tables[1]["name"].size),
@@ -754,6 +815,12 @@ _RUNTIME_FIELDS: dict[str, Any] = {
     "thread": np.int32,
     "ext_id": np.int64,
     "correlation": np.int64,
+}
+_MODULE_FIELDS: dict[str, Any] = {
+    "name": np.int32,
+    "ts": np.float64,
+    "dur": np.float64,
+    "thread": np.int32,
 }
 _DEVICE_FIELDS: dict[str, Any] = {
     "kind": np.int8,

@@ -81,7 +81,7 @@ def build_structure(trace: ParsedTrace) -> Structure:
     )
     backward_name = np.isin(host.name, backward_ids) if n else np.zeros(0, dtype=bool)
 
-    parent, depth = _nesting(host.ts, host.dur, host.thread)
+    parent, depth = nesting(host.ts, host.dur, host.thread)
     label_ids = [i for i in unique_names.tolist() if _LABELS.match(names[i])]
     is_annotation = host.is_annotation | (
         np.isin(host.name, np.asarray(label_ids, dtype=np.int32)) if label_ids else False
@@ -137,7 +137,7 @@ def build_structure(trace: ParsedTrace) -> Structure:
     )
 
 
-def _nesting(
+def nesting(
     ts: FloatArray, dur: FloatArray, thread: npt.NDArray[np.int32]
 ) -> tuple[IntArray, IntArray]:
     """Parent and depth of each range from time nesting on its own thread."""

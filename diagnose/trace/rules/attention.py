@@ -22,6 +22,7 @@ from diagnose.record import Finding, ProbeResult
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
 from diagnose.trace.kernels import KERNEL_CLASSES, short_kernel_name
+from diagnose.trace.modules import ModuleShare, attribute
 from diagnose.trace.rules import ms
 
 RULE = "attention"
@@ -43,6 +44,10 @@ class PathStat:
     shapes: Counter[str] = field(default_factory=Counter)
     dtypes: Counter[str] = field(default_factory=Counter)
     kernels: Counter[str] = field(default_factory=Counter)
+    #: Host op of each call (the first matmul of a hand-written one) and its seconds, for the
+    #: component that pays it.
+    call_ops: list[int] = field(default_factory=list)
+    call_seconds: list[float] = field(default_factory=list)
 
 
 def _path_of(name: str) -> str | None:
@@ -80,6 +85,9 @@ def check(ctx: TraceContext) -> ProbeResult:
             stat.shapes[compact_dims(trace.name_of(int(host.input_dims[i])))] += 1
             stat.dtypes[trace.name_of(int(host.input_types[i]))] += 1
         stat.seconds += float(cost[i]) / 1e6
+        if not structure.in_backward[i]:
+            stat.call_ops.append(i)
+            stat.call_seconds.append(float(cost[i]) / 1e6)
         stat.ops[ctx.op_name(i)] += 1
         for kernel in kernel_names.get(i, ()):
             stat.kernels[kernel] += 1
@@ -206,7 +214,10 @@ def _manual_attention(
             a, b, c = seq[k], seq[k + 1], seq[k + 2]
             if is_mm[a] and is_sm[b] and is_mm[c]:
                 stat.calls += 1
-                stat.seconds += float(cost[a] + cost[b] + cost[c]) / 1e6
+                seconds = float(cost[a] + cost[b] + cost[c]) / 1e6
+                stat.seconds += seconds
+                stat.call_ops.append(a)
+                stat.call_seconds.append(seconds)
                 stat.ops[ctx.op_name(a)] += 1
                 stat.ops[ctx.op_name(c)] += 1
                 stat.ops[ctx.op_name(b)] += 1
@@ -252,11 +263,13 @@ def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
             f"{attention_paths.ROCM_EXPERIMENTAL_ENV}=1"
         )
     saving = _estimate(ctx, seconds)
+    shares = _components(ctx, stat)
+    where = f" It runs in {_where(shares)}." if shares and any(s.role for s in shares) else ""
     return ac.math_fallback(
         calls=stat.calls / n,
         seconds_per_step=seconds,
         why=why,
-        how_measured=_how_estimated(ctx, saving),
+        how_measured=where + _how_estimated(ctx, saving),
         fix=_fix_for(ctx, fp32_inputs),
         evidence={
             "calls_per_step": stat.calls / n,
@@ -265,6 +278,7 @@ def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
             "input_shapes": [s for s, _ in stat.shapes.most_common(3) if s],
             "input_types": dtypes,
             "device": ctx.device.info.name,
+            **_components_evidence(ctx, shares),
         },
         saving=saving,
         basis="estimated",
@@ -276,18 +290,51 @@ def _manual_finding(ctx: TraceContext, stat: PathStat) -> Finding:
     n = ctx.n_steps
     seconds = stat.seconds / n
     saving = _estimate(ctx, seconds)
+    shares = _components(ctx, stat)
+    known = [s for s in shares if s.role]
+    where, fix = "", ac.MANUAL_FIX
+    if known:
+        # The title names the component that pays most; the fix is the one that reaches it,
+        # followed by the others' when several components compute attention by hand.
+        where = _where(shares)
+        fixes = list(dict.fromkeys(ac.manual_fix_for(s.role) for s in known))
+        fix = " ".join(fixes)
     return ac.unfused_manual(
         calls=stat.calls / n,
         seconds_per_step=seconds,
         how_measured=_how_estimated(ctx, saving),
+        where=where,
+        fix=fix,
         evidence={
             "calls_per_step": stat.calls / n,
             "forward_seconds_per_step": seconds,
             "ops": dict(stat.ops.most_common(5)),
             "input_shapes": [s for s, _ in stat.shapes.most_common(3) if s],
             "input_types": [d for d, _ in stat.dtypes.most_common(2) if d],
+            **_components_evidence(ctx, shares),
         },
         saving=saving,
         basis="estimated",
         source=f"trace:{RULE}",
     )
+
+
+def _components(ctx: TraceContext, stat: PathStat) -> list[ModuleShare]:
+    """The components (text encoder, VAE, denoiser...) that ran the calls, costliest first;
+    empty when the trace has no module ranges."""
+    scopes = ctx.modules()
+    if not scopes.found or not stat.call_ops:
+        return []
+    return attribute(scopes, ctx.trace, stat.call_ops, stat.call_seconds)
+
+
+def _where(shares: list[ModuleShare]) -> str:
+    """``the text encoder (T5EncoderModel)``, or ``the denoiser (…) and the text encoder (…)``."""
+    named = [s.label for s in shares if s.role]
+    return " and ".join(named[:2]) + (f" and {len(named) - 2} more" if len(named) > 2 else "")
+
+
+def _components_evidence(ctx: TraceContext, shares: list[ModuleShare]) -> dict[str, Any]:
+    if not shares:
+        return {}
+    return {"components": [s.as_evidence(ctx.n_steps) for s in shares]}

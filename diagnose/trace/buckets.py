@@ -1,0 +1,108 @@
+"""Resolution buckets in a trace: which input shape each step trained.
+
+Multi-bucket training (kohya's bucketing, ``--resolution 512,1024``) alternates steps of different
+sizes, so their times differ by design; the record then gives each bucket its own s/it and
+judges noise within a bucket (:meth:`diagnose.record.Timing.buckets`). A step's shape is read
+from ``record_shapes``: the set of ``Input Dims`` its forward ops saw, inside the denoiser's
+first call when the trace has module ranges (the text encoder's input, the captions, need not
+change with the images). Steps that saw the same set are one bucket, named by the first input
+of the first op whose shapes differ between buckets.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import numpy.typing as npt
+
+from diagnose.trace.kernels import in_steps_mask
+from diagnose.trace.modules import ModuleScopes
+from diagnose.trace.reader import ParsedTrace
+from diagnose.trace.steps import StepSet
+from diagnose.trace.structure import Structure
+
+_Signature = frozenset[int]
+
+
+def step_buckets(
+    trace: ParsedTrace, structure: Structure, steps: StepSet, scopes: ModuleScopes
+) -> tuple[list[str], list[str]]:
+    """(the bucket of each step, notes). Buckets are all "" when the steps had one shape, when
+    the trace did not record shapes, or when no shape recurs (nothing to group)."""
+    n = len(steps.steps)
+    none = [""] * n
+    host = trace.host
+    if n < 2 or steps.whole_trace or not len(host) or not bool((host.input_dims >= 0).any()):
+        return none, []
+    step_of = in_steps_mask(host.ts, steps)
+    top_level = structure.root_op == np.arange(len(host))
+    candidates = (
+        top_level
+        & (host.thread == structure.main_thread)
+        & ~structure.in_backward
+        & (host.input_dims >= 0)
+        & (step_of >= 0)
+    )
+    denoiser = [
+        i
+        for i, role in enumerate(scopes.role)
+        if role == "denoiser"
+        and int(scopes.owner[i]) == i
+        and int(scopes.thread[i]) == structure.main_thread
+    ]
+    step_ops: list[npt.NDArray[np.int64]] = []
+    for k, step in enumerate(steps.steps):
+        ops = np.flatnonzero(candidates & (step_of == k))
+        inside = [i for i in denoiser if step.start_us <= float(scopes.ts[i]) < step.end_us]
+        if inside:
+            first = min(inside, key=lambda i: float(scopes.ts[i]))
+            ops = ops[(host.ts[ops] >= scopes.ts[first]) & (host.ts[ops] < scopes.end[first])]
+        step_ops.append(ops[np.argsort(host.ts[ops], kind="stable")])
+    # The set of shapes a step's ops saw: the same model at the same input size sees the same set,
+    # whatever the order its ops ran in.
+    signatures: list[_Signature] = [frozenset(host.input_dims[ops].tolist()) for ops in step_ops]
+    groups = list(dict.fromkeys(signatures))
+    if len(groups) < 2:
+        return none, []
+    if len(groups) == n:
+        return none, [
+            "Every profiled step saw different input shapes: they are not grouped into "
+            "resolution buckets (no shape recurs), so the spread includes the shapes' costs."
+        ]
+    shared = frozenset.intersection(*groups)
+    labels: dict[_Signature, str] = {}
+    for ops, signature in zip(step_ops, signatures, strict=True):
+        if signature in labels:
+            continue
+        # Named by the first op whose shapes depend on the bucket: its data input.
+        first = next((int(d) for d in host.input_dims[ops].tolist() if d not in shared), -1)
+        label = _first_input(trace.name_of(first)) or f"shape {len(labels) + 1}"
+        while label in labels.values():
+            label += "'"
+        labels[signature] = label
+    buckets = [labels[sig] for sig in signatures]
+    listed = ", ".join(f"{b} ({buckets.count(b)} steps)" for b in dict.fromkeys(buckets))
+    return buckets, [
+        f"The profiled steps have {len(groups)} input shapes ({listed}), read from the shapes "
+        "each step's forward ops saw (the denoiser's, when the trace names it): step time is "
+        "given per shape, and noise is judged within each one."
+    ]
+
+
+def _first_input(dims_text: str) -> str:
+    """``[[2,4,64,64],[320,4,3,3]]`` → ``2x4x64x64``: an op's first tensor input is its data
+    (the activations of a conv, linear or matmul), the rest its weights."""
+    try:
+        dims = json.loads(dims_text)
+    except ValueError:
+        return ""
+    if not isinstance(dims, list):
+        return ""
+    shapes = [d for d in dims if isinstance(d, list) and d and all(isinstance(x, int) for x in d)]
+    if not shapes:
+        return ""
+    return "x".join(str(x) for x in shapes[0])
+
+
+__all__ = ["step_buckets"]
