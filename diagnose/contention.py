@@ -49,6 +49,8 @@ BUSY_SHARE = 0.75
 OTHERS_SHARE = 0.10
 #: Shares are taken at the busiest (and quietest) tenth of the intervals, not the single extreme.
 HIGH_QUANTILE = 0.9
+#: Intervals with competing load a window needs before it counts as contended.
+MIN_BUSY_INTERVALS = 2
 #: No load can explain all of a time: a gap of ten times stands on any machine.
 MAX_SHARE = 0.9
 
@@ -109,6 +111,12 @@ def psutil_reader() -> tuple[Reader, int] | str:
     cpus = _cpus()
     me = _job_root(psutil)
 
+    # A child that has exited but is not yet reaped (a zombie) can no longer be read, and its
+    # time reaches children_* only once reaped: in between it would vanish from ours and read
+    # as another process's. So a child's last reading is kept until then; once reaped it is
+    # counted twice, which only ever makes others' share smaller.
+    last_seen: dict[int, float] = {}
+
     def own_seconds() -> float:
         times = me.cpu_times()
         total = times.user + times.system + times.children_user + times.children_system
@@ -116,9 +124,9 @@ def psutil_reader() -> tuple[Reader, int] | str:
             try:
                 child_times = child.cpu_times()
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue  # it ended between the listing and the reading: reaped into ours
-            total += child_times.user + child_times.system
-        return float(total)
+                continue  # its last reading stands in for it
+            last_seen[child.pid] = child_times.user + child_times.system
+        return float(total + sum(last_seen.values()))
 
     def read() -> CpuReading:
         per_cpu = psutil.cpu_times(percpu=True)
@@ -149,7 +157,7 @@ class Interval:
     others: float
 
 
-def intervals(readings: list[CpuReading]) -> list[Interval]:
+def intervals(readings: list[CpuReading], cpus: int) -> list[Interval]:
     """Cores used between consecutive readings. CPU counters tick coarsely (10 ms), so a core
     count is clipped at zero rather than trusted below it."""
     out = []
@@ -160,7 +168,8 @@ def intervals(readings: list[CpuReading]) -> list[Interval]:
         own = max(0.0, after.own - before.own) / seconds
         busy = max(0.0, after.busy - before.busy) / seconds
         steal = max(0.0, after.steal - before.steal) / seconds
-        out.append(Interval(seconds, own, max(0.0, busy - own) + steal))
+        others = min(float(cpus), max(0.0, busy - own) + steal)
+        out.append(Interval(seconds, own, others))
     return out
 
 
@@ -180,7 +189,7 @@ def _high(values: list[float]) -> float:
 
 def summarize(readings: list[CpuReading], cpus: int, basis: str) -> HostLoad:
     """The load of a window from its readings (pure)."""
-    spans = intervals(readings)
+    spans = intervals(readings, cpus)
     total = sum(s.seconds for s in spans)
     if not spans or total <= 0 or cpus <= 0:
         return HostLoad(basis=basis, seconds=total, cpus=cpus)
@@ -194,7 +203,8 @@ def summarize(readings: list[CpuReading], cpus: int, basis: str) -> HostLoad:
         for s in spans
     ]
     high = min(MAX_SHARE, _high(competing))
-    contended = high >= OTHERS_SHARE
+    # One busy interval is a blip (or a counter's tick), not a machine others were using.
+    contended = high >= OTHERS_SHARE and sum(c > 0 for c in competing) >= MIN_BUSY_INTERVALS
     return HostLoad(
         basis=basis,
         seconds=total,

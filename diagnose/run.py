@@ -254,15 +254,14 @@ def execute_run(
             scratch_dir=scratch,
             progress=say,
         )
-        record.probes.extend(
-            run_probes(
-                REGISTRY if probes is None else probes,
-                ctx,
-                skip=config.skip_probes,
-                on_start=lambda probe: say(f"probe {probe.name}"),
-            )
+        results = run_probes(
+            REGISTRY if probes is None else probes,
+            ctx,
+            skip=config.skip_probes,
+            on_start=lambda probe: say(f"probe {probe.name}"),
         )
-        for result in record.probes:
+        record.probes.extend(results)
+        for result in results:
             if result.duration_seconds:
                 wall[f"probe {result.name}"] = result.duration_seconds
     finally:

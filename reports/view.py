@@ -907,13 +907,30 @@ def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> R
     return view
 
 
+#: The stages of ``diagnose run`` in the order they happen (RunRecord.wall_seconds' keys).
+RUN_STAGES = (
+    "start-up",
+    "inventory",
+    "build",
+    "warm-up steps",
+    "timed steps",
+    "profiled steps",
+    "trace analysis",
+)
+
+
 def describe_wall(wall: Mapping[str, float]) -> str:
     """``"This run took 1 min 52 s: start-up 8.1 s · build 3.0 s · … · probes 50.2 s (dataloader
     24.0 s, …)"``: where the command's own time went, so a slow run says what to skip."""
     if not wall:
         return ""
     probes = {k.removeprefix("probe "): v for k, v in wall.items() if k.startswith("probe ")}
-    stages = [(k, v) for k, v in wall.items() if not k.startswith("probe ")]
+    # In the order the run goes through them (a saved record's keys come back sorted).
+    known = {name: i for i, name in enumerate(RUN_STAGES)}
+    stages = sorted(
+        ((k, v) for k, v in wall.items() if not k.startswith("probe ")),
+        key=lambda kv: (known.get(kv[0], len(known)), kv[0]),
+    )
     parts = [f"{name} {format_seconds(seconds)}" for name, seconds in stages]
     if probes:
         each = ", ".join(

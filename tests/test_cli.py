@@ -87,8 +87,9 @@ def test_run_writes_record_report_and_trace(default_run: Path) -> None:
     wall = record.wall_seconds
     for stage in ("inventory", "build", "warm-up steps", "timed steps", "profiled steps"):
         assert wall[stage] > 0, stage
-    ran = {p.name for p in record.probes if p.status == "ok"}
+    ran = {p.name for p in record.probes if p.status == "ok"} - {"trace"}
     assert ran and {f"probe {name}" for name in ran} <= set(wall)
+    assert "probe trace" not in wall  # the trace rules are the trace analysis, counted once
     plain = sum(s.seconds for s in record.timing.samples if not s.profiled)
     assert wall["timed steps"] >= plain
 

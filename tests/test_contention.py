@@ -213,3 +213,36 @@ def test_an_interleaved_ab_verdict_allows_for_the_load_swings() -> None:
         # Far beyond the swings, the answer stands; a same-speed twin is never called faster.
         assert stats.ab_verdict(_samples(5.0, 9, 7), fast, min_relative=0.1).outcome == "faster"
         assert stats.ab_verdict(_samples(1.0, 9, 8), fast, min_relative=0.1).outcome != "faster"
+
+
+def test_one_busy_blip_is_not_a_busy_machine_and_others_never_exceed_the_cores() -> None:
+    readings = _readings(own=1.9, others=0.0, cpus=2, n=30)
+    # One interval in which our own count dropped (a child gone before it was reaped): busy
+    # time with no owner, more than the machine has.
+    blip = readings[10]
+    readings[10] = CpuReading(at=blip.at, busy=blip.busy + 3.0, steal=0.0, own=blip.own)
+    load = summarize(readings, 2, "test")
+    assert load.others_cores_high <= 2.0
+    assert not load.contended
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs CPU affinity (Linux)")
+def test_a_child_that_exits_before_it_is_reaped_stays_ours() -> None:
+    made = contention.psutil_reader()
+    assert not isinstance(made, str), made
+    read, _ = made
+    child = subprocess.Popen([sys.executable, "-c", BURN.format(seconds=0.8)])
+    process = psutil.Process(child.pid)
+    time.sleep(0.5)
+    while_alive = read()
+    burned = _cpu(process)
+    while process.status() != psutil.STATUS_ZOMBIE:  # exited, not yet waited for
+        time.sleep(0.05)
+    as_zombie = read()
+    child.wait(timeout=30)
+    reaped = read()
+    # Our CPU time never goes back: had the zombie's time vanished until it was reaped, the
+    # machine's busy time would have been credited to others in between.
+    assert burned > 0.1
+    assert as_zombie.own >= while_alive.own
+    assert reaped.own >= as_zombie.own
