@@ -43,6 +43,8 @@ from diagnose.record import HostLoad
 #: Seconds between readings: short enough to see bursts that hit one side of an A/B, long
 #: enough that reading the process tree costs nothing measurable.
 INTERVAL_S = 0.25
+#: Readings closer than this are merged into one interval (counters tick in 10 ms steps).
+MIN_SPAN_S = 0.2
 #: Others compete with us only when the cores are nearly all busy (ours + theirs).
 BUSY_SHARE = 0.75
 #: ... and when they hold at least this share of the cores in that interval.
@@ -158,13 +160,23 @@ class Interval:
 
 
 def intervals(readings: list[CpuReading], cpus: int) -> list[Interval]:
-    """Cores used between consecutive readings. CPU counters tick coarsely (10 ms), so a core
-    count is clipped at zero rather than trusted below it."""
+    """Cores used between readings at least :data:`MIN_SPAN_S` apart. CPU counters tick in
+    10 ms steps: over a few milliseconds (a comparison asks for the load so far between two
+    background readings) one tick reads as several cores, so closer readings are merged, and a
+    core count is clipped at zero and at the machine rather than trusted beyond it."""
     out = []
-    for before, after in itertools.pairwise(readings):
+    kept = readings[:1]
+    for reading in readings[1:]:
+        if reading.at - kept[-1].at >= MIN_SPAN_S:
+            kept.append(reading)
+    if len(readings) > 1 and kept[-1] is not readings[-1]:
+        # The window ends at its last reading: a short last piece joins the interval before it.
+        if len(kept) > 1:
+            kept[-1] = readings[-1]
+        elif readings[-1].at > kept[0].at:
+            kept.append(readings[-1])
+    for before, after in itertools.pairwise(kept):
         seconds = after.at - before.at
-        if seconds <= 0:
-            continue
         own = max(0.0, after.own - before.own) / seconds
         busy = max(0.0, after.busy - before.busy) / seconds
         steal = max(0.0, after.steal - before.steal) / seconds

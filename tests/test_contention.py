@@ -246,3 +246,16 @@ def test_a_child_that_exits_before_it_is_reaped_stays_ours() -> None:
     assert burned > 0.1
     assert as_zombie.own >= while_alive.own
     assert reaped.own >= as_zombie.own
+
+
+def test_readings_milliseconds_apart_do_not_read_a_counter_tick_as_cores() -> None:
+    # Background readings every 0.25 s, plus comparisons asking 2 ms after one: the machine's
+    # counter ticked once (10 ms) in those 2 ms, ours did not. Five cores in 2 ms is a tick.
+    readings = []
+    for i in range(40):
+        at = i * 0.25
+        readings.append(CpuReading(at=at, busy=1.9 * at, steal=0.0, own=1.9 * at))
+        readings.append(CpuReading(at=at + 0.002, busy=1.9 * at + 0.01, steal=0.0, own=1.9 * at))
+    load = summarize(readings, 2, "test")
+    assert not load.contended
+    assert load.others_cores_high < 0.1
