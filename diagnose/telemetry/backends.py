@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from diagnose.contention import job_pids
 from diagnose.quiet import capture_output
 from diagnose.record import DeviceInfo
 from diagnose.telemetry.parsing import amdsmi_limits, amdsmi_sample, nvml_limits, nvml_sample
@@ -80,13 +81,6 @@ def _amdsmi_pids(smi: Any, handle: Any) -> list[int]:
         if isinstance(pid, int):
             pids.add(pid)
     return sorted(pids)
-
-
-def job_pids() -> list[int]:
-    """This job's pids: this process tree, or its launcher's for one rank of several."""
-    from diagnose.contention import job_pids as pids
-
-    return pids()
 
 
 class NvmlBackend:
