@@ -10,6 +10,12 @@ module whose class (or label) names a known component, so the ``Attention`` insi
 ``UNet2DConditionModel`` is the denoiser's, and the ``T5Attention`` inside a ``T5EncoderModel``
 the text encoder's. Ops inside ``Optimizer.step``/``zero_grad`` belong to the optimizer.
 
+Trainers rarely call the VAE's ``forward``: ``vae.encode(pixels)`` runs its ``Encoder`` module
+directly, so the trace's outermost range is ``nn.Module: Encoder_0``, a class name that says
+nothing by itself. An encoder or decoder that holds convolutions and sits outside every named
+component is the autoencoder's: the text encoders hold none, and the denoiser's blocks are inside
+the denoiser's own range.
+
 Backward ops run on the autograd thread outside any module range; they have no module here.
 """
 
@@ -23,7 +29,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from diagnose.trace.intervals import Intervals, union
+from diagnose.trace.intervals import Intervals, intersect, subtract, union, union_of
 from diagnose.trace.reader import MODULE_PREFIX, ParsedTrace
 from diagnose.trace.structure import Structure, nesting
 
@@ -72,6 +78,12 @@ _LABEL_ROLES: dict[str, Role] = {
 _DECORATION = re.compile(r"^\s*(##|\[module\]|nn\.module:)\s*|\s*##\s*$", re.IGNORECASE)
 _INSTANCE = re.compile(r"_\d+$")
 _OPTIMIZER = re.compile(r"^Optimizer\.(step|zero_grad)#")
+#: An image/video autoencoder's halves (diffusers' ``Encoder``, ``DecoderTiny``,
+#: ``WanEncoder3d``, ``EncoderCausal3D``...), recognised with :data:`_CONV` below them.
+_CODER = re.compile(r"(?:En|De)coder(?:Causal)?(?:\d[dD]|Tiny)?$")
+_CONV = re.compile(r"conv", re.IGNORECASE)
+_ENCODER_PART = re.compile(r"encoder", re.IGNORECASE)
+_DECODER_PART = re.compile(r"decoder", re.IGNORECASE)
 
 
 def class_of(name: str) -> str:
@@ -131,6 +143,17 @@ class ModuleScopes:
             current = int(self.parent[current])
         return current
 
+    def classes(self, role: str) -> set[str]:
+        """Module classes run inside ``role``'s ranges (``Encoder``, ``ResnetBlock2D``...)."""
+        return {class_of(self.names[i]) for i, r in enumerate(self.role) if r == role}
+
+    def vae_encodes_only(self) -> bool:
+        """Whether the VAE ran its encoder and never its decoder: it only turns the batch into
+        latents, which a LoRA run does with a frozen VAE whose output could be cached."""
+        classes = self.classes("vae")
+        encodes = any(_ENCODER_PART.search(c) for c in classes)
+        return encodes and not any(_DECODER_PART.search(c) for c in classes)
+
     def path(self, index: int) -> list[str]:
         """Module names from the component (or the outermost module) down to ``index``."""
         chain: list[int] = []
@@ -162,7 +185,7 @@ def module_scopes(trace: ParsedTrace, structure: Structure) -> ModuleScopes:
     dur = np.concatenate([modules.dur, host.dur[labels]])
     thread = np.concatenate([modules.thread, host.thread[labels]]).astype(np.int32)
     parent, depth = nesting(ts, dur, thread)
-    own_role = [classify(n) for n in names]
+    own_role = _autoencoder_parts(names, parent, [classify(n) for n in names])
     role: list[str] = [""] * len(names)
     owner = np.full(len(names), -1, dtype=np.int64)
     # Parents first, so each range inherits its outermost component.
@@ -175,6 +198,25 @@ def module_scopes(trace: ParsedTrace, structure: Structure) -> ModuleScopes:
     return ModuleScopes(
         names, ts, ts + dur, thread, parent, role, owner, optimizer=optimizer_ranges(trace)
     )
+
+
+def _autoencoder_parts(
+    names: list[str], parent: npt.NDArray[np.int64], own_role: list[Role | None]
+) -> list[Role | None]:
+    """``own_role`` with the VAE's encoder/decoder called outside its ``forward`` (see the module
+    docstring) named the VAE's. A named ancestor still decides (parents come first), so this only
+    reaches halves that run on their own."""
+    has_conv = np.zeros(len(names), dtype=bool)
+    for index, name in enumerate(names):
+        if _CONV.search(class_of(name)):
+            up = int(parent[index])
+            while up >= 0 and not has_conv[up]:
+                has_conv[up] = True
+                up = int(parent[up])
+    return [
+        "vae" if role is None and has_conv[i] and _CODER.search(class_of(names[i])) else role
+        for i, role in enumerate(own_role)
+    ]
 
 
 def _is_component_label(name: str) -> bool:
@@ -243,6 +285,38 @@ def attribute(
     return sorted(shares.values(), key=lambda s: -s.seconds)
 
 
+def attribute_time(scopes: ModuleScopes, intervals: Intervals, thread: int) -> list[ModuleShare]:
+    """Split the time of ``intervals`` (microseconds) by the component ``thread`` was inside,
+    costliest first, in seconds; ``calls`` counts the separate stretches. The optimizer's ranges
+    come first, as in :func:`attribute`; time inside no component gets the role ""."""
+    shares: list[ModuleShare] = []
+
+    def add(role: str, module: str, part: Intervals) -> None:
+        if not len(part):
+            return
+        longest = int(np.argmax(part.ends - part.starts))
+        inner = scopes.innermost(thread, float(part.starts[longest] + part.ends[longest]) / 2)
+        share = ModuleShare(role, module, part.total / 1e6, len(part))
+        share.path = "/".join(scopes.path(inner)) if inner >= 0 else ""
+        shares.append(share)
+
+    rest = intervals
+    if scopes.optimizer is not None and len(scopes.optimizer):
+        add("optimizer", "", intersect(rest, scopes.optimizer))
+        rest = subtract(rest, scopes.optimizer)
+    owners: dict[tuple[str, str], list[int]] = {}
+    decides = (scopes.owner == np.arange(len(scopes.names))) & (scopes.thread == thread)
+    for index in np.flatnonzero(decides).tolist():
+        owners.setdefault((scopes.role[index], scopes.names[index]), []).append(index)
+    inside: list[Intervals] = []
+    for (role, module), ranges in owners.items():
+        spans = union(scopes.ts[ranges], scopes.end[ranges])
+        inside.append(spans)
+        add(role, module, intersect(rest, spans))
+    add("", "", subtract(rest, union_of(inside)) if inside else rest)
+    return sorted(shares, key=lambda s: -s.seconds)
+
+
 def optimizer_ranges(trace: ParsedTrace) -> Intervals:
     """The optimizer's step and zero_grad ranges."""
     host = trace.host
@@ -259,6 +333,7 @@ __all__ = [
     "ModuleShare",
     "Role",
     "attribute",
+    "attribute_time",
     "class_of",
     "classify",
     "module_scopes",

@@ -19,10 +19,11 @@ from diagnose import attention_paths
 from diagnose.attention_paths import classify_op, kernel_family
 from diagnose.catalogs import attention_catalog as ac
 from diagnose.record import Finding, ProbeResult
+from diagnose.trace import components
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
 from diagnose.trace.kernels import KERNEL_CLASSES, short_kernel_name
-from diagnose.trace.modules import ModuleShare, attribute
+from diagnose.trace.modules import ModuleShare
 from diagnose.trace.rules import ms
 
 RULE = "attention"
@@ -264,7 +265,7 @@ def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
         )
     saving = _estimate(ctx, seconds)
     shares = _components(ctx, stat)
-    where = f" It runs in {_where(shares)}." if shares and any(s.role for s in shares) else ""
+    where = f" It runs in {components.where(shares)}." if components.named(shares) else ""
     return ac.math_fallback(
         calls=stat.calls / n,
         seconds_per_step=seconds,
@@ -278,7 +279,7 @@ def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
             "input_shapes": [s for s, _ in stat.shapes.most_common(3) if s],
             "input_types": dtypes,
             "device": ctx.device.info.name,
-            **_components_evidence(ctx, shares),
+            **components.evidence(ctx, shares),
         },
         saving=saving,
         basis="estimated",
@@ -291,12 +292,12 @@ def _manual_finding(ctx: TraceContext, stat: PathStat) -> Finding:
     seconds = stat.seconds / n
     saving = _estimate(ctx, seconds)
     shares = _components(ctx, stat)
-    known = [s for s in shares if s.role]
+    known = components.named(shares)
     where, fix = "", ac.MANUAL_FIX
     if known:
         # The title names the component that pays most; the fix is the one that reaches it,
         # followed by the others' when several components compute attention by hand.
-        where = _where(shares)
+        where = components.where(shares)
         fixes = list(dict.fromkeys(ac.manual_fix_for(s.role) for s in known))
         fix = " ".join(fixes)
     return ac.unfused_manual(
@@ -311,7 +312,7 @@ def _manual_finding(ctx: TraceContext, stat: PathStat) -> Finding:
             "ops": dict(stat.ops.most_common(5)),
             "input_shapes": [s for s, _ in stat.shapes.most_common(3) if s],
             "input_types": [d for d, _ in stat.dtypes.most_common(2) if d],
-            **_components_evidence(ctx, shares),
+            **components.evidence(ctx, shares),
         },
         saving=saving,
         basis="estimated",
@@ -322,19 +323,4 @@ def _manual_finding(ctx: TraceContext, stat: PathStat) -> Finding:
 def _components(ctx: TraceContext, stat: PathStat) -> list[ModuleShare]:
     """The components (text encoder, VAE, denoiser...) that ran the calls, costliest first;
     empty when the trace has no module ranges."""
-    scopes = ctx.modules()
-    if not scopes.found or not stat.call_ops:
-        return []
-    return attribute(scopes, ctx.trace, stat.call_ops, stat.call_seconds)
-
-
-def _where(shares: list[ModuleShare]) -> str:
-    """``the text encoder (T5EncoderModel)``, or ``the denoiser (…) and the text encoder (…)``."""
-    named = [s.label for s in shares if s.role]
-    return " and ".join(named[:2]) + (f" and {len(named) - 2} more" if len(named) > 2 else "")
-
-
-def _components_evidence(ctx: TraceContext, shares: list[ModuleShare]) -> dict[str, Any]:
-    if not shares:
-        return {}
-    return {"components": [s.as_evidence(ctx.n_steps) for s in shares]}
+    return components.op_shares(ctx, stat.call_ops, stat.call_seconds)

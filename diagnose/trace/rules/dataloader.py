@@ -7,6 +7,12 @@ that phase is the device time the wait left idle (a prefetched batch costs nothi
 ``next()`` is slow to return); on a CPU trace the compute device is the host itself, so the whole
 wait counts. The ``dataloader`` probe answers the same question the same way on the run's timed
 steps; ids, thresholds and wording live in :mod:`diagnose.catalogs.dataloader_catalog`.
+
+Loading is not charged to a model component: it runs no module. But a Dataset or collate_fn that
+calls the text encoder or the VAE puts their forward inside ``next()`` (with ``num_workers=0``;
+in workers it is not in the trace at all). When those forwards fill most of the wait it is
+encoding on the fly, not loading: the fix is caching the encoders' outputs, and more workers
+would not help a GPU encoder (CUDA does not run in forked workers).
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ from diagnose.catalogs.dataloader_catalog import (
     bar_wait,
     device_word,
     gpu_starved,
+    loader_fix,
     not_waiting_line,
     usual_fix,
 )
-from diagnose.record import ProbeResult, RunRecord, StepSample, Timing
+from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, Timing
+from diagnose.trace import components
 from diagnose.trace.context import TraceContext
-from diagnose.trace.intervals import complement, intersect
-from diagnose.trace.rules import ms
+from diagnose.trace.intervals import Intervals, complement, intersect, union_of
+from diagnose.trace.modules import ModuleShare
+from diagnose.trace.rules import ms, pct
 
 RULE = "dataloader"
 #: The check (and finding) id, kept importable here for the modules that name it.
@@ -64,9 +73,11 @@ def check(ctx: TraceContext) -> ProbeResult:
 
     per_step: list[dict[str, float]] = []
     idle_shares: list[float] = []
+    in_next_all: list[Intervals] = []
     for step, phases in zip(ctx.steps.steps, ctx.per_step, strict=True):
         s, e = step.start_us, step.end_us
         in_next = waits.clip(s, e)
+        in_next_all.append(in_next)
         idle = intersect(in_next, complement(ctx.busy.clip(s, e), s, e))
         per_step.append(
             {
@@ -101,35 +112,65 @@ def check(ctx: TraceContext) -> ProbeResult:
         else ""
     )
     word = device_word(ctx.has_device)
-    result.add_finding(
-        gpu_starved(
-            wait,
-            ctx.has_device,
-            # A trace holds only profiled steps: said, so the share is not read as the timed
-            # steps' phase bar when `diagnose run` shows both.
-            steps="each profiled step",
-            # A trace does not say how many cores or which trainer: the usual advice, both halves.
-            fix=usual_fix(DEFAULT_WORKERS, pin_memory=ctx.has_device),
-            detail=(
-                f"{workers_hint}The profiled steps spent a median {ms(in_next_seconds)} per step "
-                f"inside next(dataloader); the {word} had no work for {ms(wait.seconds)} of it "
-                "(the data-wait phase of the breakdown). With the batch prepared ahead of time "
-                "that wait disappears (the saving is that time, read off the trace). `diagnose "
-                "run` measures the fixes on your data with an A/B (the dataloader probe)."
-            ),
-            evidence={
-                "in_next_seconds_per_step": in_next_seconds,
-                "device_idle_while_waiting_share": idle_share,
-                "steps": per_step,
-                "dataloader_iterators": iterators,
-                "num_workers_zero": single_process,
-            },
-            saving=wait.seconds,
-            basis="trace",
-            source=f"trace:{RULE}",
-        )
+    shares = components.time_shares(ctx, union_of(in_next_all))
+    finding = gpu_starved(
+        wait,
+        ctx.has_device,
+        # A trace holds only profiled steps: said, so the share is not read as the timed
+        # steps' phase bar when `diagnose run` shows both.
+        steps="each profiled step",
+        # A trace does not say how many cores or which trainer: the usual advice, both halves.
+        fix=usual_fix(DEFAULT_WORKERS, pin_memory=ctx.has_device),
+        detail=(
+            f"{workers_hint}The profiled steps spent a median {ms(in_next_seconds)} per step "
+            f"inside next(dataloader); the {word} had no work for {ms(wait.seconds)} of it "
+            "(the data-wait phase of the breakdown). With the batch prepared ahead of time "
+            "that wait disappears (the saving is that time, read off the trace). `diagnose "
+            "run` measures the fixes on your data with an A/B (the dataloader probe)."
+        ),
+        evidence={
+            "in_next_seconds_per_step": in_next_seconds,
+            "device_idle_while_waiting_share": idle_share,
+            "steps": per_step,
+            "dataloader_iterators": iterators,
+            "num_workers_zero": single_process,
+        },
+        saving=wait.seconds,
+        basis="trace",
+        source=f"trace:{RULE}",
     )
+    if _encoding_on_the_fly(shares):
+        finding = _as_encoding(ctx, finding, shares)
+    result.add_finding(finding)
     return result
+
+
+def _encoding_on_the_fly(shares: list[ModuleShare]) -> bool:
+    """Whether the text encoder and the VAE together hold most of the wait: it is then encoding,
+    not loading."""
+    total = sum(s.seconds for s in shares)
+    encoding = sum(s.seconds for s in shares if s.role in components.ENCODERS)
+    return bool(total) and encoding >= total / 2
+
+
+def _as_encoding(ctx: TraceContext, finding: Finding, shares: list[ModuleShare]) -> Finding:
+    """The data-wait finding said as encoding on the fly: which encoder, its share of the wait,
+    and caching (or encoding the batch in the step) as the fix instead of more workers."""
+    encoders = [s for s in shares if s.role in components.ENCODERS]
+    share = sum(s.seconds for s in encoders) / sum(s.seconds for s in shares)
+    where = components.where(encoders)
+    finding.title += f": {pct(share)} of it is {where} encoding on the fly"
+    finding.detail = (
+        f"Inside next(dataloader) the host spent the wait in {components.breakdown(shares)}: "
+        "the Dataset or collate_fn encodes each sample as it is loaded, so the wait is "
+        "encoding, not reading files. " + finding.detail
+    )
+    finding.fix = loader_fix(
+        [components.cache_advice(s.role) for s in encoders]
+        + ["encode in the training step instead, the whole batch at once"]
+    )
+    finding.evidence.update(components.evidence(ctx, shares))
+    return finding
 
 
 __all__ = ["FINDING_ID", "RULE", "check", "trace_as_record"]

@@ -8,6 +8,10 @@ the device waited for the host. Its gaps tell two phenomena apart:
   dispatch cost);
 * a few long gaps: host stalls, the host ran something else (Python preprocessing, logging,
   checkpointing, compilation) while nothing was queued.
+
+With module ranges in the trace, the gap time is split by the component whose forward the host
+was inside (:mod:`diagnose.trace.components`): launch overhead in a frozen text encoder's forward
+goes away by caching its outputs, not by making the denoiser's kernels bigger.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from diagnose.catalogs.compute_catalog import (
     RAISE_SHARE,
     launch_bound_finding,
 )
-from diagnose.record import ProbeResult
+from diagnose.record import Finding, ProbeResult
+from diagnose.trace import components
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import EMPTY, Intervals, subtract, union_of
+from diagnose.trace.modules import ModuleShare
 from diagnose.trace.reader import KERNEL
 from diagnose.trace.rules import pct
 
@@ -44,9 +50,11 @@ def check(ctx: TraceContext) -> ProbeResult:
     )
     waiting_all = subtract(host_gaps, explained) if len(explained) else host_gaps
     gaps: list[float] = []
+    in_steps_gaps: list[Intervals] = []
     largest_at = 0.0
     for step in ctx.steps.steps:
         waiting = waiting_all.clip(step.start_us, step.end_us)
+        in_steps_gaps.append(waiting)
         lengths = (waiting.ends - waiting.starts).tolist()
         if lengths and max(lengths) > max(gaps, default=0.0):
             k = int(np.argmax(waiting.ends - waiting.starts))
@@ -93,27 +101,49 @@ def check(ctx: TraceContext) -> ProbeResult:
             f"host (not for data or syncs) {pct(share)} of it",
         )
         return result
-    result.add_finding(
-        launch_bound_finding(
-            share=share,
-            wait_seconds=total / n,
-            launch_bound=float(short.sum()) >= float(long.sum()),
-            short_gaps=short.size / n,
-            short_seconds=float(short.sum()) / 1e6 / n,
-            long_gaps=long.size / n,
-            long_seconds=float(long.sum()) / 1e6 / n,
-            kernels_per_step=kernels.size / n,
-            median_short_gap_us=evidence["median_short_gap_us"],
-            median_kernel_us=evidence["median_kernel_us"],
-            largest_gap_ms=evidence["largest_gap_ms"],
-            largest_gap_activity=evidence["largest_gap_host_activity"],
-            steps=len(ctx.steps.steps),
-            whole_trace=ctx.steps.whole_trace,
-            evidence=evidence,
-            source=f"trace:{RULE}",
-        )
+    shares = components.time_shares(ctx, union_of(in_steps_gaps))
+    finding = launch_bound_finding(
+        share=share,
+        wait_seconds=total / n,
+        launch_bound=float(short.sum()) >= float(long.sum()),
+        short_gaps=short.size / n,
+        short_seconds=float(short.sum()) / 1e6 / n,
+        long_gaps=long.size / n,
+        long_seconds=float(long.sum()) / 1e6 / n,
+        kernels_per_step=kernels.size / n,
+        median_short_gap_us=evidence["median_short_gap_us"],
+        median_kernel_us=evidence["median_kernel_us"],
+        largest_gap_ms=evidence["largest_gap_ms"],
+        largest_gap_activity=evidence["largest_gap_host_activity"],
+        steps=len(ctx.steps.steps),
+        whole_trace=ctx.steps.whole_trace,
+        evidence={**evidence, **components.evidence(ctx, shares)},
+        source=f"trace:{RULE}",
     )
+    result.add_finding(_with_components(ctx, finding, shares))
     return result
+
+
+def _with_components(ctx: TraceContext, finding: Finding, shares: list[ModuleShare]) -> Finding:
+    """The finding with the components the host was inside while the device waited: all of them
+    in the detail; in the title the one that holds most of the wait; and when that one is a
+    frozen encoder, caching its output first in the fix (its forward need not run per step)."""
+    if not components.named(shares):
+        return finding
+    finding.detail += (
+        f" Where the host was while the device waited: {components.breakdown(shares)}."
+    )
+    top = shares[0]
+    if not top.role or components.top_share(shares) < 0.5:
+        # No component holds most of the wait: naming one in the title would mislead.
+        return finding
+    finding.title += f"; {pct(components.top_share(shares))} of it inside {top.label}"
+    advice = components.cache_advice(top.role) if components.frozen_encoders(ctx) else ""
+    if advice:
+        finding.fix = (
+            f"Most of the wait is in {top.label}: when it is not trained, {advice}. " + finding.fix
+        )
+    return finding
 
 
 def _host_bound_gaps(ctx: TraceContext) -> Intervals:

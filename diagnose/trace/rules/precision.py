@@ -9,6 +9,10 @@ Which ops are judged, how dtypes are read and what counts as deliberate fp32 (a 
 module) come from :mod:`diagnose.precision_policy`, which the ``precision`` probe shares, so a
 trace and a run call the same op the same thing; the ids, thresholds and wording come from
 :mod:`diagnose.catalogs.precision_catalog`, which the probe shares too.
+
+When the trace has module ranges, the fp32 ops are charged to the component that ran them
+(:mod:`diagnose.trace.components`): fp32 convolutions in the VAE are the trainer keeping the VAE
+in fp32 on purpose, a different switch from an upcast in the denoiser's training code.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from diagnose.catalogs.precision_catalog import (
     FP32_TRAINING_ID,
     LOW_PRECISION_RUN_SHARE,
     TRAINING_FACTOR,
+    UPCAST_FIX,
     UPCAST_ID,
     fp32_training_finding,
     upcast_finding,
@@ -40,8 +45,10 @@ from diagnose.precision_policy import (
     recommended_low_dtype,
 )
 from diagnose.record import Finding, ProbeResult
+from diagnose.trace import components
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
+from diagnose.trace.modules import ModuleShare
 from diagnose.trace.rules import ms, pct
 
 RULE = "precision"
@@ -250,10 +257,12 @@ def _upcast_finding(
     names = sorted({row["op"] for row in table})
     saving = seconds * (1 - 1 / ASSUMED_LOW_PRECISION_SPEEDUP)
     top = table[0] if table else {}
-    return upcast_finding(
+    shares = components.op_shares(ctx, fp32, [float(cost[i]) / 1e6 for i in fp32])
+    where = components.where(shares)
+    finding = upcast_finding(
         calls_per_step=len(fp32) / n,
         run=low_names,
-        where=", ".join(names[:3]),
+        where=", ".join(names[:3]) + (f" in {where}" if where else ""),
         fp32_seconds=forward_seconds,
         seconds_label="forward",
         evidence={
@@ -266,17 +275,85 @@ def _upcast_finding(
             "share_of_step": seconds / step if step else None,
             "ops": table,
             "largest": top,
+            **components.evidence(ctx, shares),
         },
         saving=saving,
         basis="estimated",
         detail=(
-            "These are the lowest-level compute ops of their calls, so autocast did not lower "
+            _by_component(shares)
+            + "These are the lowest-level compute ops of their calls, so autocast did not lower "
             "them: their inputs really were fp32. At about "
             f"{ASSUMED_LOW_PRECISION_SPEEDUP:.0f}x for {low_names} over fp32"
             + (" (backward assumed 2x forward)" if ctx.is_training else "")
             + f" the estimate is {ms(saving)} per step."
         ),
         source=f"trace:{RULE}",
+    )
+    finding.fix = _upcast_fix(ctx, shares, low_names)
+    return finding
+
+
+def _by_component(shares: list[ModuleShare]) -> str:
+    """The detail's first sentence when the trace names components, else ""."""
+    if not components.named(shares):
+        return ""
+    return f"fp32 forward time by component: {components.breakdown(shares)}. "
+
+
+def _upcast_fix(ctx: TraceContext, shares: list[ModuleShare], run: str) -> str:
+    """The fix for the components that pay, costliest first; the usual upcast fix when the trace
+    names none, for the denoiser, the optimizer and unknown code (the training code's own
+    upcasts, which is what that fix is about), and for an encoder that is not a denoiser's
+    frozen conditioning."""
+    frozen = components.frozen_encoders(ctx)
+    fixes = [
+        _component_fix(ctx, s.role, run) if frozen and s.role in components.ENCODERS else UPCAST_FIX
+        for s in components.named(shares)
+    ]
+    return " ".join(dict.fromkeys(fixes)) or UPCAST_FIX
+
+
+def _component_fix(ctx: TraceContext, role: str, run: str) -> str:
+    """A frozen encoder's fp32 is a loading choice, not autocast's: the fix is its dtype, or not
+    running it every step at all."""
+    low = run.split("/")[0]
+    if role == "vae":
+        kept = (
+            "its fp32 is the trainer keeping the VAE in fp32 (force_upcast in its config, kohya "
+            "--no_half_vae), not autocast"
+        )
+        if ctx.modules().vae_encodes_only():
+            return (
+                "These are the VAE's ops, and the VAE only encodes the batch here (it never "
+                f"decodes: it is frozen); {kept}. It need not run every step: "
+                + components.cache_advice("vae")
+                + f"; or run it in {_vae_dtype_advice(low)}."
+            )
+        return f"These are the VAE's ops: {kept}. Run it in {_vae_dtype_advice(low)}."
+    return (
+        "These are the text encoder's ops: it was loaded or kept in fp32 (fp32 weights outside "
+        "autocast, or an upcast in the prompt encoding). When it is not trained, load it in "
+        f"{low} (torch_dtype=torch.{_TORCH_DTYPES.get(low, 'bfloat16')}), or "
+        + components.cache_advice("text_encoder")
+        + "."
+    )
+
+
+#: torch's names for the low dtypes a run reports.
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _vae_dtype_advice(low: str) -> str:
+    """bf16 has fp32's exponent range, so the overflow that force_upcast guards against in fp16
+    does not happen there; fp16 needs a VAE fine-tuned not to overflow."""
+    if low == "fp16":
+        return (
+            "fp16 only with a VAE made for it (madebyollin/sdxl-vae-fp16-fix for SDXL; "
+            "diffusers --pretrained_vae_model_name_or_path), or bf16 where the GPU has it"
+        )
+    return (
+        "bf16, which does not overflow where fp16 does: vae.to(torch.bfloat16) with force_upcast "
+        "off (kohya: drop --no_half_vae)"
     )
 
 
@@ -289,6 +366,7 @@ def _fp32_training_finding(
     saving = seconds * (1 - 1 / ASSUMED_LOW_PRECISION_SPEEDUP)
     low = recommended_low_dtype(ctx.device.info)
     on_cpu = ctx.device.info.kind == "cpu"
+    shares = components.op_shares(ctx, fp32, [float(cost[i]) / 1e6 for i in fp32])
     return fp32_training_finding(
         how_known=(
             f"{len(fp32) / n:.0f} matmul/conv calls per step in the forward pass, "
@@ -301,11 +379,13 @@ def _fp32_training_finding(
             "fp32_seconds_per_step_with_backward": seconds,
             "share_of_forward_compute_time": fp32_time / judged_time if judged_time else None,
             "ops": _offender_table(ctx, fp32, cost),
+            **components.evidence(ctx, shares),
         },
         saving=None if on_cpu else saving,
         basis="estimated",
         detail=(
-            "Every judged matmul and convolution ran on fp32 inputs. Mixed precision runs them "
+            _by_component(shares)
+            + "Every judged matmul and convolution ran on fp32 inputs. Mixed precision runs them "
             f"on the {'matrix' if ctx.device.info.kind == 'rocm' else 'tensor'} cores; at about "
             f"{ASSUMED_LOW_PRECISION_SPEEDUP:.0f}x (backward assumed 2x forward) the estimate is "
             f"{ms(saving)} per step"
