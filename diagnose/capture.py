@@ -116,8 +116,16 @@ def measure(
     trace_path: Path | None,
     progress: ProgressCallback | None = None,
     telemetry: TelemetrySampler | None = None,
+    budget_s: float | None = None,
+    min_steps: int = 1,
+    cycle: int = 1,
 ) -> Measurement:
-    """Time the steps; profile ``profiled_steps`` more and save their trace to ``trace_path``."""
+    """Time the steps; profile ``profiled_steps`` more and save their trace to ``trace_path``.
+
+    With ``budget_s``, the timed steps end early once they have taken that long, at least
+    ``min_steps`` ran and the count is a whole number of ``cycle`` (the buckets the steps cycle
+    through, so each input shape keeps its share of the samples).
+    """
     say = progress or (lambda message: None)
     runner = _StepRunner(workload)
     timing = Timing(warmup_steps=warmup)
@@ -142,6 +150,16 @@ def measure(
             say(f"timed step {i + 1}/{steps}")
             timing.samples.append(runner.run_one(index, profiled=False))
             index += 1
+            done = i + 1
+            if (
+                budget_s is not None
+                and done < steps
+                and done >= min_steps
+                and done % max(cycle, 1) == 0
+                and time.perf_counter() - started >= budget_s
+            ):
+                timing.step_budget_s = budget_s
+                break
     finally:
         wall["timed steps"] = time.perf_counter() - started
         timing.host_load = load.close()

@@ -25,6 +25,16 @@ SIZES: tuple[str, ...] = get_args(Size)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 #: Model presets: the architectures LoRA users train. Configs live in diagnose/workload/configs/.
 PRESETS: tuple[str, ...] = ("sd15", "sdxl", "zimage", "flux", "sd3")
+#: The most timed steps a run takes when --steps is not given. 30 because the CI gate (diagnose
+#: compare) needs them: on recorded quiet-runner noise it catches a 10% slowdown in >= 99% of
+#: trials at 30 steps a side, ~96% at 20 and ~50% at 8 (benchmarks/bench_compare_gate.py).
+MAX_TIMED_STEPS = 30
+#: Without --steps, the timed steps also end once they have taken this many seconds and at least
+#: MIN_BUDGETED_STEPS ran: a GPU finishes all MAX_TIMED_STEPS well within it, while a slow CPU
+#: step (a smoke test, seconds a step) does not spend minutes on samples the verdicts do not need.
+TIMED_STEPS_BUDGET_S = 10.0
+#: The fewest timed steps a budget may end with: enough for a median and a spread that hold.
+MIN_BUDGETED_STEPS = 10
 #: --device values that name no single GPU: what --nproc > 1 accepts (rank r uses GPU r).
 _WHOLE_DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "rocm", "hip")
 
@@ -55,10 +65,8 @@ class RunConfig:
     #: DataLoader workers.
     workers: int = 0
     attention: Attention = "auto"
-    #: Timed steps (unprofiled), after the warm-up. 30 because the CI gate (diagnose compare)
-    #: needs them: on recorded quiet-runner noise it catches a 10% slowdown in >= 99% of trials
-    #: at 30 steps a side, ~96% at 20 and ~50% at 8 (benchmarks/bench_compare_gate.py).
-    steps: int = 30
+    #: Timed steps (unprofiled), after the warm-up; None = budgeted (:meth:`timed_step_plan`).
+    steps: int | None = None
     warmup: int = 2
     #: Steps captured by the profiler (after the timed steps).
     profiled_steps: int = 2
@@ -99,7 +107,7 @@ class RunConfig:
                 f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}"
             )
         for name in ("batch", "rank", "steps"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise bad(f"--{name} must be at least 1")
         for name in ("workers", "warmup", "profiled_steps"):
             if getattr(self, name) < 0:
@@ -168,6 +176,19 @@ class RunConfig:
         for probe in self.skip_probes:
             parts += ["--skip", probe]
         return shlex.join(parts)
+
+    def timed_step_plan(self) -> tuple[int, float | None]:
+        """(the most timed steps, the seconds after which they may end early or None).
+
+        An explicit --steps is taken exactly: a CI gate compares records of equal sample counts.
+        Ranks of one job must take the same number of steps (their collectives pair up), so a
+        multi-rank run takes them all too.
+        """
+        if self.steps is not None:
+            return self.steps, None
+        if self.nproc > 1:
+            return MAX_TIMED_STEPS, None
+        return MAX_TIMED_STEPS, TIMED_STEPS_BUDGET_S
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -226,6 +226,9 @@ class Timing:
     peak_reserved_bytes: int | None = None
     #: The machine's load from other work while the timed steps ran.
     host_load: HostLoad | None = None
+    #: Seconds after which the timed steps ended before the most a run takes (no --steps given,
+    #: slow steps); None when every planned step ran.
+    step_budget_s: float | None = None
 
     def summarize(self) -> None:
         """Recompute the summaries from the samples (the samples are the truth)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from diagnose.capture import measure
-from diagnose.config import RunConfig
+from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.device import describe_device, select_device
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.inventory import collect_inventory
@@ -217,14 +217,18 @@ def execute_run(
         # The buckets the workload settled on (the preset's when --resolution was not given).
         record.config["resolution"] = list(workload.resolutions)
         record.config["data"] = dataclasses.asdict(workload.data_info)
+        most_steps, budget_s = config.timed_step_plan()
         measurement = measure(
             workload,
-            steps=config.steps,
+            steps=most_steps,
             warmup=config.warmup,
             profiled_steps=config.profiled_steps,
             trace_path=trace_path,
             progress=say,
             telemetry=TelemetrySampler(device_info),
+            budget_s=budget_s,
+            min_steps=MIN_BUDGETED_STEPS,
+            cycle=len(workload.resolutions),
         )
         record.timing = measurement.timing
         record.breakdown = measurement.breakdown

@@ -193,7 +193,7 @@ def profile_steps(
     return _events_of(prof)
 
 
-def _events_of(prof: torch.profiler.profile) -> list[ProfiledEvent]:
+def _events_of(prof: Any) -> list[ProfiledEvent]:
     """The recorded events, read from the profiler's raw results when it exposes them.
 
     ``prof.events()`` builds the full tree of FunctionEvents (parents, stacks, per-thread

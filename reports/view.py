@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diagnose.carry_over import carry_over
+from diagnose.config import MAX_TIMED_STEPS
 from diagnose.contention import describe as describe_load
 from diagnose.record import (
     PHASE_LABELS,
@@ -234,7 +235,7 @@ def build_headline(record: RunRecord) -> Headline:
         # Steps of different input shapes take different times: that is the run's mix, not
         # noise. Lead with the mix's s/it and judge the spread within each bucket.
         value = format_per_iteration(timing.per_iteration)
-        how = _describe_buckets(buckets, stats.n)
+        how = _describe_buckets(buckets, stats.n) + _budget_note(timing, from_trace)
         spread, bucket = max(
             ((b.relative_spread, name) for name, b in buckets.items() if b.n >= 2),
             default=(math.nan, ""),
@@ -243,10 +244,11 @@ def build_headline(record: RunRecord) -> Headline:
         where = f"the median of the {bucket} steps"
     noise_text = ""
     if noisy:
+        advice = _noise_advice(record.timing.host_load, record.timing.step_budget_s is not None)
         noise_text = (
             f"The interquartile range is {format_percent(spread)} of {where} "
             f"(above {format_percent(NOISY_RELATIVE_SPREAD)}); differences smaller than that "
-            f"are not conclusive. {_noise_advice(record.timing.host_load)}"
+            f"are not conclusive. {advice}"
         )
     sentence = f"{value} ({how})"
     if setup:
@@ -283,14 +285,15 @@ def _scale(record: RunRecord) -> dict[str, Any]:
     return {"scale_text": scale.summary(), "scale_lines": tuple(scale.lines())}
 
 
-def _noise_advice(load: HostLoad | None) -> str:
+def _noise_advice(load: HostLoad | None, budgeted: bool) -> str:
+    more = f"more steps (--steps {MAX_TIMED_STEPS})" if budgeted else "more steps"
     if load is None or load.basis != "psutil":
-        return "Rerun with more steps on an otherwise idle machine."
+        return f"Rerun with {more} on an otherwise idle machine."
     if load.contended:
-        return "The machine was busy (above): rerun with more steps on an idle machine."
+        return f"The machine was busy (above): rerun with {more} on an idle machine."
     return (
         "The machine was not busy while the steps ran, so the spread is the workload's own "
-        "(steps that differ in content, garbage collection, thermal limits): use more steps."
+        f"(steps that differ in content, garbage collection, thermal limits): use {more}."
     )
 
 
@@ -358,7 +361,18 @@ def _describe_stats(stats: Stats, timing: Timing, from_trace: bool) -> str:
         text = f"median of {stats.n} {kind}, IQR {format_seconds_range(stats.q1, stats.q3)}"
     if from_trace:
         text += "; step time read from the profiler trace"
-    return text
+    return text + _budget_note(timing, from_trace)
+
+
+def _budget_note(timing: Timing, from_trace: bool) -> str:
+    """Said when a step budget ended the timed steps, so a reader comparing two records knows
+    why one holds fewer samples."""
+    if from_trace or timing.step_budget_s is None or not timing.unprofiled.n:
+        return ""
+    return (
+        f"; the timed steps ended after {timing.step_budget_s:g} s "
+        f"(pass --steps {MAX_TIMED_STEPS} to take them all)"
+    )
 
 
 def _describe_profiler(timing: Timing, from_trace: bool) -> str:

@@ -114,7 +114,7 @@ class _TwoBucketWorkload:
 
     def step(self, batch: _Pixels, timer: PhaseTimer) -> float:
         with timer.phase("forward"):
-            time.sleep(0.01 + (self.extra if batch.pixels.shape[-1] == self.large else 0.0))
+            time.sleep(0.04 + (self.extra if batch.pixels.shape[-1] == self.large else 0.0))
         return 0.0
 
 
@@ -126,7 +126,7 @@ def test_two_buckets_are_timed_apart_and_not_called_noise() -> None:
     from diagnose.reports.view import build_headline
 
     m = measure(
-        _TwoBucketWorkload(64, 96, 0.06), steps=8, warmup=0, profiled_steps=0, trace_path=None
+        _TwoBucketWorkload(64, 96, 0.16), steps=8, warmup=0, profiled_steps=0, trace_path=None
     )
     assert {s.bucket for s in m.timing.samples} == {"64x64", "96x96"}
     buckets = m.timing.buckets()
@@ -137,9 +137,14 @@ def test_two_buckets_are_timed_apart_and_not_called_noise() -> None:
     record = new_record("run")
     record.timing = m.timing
     headline = build_headline(record)
-    # All steps together have an IQR far above the noise threshold; each bucket alone does not.
+    # All steps together have an IQR far above the noise threshold; the noise verdict is each
+    # bucket's own (quiet unless a loaded machine stretched the sleeps within one bucket).
+    from diagnose.reports.view import NOISY_RELATIVE_SPREAD
+
     assert m.timing.unprofiled.relative_spread > 0.5
-    assert not headline.noisy, headline.noise_text
+    within = max(b.relative_spread for b in buckets.values())
+    assert headline.noisy == (within > NOISY_RELATIVE_SPREAD), headline.noise_text
+    assert "the mix" not in headline.noise_text
     assert "64x64" in headline.how and "96x96" in headline.how
 
     one = measure(
@@ -147,3 +152,53 @@ def test_two_buckets_are_timed_apart_and_not_called_noise() -> None:
     )
     assert one.timing.buckets() == {}
     assert one.timing.per_iteration == one.timing.headline.median
+
+
+def test_a_step_budget_ends_slow_steps_early_on_a_whole_bucket_cycle() -> None:
+    """Slow steps (a CPU smoke test) end once the budget is spent and enough ran, on a whole
+    cycle of the buckets so each shape keeps its share; the record and the headline say so.
+    The clean twin: fast steps take every planned step and say nothing."""
+    from diagnose.record import new_record
+    from diagnose.reports.view import build_headline
+
+    slow = measure(
+        _TwoBucketWorkload(64, 96, 0.02),
+        steps=40,
+        warmup=0,
+        profiled_steps=0,
+        trace_path=None,
+        budget_s=0.2,
+        min_steps=3,
+        cycle=2,
+    )
+    n = slow.timing.unprofiled.n
+    assert 4 <= n < 40 and n % 2 == 0
+    assert slow.timing.step_budget_s == 0.2
+    assert set(slow.timing.buckets()) == {"64x64", "96x96"}
+    record = new_record("run")
+    record.timing = slow.timing
+    assert "--steps 30" in build_headline(record).how
+
+    fast = measure(
+        _TwoBucketWorkload(64, 96, 0.0),
+        steps=6,
+        warmup=0,
+        profiled_steps=0,
+        trace_path=None,
+        budget_s=30.0,
+        min_steps=3,
+        cycle=2,
+    )
+    assert fast.timing.unprofiled.n == 6 and fast.timing.step_budget_s is None
+    record.timing = fast.timing
+    assert "--steps" not in build_headline(record).how
+
+
+def test_an_explicit_step_count_is_taken_exactly_and_ranks_take_all_steps() -> None:
+    from diagnose.config import MAX_TIMED_STEPS, TIMED_STEPS_BUDGET_S, RunConfig
+
+    assert RunConfig().timed_step_plan() == (MAX_TIMED_STEPS, TIMED_STEPS_BUDGET_S)
+    assert RunConfig(steps=12).timed_step_plan() == (12, None)
+    assert RunConfig(nproc=2, device="cpu").timed_step_plan() == (MAX_TIMED_STEPS, None)
+    assert "--steps" not in RunConfig().command_line()
+    assert "--steps 12" in RunConfig(steps=12).command_line()

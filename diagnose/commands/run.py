@@ -10,11 +10,14 @@ from pathlib import Path
 from diagnose.commands import comma_ints
 from diagnose.config import (
     ATTENTIONS,
+    MAX_TIMED_STEPS,
+    MIN_BUDGETED_STEPS,
     OPTIMIZERS,
     PRECISIONS,
     PRESETS,
     SIZES,
     STRATEGIES,
+    TIMED_STEPS_BUDGET_S,
     RunConfig,
 )
 from diagnose.errors import DiagnoseError, ExitCode
@@ -103,7 +106,14 @@ class RunCommand:
             "FSDP (default: ddp)",
         )
         measure = parser.add_argument_group("measurement")
-        measure.add_argument("--steps", type=int, default=d.steps, help="timed steps")
+        measure.add_argument(
+            "--steps",
+            type=int,
+            default=d.steps,
+            help=f"timed steps, exactly (default: up to {MAX_TIMED_STEPS}, ending after "
+            f"{TIMED_STEPS_BUDGET_S:g} s once {MIN_BUDGETED_STEPS} ran; pass --steps "
+            f"{MAX_TIMED_STEPS} for records a CI gate compares)",
+        )
         measure.add_argument(
             "--warmup", type=int, default=d.warmup, help="warm-up steps (not counted)"
         )

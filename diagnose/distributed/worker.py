@@ -137,7 +137,7 @@ def run_rank(spec: RankSpec) -> None:
             workload.wrap_denoiser(wrap)
             measurement = measure(
                 workload,
-                steps=config.steps,
+                steps=config.timed_step_plan()[0],
                 warmup=config.warmup,
                 profiled_steps=config.profiled_steps,
                 trace_path=Path(spec.trace_path) if spec.trace_path else None,
