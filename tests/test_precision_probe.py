@@ -576,7 +576,16 @@ def test_bf16_not_native_fires_from_the_probe_on_a_cpu_without_bf16() -> None:
     old_cpu = _cpu_info(["avx2", "fma"])
     assert bf16_native(old_cpu) is False
     result = run_probe(_fast_probe(), _ctx(TinyLoop(), _tiny_config(), old_cpu))
-    assert BF16_NOT_NATIVE_ID in _ids(result)
+    # One cause, one finding: its own finding, or (when the probe measured bf16 clearly slower,
+    # which a loaded machine can make sure or not) the slowdown finding carries it, and the
+    # check says where it went.
+    folded = [f for f in result.findings if f.id == BF16_SLOWER_ID]
+    if folded:
+        assert BF16_NOT_NATIVE_ID not in _ids(result)
+        note = next(c for c in result.checks if c.id == BF16_NOT_NATIVE_ID)
+        assert note.outcome == "ok" and BF16_SLOWER_ID in note.text
+    else:
+        assert BF16_NOT_NATIVE_ID in _ids(result)
     clean = run_probe(_fast_probe(), _ctx(TinyLoop(), _tiny_config(), _cpu_info()))
     assert BF16_NOT_NATIVE_ID not in _ids(clean)
 
