@@ -32,6 +32,7 @@ from pathlib import Path
 from diagnose.catalogs.dataloader_catalog import (
     CORRUPT_IMAGES,
     HOT_FRAMES_CHECK,
+    MIN_MEASURED_GAIN,
     SKIPPED_FILES_CHECK,
     ab_check,
 )
@@ -48,6 +49,7 @@ from diagnose.probes.dataloader_ab import (
     plan_variants,
     planned_items,
     run_ab,
+    split_reachable,
 )
 from diagnose.probes.dataloader_facts import (
     LoaderConfig,
@@ -145,6 +147,14 @@ class DataLoaderProbe:
             cores=cores,
             allowed=self.variants,
         )
+        variants, unreachable = split_reachable(
+            variants,
+            lambda phases: phase_bound(ctx.record, phases),
+            wait.s_per_it if wait else None,
+            MIN_MEASURED_GAIN,
+        )
+        for left_out in unreachable:
+            result.add_ok(ab_check(left_out.key), left_out.text())
         steps = self.timed_steps or plan_timed_steps(
             wait.s_per_it if wait else None, len(variants), self.ab_budget_seconds
         )
@@ -157,7 +167,7 @@ class DataLoaderProbe:
             progress=say,
             max_seconds_per_variant=VARIANT_OVERRUN_FACTOR
             * max(
-                self.ab_budget_seconds / len(variants),
+                self.ab_budget_seconds / max(len(variants), 1),
                 (WARMUP_STEPS + steps) * (wait.s_per_it if wait else 0.0),
             ),
         )

@@ -60,6 +60,62 @@ VARIANT_KEYS: tuple[VariantKey, ...] = ("configured", "workers", "predecoded", "
 #: What a variant's loader hands the step: images decoded per step, decoded-once tensors, or no
 #: pixels at all (latents come from the cache).
 Source = Literal["decode", "predecoded", "latents"]
+#: The phases each fix can shorten: more workers and decoded-once images take the decode off the
+#: step (its wait for the batch and the copy); cached latents the VAE/text encode as well.
+SHORTENS: dict[VariantKey, tuple[str, ...]] = {
+    "configured": (),
+    "workers": ("data_wait", "h2d"),
+    "predecoded": ("data_wait", "h2d"),
+    "cached_latents": INPUT_PHASES,
+}
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """A fix left out of the A/B: the phases it can shorten cost less than a saving must be."""
+
+    key: VariantKey
+    label: str
+    #: Seconds per step of those phases in the run's own steps, and the s/it they are a share of.
+    phase_seconds: float
+    s_per_it: float
+    least_share: float
+
+    def text(self) -> str:
+        phases = " + ".join(SHORTENS[self.key])
+        return (
+            f"A/B {self.label}: not measured. It can shorten only {phases}, which took "
+            f"{self.phase_seconds * 1e3:.1f} ms of the {self.s_per_it * 1e3:.0f} ms step "
+            f"({self.phase_seconds / self.s_per_it:.1%}), less than the "
+            f"{self.least_share:.0%} a loader fix must save to count"
+        )
+
+
+def split_reachable(
+    variants: Sequence[Variant],
+    phase_seconds: Callable[[Sequence[str]], float | None],
+    s_per_it: float | None,
+    least_share: float,
+) -> tuple[list[Variant], list[Unreachable]]:
+    """The variants worth timing, and those whose phases cannot hold a saving that counts.
+
+    A fix saves at most what its phases cost (the verdict caps every saving so), so timing one
+    whose phases are below the least saving cannot change the verdict: it only spends steps.
+    When no fix is left, the configured loader is not timed either.
+    """
+    if not s_per_it or s_per_it <= 0:
+        return list(variants), []
+    keep: list[Variant] = []
+    left_out: list[Unreachable] = []
+    for variant in variants:
+        seconds = phase_seconds(SHORTENS[variant.key]) if variant.key != "configured" else None
+        if seconds is not None and seconds < least_share * s_per_it:
+            left_out.append(Unreachable(variant.key, variant.label, seconds, s_per_it, least_share))
+        else:
+            keep.append(variant)
+    if all(v.key == "configured" for v in keep):
+        keep = []
+    return keep, left_out
 
 
 # --------------------------------------------------------------------------------------------

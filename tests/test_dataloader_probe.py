@@ -52,7 +52,7 @@ from diagnose.probes.dataloader import (
     usable_cores,
     wait_summary,
 )
-from diagnose.probes.dataloader_ab import MIN_TIMED_STEPS, time_steps
+from diagnose.probes.dataloader_ab import MIN_TIMED_STEPS, split_reachable, time_steps
 from diagnose.record import (
     Breakdown,
     DeviceInfo,
@@ -313,9 +313,10 @@ def test_cached_latents_with_small_images_is_quiet(fed: Probed) -> None:
     starved_check = next(c for c in result.checks if c.id == FINDING_ID)
     assert starved_check.outcome == "ok" and starved_check.text.startswith("data loading:")
     assert "compute is not waiting" in starved_check.text
-    # Nothing is decoded per step, so nothing is sampled; only the configured loader is timed.
+    # Nothing is decoded per step, so nothing is sampled; no fix is left to try, so not even
+    # the configured loader is timed again (the run's own steps already were).
     assert result.data["sampling"]["available"] is False
-    assert [row["key"] for row in result.data["ab"]] == ["configured"]
+    assert result.data["ab"] == []
     assert result.data["dataloader"]["decodes_images"] is False
     _assert_restored(fed.before, fed.workload)
 
@@ -805,3 +806,54 @@ def test_dataset_facts_spell_out_the_pixel_ratio(tmp_path: Path) -> None:
 
 def _null_timer() -> PhaseTimer:
     return PhaseTimer(lambda: None)
+
+
+def test_fixes_whose_phases_cannot_hold_a_saving_are_not_timed() -> None:
+    """Planted: the step waits 2 ms of 100 ms for its batch and encodes for 60 ms. More workers
+    or decoded-once images can shorten only the wait and the copy (2%, below the least saving
+    that counts), so they are left out with the numbers that say why; cached latents can
+    shorten the encode too and is timed. Clean twin: a 30 ms wait keeps every fix."""
+    from diagnose.catalogs.dataloader_catalog import MIN_MEASURED_GAIN
+    from diagnose.verdicts import phase_bound
+
+    def record(wait: float) -> RunRecord:
+        timing = Timing(
+            samples=[
+                StepSample(
+                    index=i,
+                    seconds=0.1,
+                    phases={"data_wait": wait, "encode": 0.06, "forward": 0.04 - wait},
+                )
+                for i in range(6)
+            ]
+        )
+        timing.summarize()
+        run = new_record("run")
+        run.timing = timing
+        from diagnose.capture import phase_breakdown
+
+        run.breakdown = phase_breakdown(timing)
+        return run
+
+    variants = plan_variants(
+        workers=0, pin_memory=False, decodes_images=True, cache_latents=False, cores=4
+    )
+    fed = record(0.002)
+    keep, left_out = split_reachable(
+        variants, lambda phases: phase_bound(fed, phases), 0.1, MIN_MEASURED_GAIN
+    )
+    assert [v.key for v in keep] == ["configured", "cached_latents"]
+    assert [u.key for u in left_out] == ["workers", "predecoded"]
+    assert "data_wait + h2d" in left_out[0].text() and "2.0%" in left_out[0].text()
+
+    starved = record(0.03)
+    keep, left_out = split_reachable(
+        variants, lambda phases: phase_bound(starved, phases), 0.1, MIN_MEASURED_GAIN
+    )
+    assert [v.key for v in keep] == [v.key for v in variants] and not left_out
+    # Nothing worth timing: not even the configured loader.
+    no_encode = [v for v in variants if v.key != "cached_latents"]
+    keep, left_out = split_reachable(
+        no_encode, lambda phases: phase_bound(fed, phases), 0.1, MIN_MEASURED_GAIN
+    )
+    assert keep == [] and len(left_out) == 2
