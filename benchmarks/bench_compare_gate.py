@@ -37,14 +37,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from diagnose.config import RunConfig
+from diagnose.config import MAX_TIMED_STEPS
 from diagnose.gate import DEFAULT_SIGNIFICANCE, DEFAULT_THRESHOLD, compare_runs
 from diagnose.record import Stats
 from diagnose.reports.view import NOISY_RELATIVE_SPREAD
 
 NOISE = Path(__file__).resolve().parent.parent / "fixtures" / "compare" / "noise.json"
 SLOWDOWNS: tuple[float, ...] = (0.05, 0.10, 0.15, 0.20, 0.30, 0.50)
-SAMPLE_COUNTS: tuple[int, ...] = tuple(sorted({8, 12, 20, RunConfig().steps, 50}))
+SAMPLE_COUNTS: tuple[int, ...] = tuple(sorted({8, 12, 20, MAX_TIMED_STEPS, 50}))
 THRESHOLDS: tuple[float, ...] = (0.10, 0.05)
 #: The row the exit status reports on (pool, scheme): quiet noise, both sides from one process.
 SELF_CHECK = ("quiet", "within-run")
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({len(pools['quiet'])} quiet runs, {sum(len(r) for r in pools['quiet'])} steps) from "
         f"{args.noise.name}; significance "
         f"{DEFAULT_SIGNIFICANCE}, {args.trials} pairs per cell, default steps per run = "
-        f"{RunConfig().steps}"
+        f"{MAX_TIMED_STEPS}"
     )
     for row in [header, ["-" * w for w in widths], *rows]:
         print(
@@ -160,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     default = [
-        r for r in rows if r[2] == str(RunConfig().steps) and r[3] == f"{DEFAULT_THRESHOLD:.0%}"
+        r for r in rows if r[2] == str(MAX_TIMED_STEPS) and r[3] == f"{DEFAULT_THRESHOLD:.0%}"
     ]
     caught_column = header.index(f"+{DEFAULT_THRESHOLD:.0%} caught")
     print(
-        f"\nAt the defaults ({RunConfig().steps} steps a side, threshold "
+        f"\nAt the defaults ({MAX_TIMED_STEPS} steps a side, threshold "
         f"{DEFAULT_THRESHOLD:.0%}); targets: >= 95% of +{DEFAULT_THRESHOLD:.0%} caught, <= 1% "
         "A/A false alarms"
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from diagnose.config import RunConfig
+from diagnose.config import MAX_TIMED_STEPS
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.gate import (
     CompareOptions,
@@ -508,7 +508,7 @@ def _false_alarm_rate(
     return alarms / len(pairs)
 
 
-@pytest.mark.parametrize("n", [8, 20, RunConfig().steps])
+@pytest.mark.parametrize("n", [8, 20, MAX_TIMED_STEPS])
 def test_a_a_false_alarm_rate_on_recorded_noise_is_at_most_one_percent(n: int) -> None:
     """A/A pairs resampled from the per-step times of real same-config runs (with this shared
     machine's contention spikes in them): the gate must cry "slower" in at most 1% of them.
@@ -538,7 +538,7 @@ def quiet_runs() -> list[list[float]]:
     return [r for r in noise_runs() if Stats.of(r).relative_spread <= NOISY_RELATIVE_SPREAD]
 
 
-@pytest.mark.parametrize(("n", "slowdown"), [(8, 0.5), (20, 0.3), (RunConfig().steps, 0.10)])
+@pytest.mark.parametrize(("n", "slowdown"), [(8, 0.5), (20, 0.3), (MAX_TIMED_STEPS, 0.10)])
 def test_a_slowdown_on_recorded_quiet_noise_is_detected(n: int, slowdown: float) -> None:
     """The clean twin of the A/A test: the same within-run resampling of the quiet runs, with the
     current side slower, must be caught; at the default step count that includes a slowdown of
