@@ -3,6 +3,7 @@
     python benchmarks/bench_trace.py                 # largest real trace + a ~200 MB synthetic one
     python benchmarks/bench_trace.py --gigabyte      # also a ~1 GB synthetic trace
     python benchmarks/bench_trace.py --hta-python /path/to/venv/bin/python
+    python benchmarks/bench_trace.py --gzip-bomb 4096  # only: peak memory refusing 4 GB bombs
 
 Every measurement runs in a fresh subprocess, so peak memory (VmHWM) is that operation's
 alone; "wall" times the operation only (imports excluded), "peak" is the process's peak resident
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,50 @@ def build_synthetic(source: Path, target_bytes: int, out: Path) -> Path:
     return out
 
 
+def build_bomb(out: Path, megabytes: int, unit: bytes, head: bytes = b"") -> Path:
+    """A gzip file that expands ~1000x to ``megabytes`` MB of ``unit``, written without ever
+    holding more than 1 MB of it."""
+    squeeze = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: a gzip header
+    block = unit * ((1 << 20) // len(unit))
+    with out.open("wb") as f:
+        f.write(squeeze.compress(head))
+        for _ in range(megabytes):
+            f.write(squeeze.compress(block))
+        f.write(squeeze.flush())
+    return out
+
+
+#: Gzip bombs: what they expand to, the text before it.
+_BOMBS: dict[str, tuple[bytes, bytes]] = {
+    "blanks": (b" ", b""),
+    "brackets": (b"[", b'{"traceEvents": '),
+    "events": (
+        b'{"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 1, "dur": 1},',
+        b'{"traceEvents": [',
+    ),
+}
+
+
+def bench_bombs(megabytes: int, workdir: Path, timeout: float) -> int:
+    """Peak memory and time to refuse gzip bombs with the default limits (each in a fresh
+    process): bounded by the limits (the ratio's floor, 64 MB), not by the bomb."""
+    print("| bomb | expands to | gzip size | wall | peak RSS | base | refused with |")
+    print("|---|---|---|---|---|---|---|")
+    for kind, (unit, head) in _BOMBS.items():
+        path = workdir / f"bomb_{kind}_{megabytes}mb.json.gz"
+        if not path.exists():
+            print(f"building {path} ...", file=sys.stderr)
+            build_bomb(path, megabytes, unit, head)
+        r = run_measurement(sys.executable, "bomb", path, timeout)
+        cells = [kind, f"{megabytes:,} MB", f"{path.stat().st_size / 2**20:.1f} MB"]
+        if "error" in r:
+            cells += ["-", "-", "-", r["error"]]
+        else:
+            cells += [f"{r['wall']:.2f} s", _mb(r["peak"]), _mb(r["base"]), r["refused"] or "read"]
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
 # -- measurements (each in a fresh process) ---------------------------------------------------
 
 
@@ -114,6 +160,9 @@ def _read_bytes(path: Path) -> bytes:
 def _measure(method: str, path: Path) -> dict[str, Any]:
     if method == "analyze":
         from diagnose.trace import analyze_trace
+    elif method == "bomb":
+        from diagnose.errors import DiagnoseError
+        from diagnose.trace.reader import read_trace
     elif method == "hta":
         from hta.trace_analysis import TraceAnalysis
     base = _rss_now()
@@ -126,6 +175,12 @@ def _measure(method: str, path: Path) -> dict[str, Any]:
             gc.disable()
         data = orjson.loads(_read_bytes(path))
         extra["events"] = len(data["traceEvents"])
+    elif method == "bomb":
+        try:
+            read_trace(path)
+            extra["refused"] = ""
+        except DiagnoseError as exc:
+            extra["refused"] = exc.message.split(": ", 1)[-1]
     elif method == "analyze":
         analysis = analyze_trace(path)
         extra["findings"] = sorted(f.id for f in analysis.findings)
@@ -206,12 +261,21 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat", type=int, default=3, help="runs per measurement (best kept; 1 above 512 MB)"
     )
     parser.add_argument("--skip", nargs="*", default=[], choices=METHODS)
+    parser.add_argument(
+        "--gzip-bomb",
+        type=int,
+        metavar="MB",
+        help="only measure refusing gzip bombs that expand to MB (blanks, brackets, events)",
+    )
     args = parser.parse_args(argv)
 
     if args.measure:
         method, file = args.measure
         print(json.dumps(_measure(method, Path(file))))
         return 0
+    if args.gzip_bomb:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        return bench_bombs(args.gzip_bomb, args.workdir, args.timeout)
 
     source = largest_real_trace()
     if source is None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import tracemalloc
+import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,8 +15,26 @@ from typing import Any
 import numpy as np
 import pytest
 
+from diagnose.cli import main
 from diagnose.errors import DiagnoseError, ExitCode
-from diagnose.trace.reader import KERNEL, MEMCPY, read_trace
+from diagnose.trace import stream
+from diagnose.trace.reader import (
+    CHUNK_BYTES,
+    EXCLUDED_PREFIX,
+    KERNEL,
+    MEMCPY,
+    NEGATIVE_DURATION,
+    NEGATIVE_TIMESTAMP,
+    NON_FINITE,
+    OUTSIDE_SPAN,
+    _drop_impossible,
+    exclusion_note,
+    read_trace,
+)
+from diagnose.trace.stream import GZIP_LIMIT_ENV, ReadLimits
+from tests.conftest import FIXTURES
+
+GPU_TRACE = FIXTURES / "traces" / "gpu_synthetic_optimizer_sync.json.gz"
 
 
 def _event(name: str, cat: str, ts: float, dur: float, **args: Any) -> dict[str, Any]:
@@ -310,3 +332,230 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
             read_trace(path)
         assert info.value.code == ExitCode.BAD_INPUT
         assert str(path) in str(info.value) and expected in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------
+# Bounded reading: gzip expansion, the search for traceEvents, one event; byte-order marks
+
+
+def _bomb(path: Path, megabytes: int, unit: bytes = b" ") -> Path:
+    """A gzip file that expands ~1000x to ``megabytes`` MB of ``unit``."""
+    squeeze = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: with a gzip header
+    block = unit * ((1 << 20) // len(unit))
+    with path.open("wb") as out:
+        for _ in range(megabytes):
+            out.write(squeeze.compress(block))
+        out.write(squeeze.flush())
+    return path
+
+
+def test_a_gzip_bomb_is_refused_by_its_ratio(tmp_path: Path) -> None:
+    limits = ReadLimits(ratio_floor_bytes=1 << 20)
+    bomb = _bomb(tmp_path / "bomb.json.gz", 32)
+    with pytest.raises(DiagnoseError) as info:
+        read_trace(bomb, limits=limits)
+    assert info.value.code == ExitCode.BAD_INPUT
+    assert str(bomb) in info.value.message and "gzip bomb" in info.value.message
+    assert "\n" not in info.value.message
+    # Its twin: a trace of the same size that compresses like a real one (~25x) is read.
+    twin = tmp_path / "twin.json.gz"
+    twin.write_bytes(gzip.compress(json.dumps(_small_trace(1000)).encode()))
+    assert len(read_trace(twin, limits=limits).device) == 2000
+
+
+def test_a_gzip_trace_beyond_the_absolute_cap_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "big.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(_small_trace(2000)).encode()))  # 2.4 MB inside
+    with pytest.raises(DiagnoseError) as info:
+        read_trace(path, limits=ReadLimits(max_gzip_bytes=1 << 20))
+    assert "expands past 1 MB" in info.value.message and GZIP_LIMIT_ENV in info.value.message
+    assert len(read_trace(path, limits=ReadLimits(max_gzip_bytes=4 << 20)).device) == 4000
+
+
+def test_the_gzip_cap_can_be_set_by_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "big.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(_small_trace(2000)).encode()))
+    monkeypatch.setenv(GZIP_LIMIT_ENV, "1")
+    with pytest.raises(DiagnoseError, match="expands past 1 MB"):
+        read_trace(path)
+    monkeypatch.setenv(GZIP_LIMIT_ENV, "3")
+    assert len(read_trace(path).device) == 4000
+    monkeypatch.setenv(GZIP_LIMIT_ENV, "lots")
+    with pytest.raises(DiagnoseError) as info:
+        read_trace(path)
+    assert info.value.code == ExitCode.USAGE and GZIP_LIMIT_ENV in info.value.message
+
+
+@pytest.mark.parametrize("unit", [b" ", b"["])
+def test_memory_stays_bounded_while_a_gzip_bomb_is_refused(tmp_path: Path, unit: bytes) -> None:
+    """The decompressed bytes are counted as they are read: a 64 MB bomb of blanks or brackets
+    (what no cut of the event stream can parse, so it is buffered) costs about the cap (8 MB
+    here), not 64 MB. (A bomb of valid events is refused at the cap too, see the fuzz corpus;
+    its memory is the event tables'.)"""
+    bomb = _bomb(tmp_path / "bomb.json.gz", 64, unit)
+    tracemalloc.start()
+    try:
+        with pytest.raises(DiagnoseError, match="expands past 8 MB"):
+            read_trace(bomb, chunk_bytes=1 << 20, limits=ReadLimits(max_gzip_bytes=8 << 20))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 48 << 20, f"peak {peak / 2**20:.0f} MB"
+
+
+class _CountingKey:
+    """Stands in for the traceEvents key pattern; counts the bytes each search scans."""
+
+    def __init__(self) -> None:
+        self.scanned = 0
+        self._key = stream._TRACE_EVENTS_KEY
+
+    def search(self, buf: bytearray, pos: int = 0) -> re.Match[bytes] | None:
+        self.scanned += len(buf) - pos
+        return self._key.search(buf, pos)
+
+
+def test_a_file_without_trace_events_is_refused_at_a_bound_without_rescanning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "notes.json"
+    path.write_bytes(b'{"notes": [' + b'"a line of text", ' * 200_000 + b'"end"]}')  # 3.4 MB
+    counter = _CountingKey()
+    monkeypatch.setattr(stream, "_TRACE_EVENTS_KEY", counter)
+    with pytest.raises(DiagnoseError) as info:
+        read_trace(path, chunk_bytes=16 << 10, limits=ReadLimits(max_header_bytes=1 << 20))
+    assert "not a profiler trace: no traceEvents in the first 1 MB" in info.value.message
+    # Each byte is searched about once (the overlap adds 4 KB a chunk), not once per chunk.
+    assert counter.scanned < 2 * (1 << 20), counter.scanned
+    # The twin: the key cut in two by a chunk boundary, after a long header, is found.
+    doc = _small_trace(60)
+    header = b'{"pad": "' + b"p" * ((16 << 10) - 20) + b'", "traceEvents": ['
+    text = header + json.dumps(doc["traceEvents"]).encode()[1:] + b"}"
+    twin = tmp_path / "twin.json"
+    twin.write_bytes(text)
+    trace = read_trace(twin, chunk_bytes=16 << 10)
+    assert trace.streamed and len(trace.host) == 120 and counter.scanned < 3 * (1 << 20)
+
+
+def test_a_corrupt_streamed_trace_stops_at_the_event_bound(tmp_path: Path) -> None:
+    """A broken event early in a big file: no cut parses, so the reader looks further, but not
+    through the whole file."""
+    text = json.dumps(_small_trace(2000))
+    broken = text.replace('"ph": "X"', '"ph": X', 1)  # not JSON from the first event on
+    path = tmp_path / "broken.json"
+    path.write_text(broken)
+    with pytest.raises(DiagnoseError) as info:
+        read_trace(path, chunk_bytes=16 << 10, limits=ReadLimits(max_event_bytes=256 << 10))
+    assert "invalid JSON" in info.value.message and str(path) in info.value.message
+    path.write_text(text)  # the twin, intact, reads
+    assert len(read_trace(path, chunk_bytes=16 << 10).host) == 4000
+
+
+@pytest.mark.parametrize("chunk", [CHUNK_BYTES, 1024])
+def test_a_byte_order_mark_is_accepted_whole_or_streamed(tmp_path: Path, chunk: int) -> None:
+    text = json.dumps(_small_trace(60)).encode()
+    plain, marked = tmp_path / "plain.json", tmp_path / "bom.json"
+    plain.write_bytes(text)
+    marked.write_bytes(b"\xef\xbb\xbf" + text)
+    a, b = read_trace(plain, chunk_bytes=chunk), read_trace(marked, chunk_bytes=chunk)
+    assert a.streamed == b.streamed == (chunk == 1024)
+    np.testing.assert_array_equal(a.device.ts, b.device.ts)
+    assert a.top_level == b.top_level
+    bare = tmp_path / "bare.json"  # the bare event array too
+    bare.write_bytes(b"\xef\xbb\xbf" + json.dumps(_small_trace(60)["traceEvents"]).encode())
+    assert len(read_trace(bare, chunk_bytes=chunk).host) == 120
+
+
+# --------------------------------------------------------------------------------------------
+# Impossible times
+
+
+def test_impossible_times_are_left_out_and_counted(tmp_path: Path) -> None:
+    doc = _small_trace(10)
+    kernels = [e for e in doc["traceEvents"] if e.get("cat") == "kernel"]
+    ops = [e for e in doc["traceEvents"] if e.get("cat") == "cpu_op"]
+    kernels[0]["dur"] = -999_980.0  # "-999.98 ms" of kernel time per step, before
+    kernels[1]["dur"] = 1e308  # inf and overflow warnings, before
+    kernels[2]["ts"] = 1e300
+    ops[0]["ts"] = -5.0
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    trace = read_trace(path)
+    assert trace.excluded == {
+        NEGATIVE_DURATION: 1,
+        NEGATIVE_TIMESTAMP: 1,
+        OUTSIDE_SPAN: 2,
+    }
+    assert trace.counts[f"{EXCLUDED_PREFIX}{OUTSIDE_SPAN}"] == 2
+    assert len(trace.device) == 20 - 3 and len(trace.host) == 20 - 1
+    for table in (trace.host, trace.device, trace.runtime):
+        assert np.all(np.isfinite(table.ts)) and np.all(table.dur >= 0)
+        assert float(np.max(table.ts + table.dur)) < 20_000  # the 10 steps' 10 ms
+    note = exclusion_note(trace.counts)
+    assert note == (
+        "4 trace events with impossible times left out of the analysis "
+        "(1 negative duration, 1 negative timestamp, 2 time outside the trace span)."
+    )
+    # The clean twin: nothing left out, nothing said, the same events read.
+    path.write_text(json.dumps(_small_trace(10)))
+    clean = read_trace(path)
+    assert clean.excluded == {} and exclusion_note(clean.counts) is None
+    assert len(clean.device) == 20 and set(clean.counts) == {"host", "runtime", "device", "total"}
+
+
+def test_non_finite_times_are_left_out() -> None:
+    """orjson refuses NaN and Infinity, so no file yields them; the check stands for any other
+    source of events."""
+    tables = (
+        {"ts": np.array([0.0, np.nan, 5.0]), "dur": np.array([1.0, 1.0, np.inf])},
+        {"ts": np.array([2.0]), "dur": np.array([-1.0])},
+    )
+    assert _drop_impossible(tables) == {NON_FINITE: 2, NEGATIVE_DURATION: 1}
+    assert tables[0]["ts"].tolist() == [0.0] and tables[1]["ts"].size == 0
+
+
+def test_a_trace_of_only_impossible_times_is_a_clear_error(tmp_path: Path) -> None:
+    doc = _small_trace(3)
+    for event in doc["traceEvents"]:
+        if "dur" in event:
+            event["dur"] = -1
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(DiagnoseError) as info:
+        read_trace(path)
+    assert info.value.code == ExitCode.BAD_INPUT
+    assert info.value.message == (
+        f"{path}: no profiler event has a possible time (left out: 15 negative duration)"
+    )
+
+
+def test_the_trace_command_says_what_was_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU trace with negative kernel durations: analysed without them, without numpy
+    warnings, and the report and the terminal say how many were left out."""
+    doc = json.loads(gzip.decompress(GPU_TRACE.read_bytes()))
+    kernels = [e for e in doc["traceEvents"] if e.get("cat") == "kernel"]
+    for kernel in kernels[::3]:
+        kernel["dur"] = -1e6
+    kernels[1]["dur"] = 1e308
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(doc))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow warning fails the test
+        assert main(["trace", str(path), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    line = (
+        f"{len(kernels[::3]) + 1} trace events with impossible times left out of the analysis "
+        f"({len(kernels[::3])} negative duration, 1 time outside the trace span)."
+    )
+    assert f"note: {line}" in out
+    record = json.loads((tmp_path / "out" / "record.json").read_text())
+    assert line in record["notes"]
+    assert all(f.get("est_seconds_saved_per_it") or 0 >= 0 for f in record["findings"])
+    assert all(v >= 0 for v in record["breakdown"]["seconds"].values())
+    # The clean twin says nothing.
+    assert main(["trace", str(GPU_TRACE), "--out", str(tmp_path / "clean")]) == 0
+    assert "impossible" not in capsys.readouterr().out

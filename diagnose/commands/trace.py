@@ -57,6 +57,7 @@ class TraceCommand:
         from diagnose.redact import redact_record
         from diagnose.reports import terminal_summary, write_html
         from diagnose.trace import analysis_to_record, analyze_trace
+        from diagnose.trace.reader import exclusion_note
         from diagnose.verdicts import settle
 
         if args.jobs is not None and args.jobs < 1:
@@ -67,12 +68,23 @@ class TraceCommand:
         refuse_outputs_over_inputs([out_dir / RECORD_NAME, out_dir / REPORT_NAME], files)
         if len(files) == 1:
             trace_path = files[0]
-            record = analysis_to_record(analyze_trace(trace_path), trace_path)
+            analysis = analyze_trace(trace_path)
+            record = analysis_to_record(analysis, trace_path)
+            analysed = [("", analysis)]
         else:
             ranks, notes = read_ranks(files, jobs=args.jobs)
             comparison = compare_ranks(ranks)
             comparison.notes.extend(notes)
             record = comparison_record(comparison)
+            analysed = [(f"{rank.path.name}: ", rank.analysis) for rank in ranks]
+        # Events with impossible times (negative, NaN, 1e308) were left out by the reader: say so
+        # in the report's notes and on the terminal, one line per trace.
+        left_out = [
+            prefix + note
+            for prefix, analysis in analysed
+            if (note := exclusion_note(analysis.metadata.get("events") or {}))
+        ]
+        record.notes.extend(left_out)
         settle(record)
         # Records and reports get attached to public tickets: no secret leaves this process.
         record = redact_record(record, redact_paths=args.redact_paths)
@@ -82,5 +94,7 @@ class TraceCommand:
         record.save(record_path)
         write_html(record, report_path)
         print(terminal_summary(record))
+        for note in left_out:
+            print(f"note: {note}")
         print(f"\nreport: {report_path}\nrecord: {record_path}")
         return int(ExitCode.OK)

@@ -7,20 +7,23 @@ does not use (``python_function``, ``gpu_user_annotation``, flows, instant event
 fields are skipped.
 
 Memory: traces can be hundreds of MB. The raw event dicts never outlive one batch: a file is read
-in chunks (``chunk_bytes``), each chunk's complete events are parsed with orjson, copied into
-per-batch Python lists of plain numbers, turned into numpy arrays, and dropped. Names are interned
-into one string table, so a kernel name seen 10,000 times is stored once.
+in chunks (``chunk_bytes``, see :mod:`diagnose.trace.stream`, which also bounds gzip expansion),
+each chunk's complete events are parsed with orjson, copied into per-batch Python lists of plain
+numbers, turned into numpy arrays, and dropped. Names are interned into one string table, so a
+kernel name seen 10,000 times is stored once.
+
+Impossible times (NaN or infinite, a negative duration or timestamp, an event lasting or lying
+more than a day from the rest of the trace) are not analysed: such events are left out and
+counted by reason in :attr:`ParsedTrace.excluded`.
 """
 
 from __future__ import annotations
 
 import gc
 import gzip
-import io
-import re
 import zlib
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,8 @@ import numpy.typing as npt
 import orjson
 
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.trace.stream import EventStream, ReadLimits, one_line, open_trace
+from diagnose.trace.stream import kind as _kind
 
 IntArray = npt.NDArray[np.int32]
 LongArray = npt.NDArray[np.int64]
@@ -64,14 +69,6 @@ _CATEGORIES: dict[Any, int] = {
 KERNEL, MEMCPY, MEMSET = 0, 1, 2
 
 _EMPTY_ARGS: dict[str, Any] = {}
-_ARRAY_ENDS = "array ends"
-_TRACE_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
-# A "}" then "," then "{": the usual boundary between two events of the traceEvents array. It can
-# also occur inside an event (a list of objects in args), so every split is verified by parsing.
-_EVENT_BOUNDARY = re.compile(rb"\}\s*,\s*\{")
-_STRUCTURE = np.zeros(256, dtype=np.int8)
-_STRUCTURE[ord("{")] = _STRUCTURE[ord("[")] = 1
-_STRUCTURE[ord("}")] = _STRUCTURE[ord("]")] = -1
 
 
 @dataclass(frozen=True)
@@ -168,7 +165,11 @@ class ParsedTrace:
     event_count: int
     #: True when the file was read in more than one chunk.
     streamed: bool = False
+    #: Events per table ("host", "runtime", "device", "total"), and per reason for leaving an event
+    #: out ("excluded: negative duration", ...; only reasons that occurred).
     counts: dict[str, int] = field(default_factory=dict)
+    #: Events left out because their times are impossible, by reason (see EXCLUSION_REASONS).
+    excluded: dict[str, int] = field(default_factory=dict)
     #: Module forward ranges; empty unless the trace was captured with with_stack/with_modules.
     modules: ModuleTable = field(default_factory=lambda: ModuleTable(**_concat([], _MODULE_FIELDS)))
 
@@ -176,25 +177,36 @@ class ParsedTrace:
         return self.names[index] if index >= 0 else ""
 
 
-def read_trace(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> ParsedTrace:
+def read_trace(
+    path: Path, *, chunk_bytes: int = CHUNK_BYTES, limits: ReadLimits | None = None
+) -> ParsedTrace:
     """Read ``path`` (``.json`` or gzip, detected by content) into a :class:`ParsedTrace`.
 
     Raises ``DiagnoseError(BAD_INPUT)`` with a one-line message naming the file for anything that
-    is not a readable profiler trace.
+    is not a readable profiler trace, including a gzip file that expands past ``limits``
+    (default: :meth:`ReadLimits.from_env`).
     """
     label = str(path)
     if not path.exists():
         raise DiagnoseError(f"{label}: no such file", ExitCode.BAD_INPUT)
     if path.is_dir():
         raise DiagnoseError(f"{label}: is a directory, not a trace file", ExitCode.BAD_INPUT)
+    limits = limits if limits is not None else ReadLimits.from_env()
     builder = _Builder(label)
     # orjson builds millions of dicts and lists; the cyclic GC would scan them over and over while
     # they are alive (3x slower) although they hold no cycles. Pause it while reading.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with _open(path) as stream:
-            events_stream = _EventStream(stream, max(chunk_bytes, 1 << 10), label)
+        opened, compressed = open_trace(path)
+        with opened as stream:
+            events_stream = EventStream(
+                stream,
+                max(chunk_bytes, 1 << 10),
+                label,
+                compressed=compressed,
+                limits=limits,
+            )
             for batch in events_stream.batches():
                 builder.add(batch)
                 del batch  # free this batch's dicts before the next one is parsed
@@ -204,10 +216,10 @@ def read_trace(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> ParsedTrace:
         raise
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise DiagnoseError(
-            f"{label}: truncated or corrupt gzip data ({_one_line(exc)})", ExitCode.BAD_INPUT
+            f"{label}: truncated or corrupt gzip data ({one_line(exc)})", ExitCode.BAD_INPUT
         ) from None
     except OSError as exc:
-        raise DiagnoseError(f"{label}: cannot read: {_one_line(exc)}", ExitCode.BAD_INPUT) from None
+        raise DiagnoseError(f"{label}: cannot read: {one_line(exc)}", ExitCode.BAD_INPUT) from None
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -216,248 +228,6 @@ def read_trace(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> ParsedTrace:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _open(path: Path) -> io.BufferedIOBase:
-    with path.open("rb") as probe:
-        magic = probe.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rb")
-    return path.open("rb")
-
-
-class _EventStream:
-    """Yields the traceEvents array in batches of parsed events, reading ``chunk`` bytes at a time.
-
-    Small files (one chunk) are parsed whole. Larger ones: the text before ``"traceEvents": [`` is
-    parsed as the header object; then each chunk is cut at the last event boundary, the complete
-    events before it are parsed, and the rest is carried over to the next chunk. The end of the
-    array and the fields after it are found with an exact (string-aware) bracket scan.
-    """
-
-    def __init__(self, stream: io.BufferedIOBase, chunk: int, label: str) -> None:
-        self._stream = stream
-        self._chunk = chunk
-        self._label = label
-        self._eof = False
-        self.top_level: dict[str, Any] = {}
-        self.chunks_read = 0
-        self.streamed = False
-
-    def _read(self) -> bytes:
-        """Up to one chunk; shorter only at the end of the stream."""
-        parts: list[bytes] = []
-        wanted = self._chunk
-        while wanted > 0:
-            data = self._stream.read(wanted)
-            if not data:
-                self._eof = True
-                break
-            parts.append(data)
-            wanted -= len(data)
-        self.chunks_read += 1
-        return b"".join(parts) if len(parts) != 1 else parts[0]
-
-    def _fail(self, problem: str) -> DiagnoseError:
-        return DiagnoseError(f"{self._label}: {problem}", ExitCode.BAD_INPUT)
-
-    def _loads(self, data: bytes | bytearray | memoryview) -> Any:
-        try:
-            return orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            raise self._fail(f"invalid JSON: {_one_line(exc)}") from None
-
-    def batches(self) -> Iterator[list[Any]]:
-        first = self._read()
-        if not first:
-            raise self._fail("empty file")
-        buf = bytearray(first)
-        more = b"" if self._eof else self._read()
-        if not more:
-            yield self._whole_document(buf)
-            return
-        buf += more
-        yield from self._streamed(buf)
-
-    def _whole_document(self, buf: bytearray) -> list[Any]:
-        data = self._loads(buf)
-        del buf[:]
-        if isinstance(data, list):  # Chrome's "JSON Array Format": the events alone
-            return data
-        if not isinstance(data, dict):
-            raise self._fail(f"not a profiler trace: the JSON top level is a {_kind(data)}")
-        if "traceEvents" not in data:
-            raise self._fail("not a profiler trace: no traceEvents field")
-        events = data.pop("traceEvents")
-        if not isinstance(events, list):
-            raise self._fail(f"not a profiler trace: traceEvents is a {_kind(events)}, not a list")
-        self.top_level = data
-        return events
-
-    def _read_all(self, buf: bytearray) -> None:
-        while not self._eof:
-            buf += self._read()
-
-    def _streamed(self, buf: bytearray) -> Iterator[list[Any]]:
-        self.streamed = True
-        start = 0
-        while start < len(buf) and buf[start] in b" \t\r\n\xef\xbb\xbf":
-            start += 1
-        if start < len(buf) and buf[start] == ord("["):
-            del buf[:start]  # bare array of events
-        else:
-            match = _TRACE_EVENTS_KEY.search(buf)
-            while match is None and not self._eof:
-                buf += self._read()
-                match = _TRACE_EVENTS_KEY.search(buf)
-            header = _parse_header(bytes(buf[: match.start()])) if match is not None else None
-            if match is None or header is None:
-                # No plain '"traceEvents": [' after a parseable header: parse the whole document,
-                # which also yields the precise error for files that are no trace at all.
-                self._read_all(buf)
-                yield self._whole_document(buf)
-                return
-            self.top_level = header
-            del buf[: match.end() - 1]  # buf now starts with the array's "["
-        yield from self._array_batches(buf)
-
-    def _array_batches(self, buf: bytearray) -> Iterator[list[Any]]:
-        """Parse the events of the array that ``buf`` starts with; then the fields after it."""
-        limit = self._chunk
-        while True:
-            while not self._eof and len(buf) < 2 * limit:
-                buf += self._read()
-            if self._eof:
-                yield from self._finish(buf)
-                return
-            split = self._split(buf, limit)
-            if split is _ARRAY_ENDS:
-                # The fields after the array are in this buffer: read the rest and finish.
-                self._read_all(buf)
-                yield from self._finish(buf)
-                return
-            if split is None:
-                # An event larger than a chunk: look further next time.
-                limit *= 2
-                continue
-            limit = self._chunk
-            assert not isinstance(split, str)
-            next_start, events = split
-            yield events
-            del events, split
-            del buf[: next_start - 1]
-            buf[0] = ord("[")  # the byte before the next "{" is "," or whitespace
-
-    def _split(self, buf: bytearray, limit: int) -> tuple[int, list[Any]] | str | None:
-        """Parse the complete events in about the first ``limit`` bytes of ``buf``.
-
-        Returns (index of the next event's "{", the parsed events); ``_ARRAY_ENDS`` when the
-        array ends inside the buffer; None when no event ends within it.
-        """
-        limit = min(len(buf), limit)
-        window = 1 << 16
-        candidates: list[re.Match[bytes]] = []
-        while not candidates and window < limit * 4:
-            candidates = list(_EVENT_BOUNDARY.finditer(buf, max(1, limit - window), limit))
-            window *= 4
-        for match in reversed(candidates[-3:]):
-            events = self._try_events(buf, match.start())
-            if events is not None:
-                return match.end() - 1, events
-        # The cheap cut failed (objects nested in args, or the array ends in this buffer): scan.
-        positions, depth = _structure(buf)
-        if np.flatnonzero(depth == 0).size:
-            return _ARRAY_ENDS
-        # Element ends: a "}" that brings the depth back to 1 (inside the array, between events).
-        closing = np.frombuffer(buf, np.uint8)[positions] == ord("}")
-        ends = positions[(depth == 1) & closing]
-        for brace in ends[::-1][:2].tolist():
-            nxt = buf.find(b"{", brace + 1)
-            if nxt < 0:
-                continue
-            events = self._try_events(buf, brace)
-            if events is not None:
-                return nxt, events
-        return None
-
-    def _try_events(self, buf: bytearray, brace: int) -> list[Any] | None:
-        saved = buf[brace + 1]
-        buf[brace + 1] = ord("]")
-        try:
-            with memoryview(buf) as view:
-                parsed = orjson.loads(view[: brace + 2])
-        except orjson.JSONDecodeError:
-            parsed = None
-        buf[brace + 1] = saved
-        return parsed if isinstance(parsed, list) else None
-
-    def _finish(self, buf: bytearray) -> Iterator[list[Any]]:
-        positions, depth = _structure(buf)
-        closes = np.flatnonzero(depth == 0)
-        if not closes.size:
-            raise self._fail("invalid JSON: the traceEvents array never ends (truncated file?)")
-        end = int(positions[closes[0]])
-        with memoryview(buf) as view:
-            events = self._loads(view[: end + 1])
-        tail = bytes(buf[end + 1 :]).strip()
-        del buf[:]
-        yield events
-        if tail.startswith(b","):
-            rest = self._loads(b"{" + tail[1:])
-            if isinstance(rest, dict):
-                self.top_level.update(rest)
-        elif tail not in (b"}", b""):
-            raise self._fail("invalid JSON: unexpected text after the traceEvents array")
-
-
-def _parse_header(text: bytes) -> dict[str, Any] | None:
-    """The top-level fields written before traceEvents, or None if the text is not such a prefix."""
-    body = text.strip()
-    if body.startswith(b"\xef\xbb\xbf"):
-        body = body[3:].strip()
-    if not body.startswith(b"{"):
-        return None
-    if body.endswith(b","):
-        body = body[:-1]
-    try:
-        parsed = orjson.loads(body + b"}")
-    except orjson.JSONDecodeError:
-        return None
-    return parsed if isinstance(parsed, dict) else None
-
-
-def _structure(buf: bytearray) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int64]]:
-    """Positions of the brackets outside strings, and the nesting depth after each one."""
-    data = np.frombuffer(buf, dtype=np.uint8)
-    quotes = np.flatnonzero(data == ord('"'))
-    if quotes.size and quotes[0] >= 0:
-        escaped_candidates = quotes[(quotes > 0) & (data[np.maximum(quotes - 1, 0)] == ord("\\"))]
-        if escaped_candidates.size:
-            escaped = []
-            for q in escaped_candidates.tolist():
-                run = 0
-                while q - run - 1 >= 0 and data[q - run - 1] == ord("\\"):
-                    run += 1
-                if run % 2:
-                    escaped.append(q)
-            if escaped:
-                quotes = np.setdiff1d(quotes, np.asarray(escaped), assume_unique=True)
-    deltas = _STRUCTURE[data]
-    positions = np.flatnonzero(deltas)
-    outside = (np.searchsorted(quotes, positions) & 1) == 0
-    positions = positions[outside]
-    depth = np.cumsum(deltas[positions], dtype=np.int64)
-    return positions, depth
-
-
-def _kind(value: Any) -> str:
-    return {dict: "object", list: "list", str: "string", bool: "boolean"}.get(
-        type(value), "number" if isinstance(value, (int, float)) else type(value).__name__
-    )
 
 
 class _Builder:
@@ -732,13 +502,6 @@ class _Builder:
         runtime = _concat(self._runtime, _RUNTIME_FIELDS)
         device = _concat(self._device, _DEVICE_FIELDS)
         self._host = self._runtime = self._device = []
-        if not (host["name"].size or runtime["name"].size or device["name"].size):
-            raise DiagnoseError(
-                f"{self._label}: the trace has no profiler events "
-                "(no cpu_op, user_annotation, kernel, memcpy or runtime events)",
-                ExitCode.BAD_INPUT,
-            )
-        base = float(min(float(np.min(t["ts"])) for t in (host, runtime, device) if t["ts"].size))
         modules = _concat(
             [
                 {
@@ -753,6 +516,21 @@ class _Builder:
             _MODULE_FIELDS,
         )
         self._modules = []
+        had_events = bool(host["name"].size or runtime["name"].size or device["name"].size)
+        excluded = _drop_impossible((host, runtime, device, modules))
+        if not (host["name"].size or runtime["name"].size or device["name"].size):
+            if had_events:
+                raise DiagnoseError(
+                    f"{self._label}: no profiler event has a possible time "
+                    f"(left out: {describe_exclusions(excluded)})",
+                    ExitCode.BAD_INPUT,
+                )
+            raise DiagnoseError(
+                f"{self._label}: the trace has no profiler events "
+                "(no cpu_op, user_annotation, kernel, memcpy or runtime events)",
+                ExitCode.BAD_INPUT,
+            )
+        base = float(min(float(np.min(t["ts"])) for t in (host, runtime, device) if t["ts"].size))
         tables = []
         for columns in (host, runtime, device, modules):
             columns["ts"] = columns["ts"] - base
@@ -794,8 +572,78 @@ class _Builder:
                 "runtime": int(tables[1]["name"].size),
                 "device": int(tables[2]["name"].size),
                 "total": self._seen,
+                # Mirrored here because the counts travel into the record's trace metadata.
+                **{f"{EXCLUDED_PREFIX}{reason}": n for reason, n in excluded.items()},
             },
+            excluded=excluded,
         )
+
+
+#: Why an event's times are impossible, tested in this order (an event counts under the first).
+NON_FINITE = "non-finite time"
+NEGATIVE_DURATION = "negative duration"
+NEGATIVE_TIMESTAMP = "negative timestamp"
+OUTSIDE_SPAN = "time outside the trace span"
+EXCLUSION_REASONS = (NON_FINITE, NEGATIVE_DURATION, NEGATIVE_TIMESTAMP, OUTSIDE_SPAN)
+#: Prefix of the per-reason keys in :attr:`ParsedTrace.counts`.
+EXCLUDED_PREFIX = "excluded: "
+#: No profiler trace spans a day (a minute of a GPU trace is hundreds of MB): an event lasting
+#: longer, or starting further than this from the median event, is a corrupt value such as 1e308,
+#: which would otherwise overflow every sum it enters. Microseconds.
+_MAX_SPAN_US = 86_400e6
+
+
+def _drop_impossible(tables: tuple[dict[str, Any], ...]) -> dict[str, int]:
+    """Remove, in place, the events of ``tables`` whose ts/dur are impossible; count them by
+    reason (only reasons that occurred)."""
+    codes: list[npt.NDArray[np.int8]] = []
+    for columns in tables:
+        ts, dur = columns["ts"], columns["dur"]
+        code = np.zeros(ts.size, dtype=np.int8)
+        code[~(np.isfinite(ts) & np.isfinite(dur))] = 1 + EXCLUSION_REASONS.index(NON_FINITE)
+        code[(code == 0) & (dur < 0)] = 1 + EXCLUSION_REASONS.index(NEGATIVE_DURATION)
+        code[(code == 0) & (ts < 0)] = 1 + EXCLUSION_REASONS.index(NEGATIVE_TIMESTAMP)
+        codes.append(code)
+    starts = np.concatenate([c["ts"][code == 0] for c, code in zip(tables, codes, strict=True)])
+    if starts.size:
+        # The median start is the trace's centre whatever a few corrupt events say.
+        centre = float(np.median(starts))
+        for columns, code in zip(tables, codes, strict=True):
+            far = (np.abs(columns["ts"] - centre) > _MAX_SPAN_US) | (columns["dur"] > _MAX_SPAN_US)
+            code[(code == 0) & far] = 1 + EXCLUSION_REASONS.index(OUTSIDE_SPAN)
+    excluded: dict[str, int] = {}
+    for index, reason in enumerate(EXCLUSION_REASONS, start=1):
+        count = sum(int(np.count_nonzero(code == index)) for code in codes)
+        if count:
+            excluded[reason] = count
+    if excluded:
+        for columns, code in zip(tables, codes, strict=True):
+            keep = code == 0
+            for key in columns:
+                columns[key] = columns[key][keep]
+    return excluded
+
+
+def describe_exclusions(excluded: Mapping[str, int]) -> str:
+    """``{"negative duration": 3, ...}`` as "3 negative duration, ..." (reasons in test order)."""
+    return ", ".join(f"{excluded[r]:,} {r}" for r in EXCLUSION_REASONS if excluded.get(r))
+
+
+def exclusion_note(counts: Mapping[str, Any]) -> str | None:
+    """One line for the reader about the events left out, from :attr:`ParsedTrace.counts` (or the
+    trace metadata's copy of it in a record); None when none were."""
+    excluded = {
+        key.removeprefix(EXCLUDED_PREFIX): value
+        for key, value in counts.items()
+        if key.startswith(EXCLUDED_PREFIX) and isinstance(value, int)
+    }
+    total = sum(excluded.values())
+    if not total:
+        return None
+    return (
+        f"{total:,} trace event{'s' if total != 1 else ''} with impossible times left out of the "
+        f"analysis ({describe_exclusions(excluded)})."
+    )
 
 
 _HOST_FIELDS: dict[str, Any] = {
@@ -887,6 +735,11 @@ def _first_bad_event(events: Any, offset: int) -> str:
             value = (args or {}).get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 return f"{where}: args field '{key}' is a {_kind(value)}, expected an integer"
+            if value is not None and not -(1 << 63) <= value < 1 << 63:
+                return f"{where}: args field '{key}' is {value}, beyond a 64-bit integer"
+        types = (args or {}).get("Input type")
+        if isinstance(types, list) and any(isinstance(v, (list, dict)) for v in types):
+            return f"{where}: args field 'Input type' holds a list or object, expected strings"
         for key in ("device", "stream"):
             value = (args or {}).get(key)
             if isinstance(value, (list, dict)):
