@@ -547,23 +547,15 @@ class RunRecord:
 
     @classmethod
     def load(cls, path: Path) -> RunRecord:
-        """Load a record file, or the ``record.json`` inside a run folder."""
-        if path.is_dir():
-            path = path / "record.json"
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise DiagnoseError(f"{path}: no such file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DiagnoseError(f"{path}: cannot read: {exc}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DiagnoseError(f"{path}: invalid JSON: {exc}") from None
-        try:
-            return cls.from_dict(data)
-        except DiagnoseError as exc:
-            raise DiagnoseError(f"{path}: {exc.message}", exc.code) from None
+        """Load a record file, or the ``record.json`` inside a run folder.
+
+        Bad input of any kind (not a regular file, not UTF-8 or JSON, nested too deep, wrong
+        types, impossible numbers) is one DiagnoseError line naming the file; impossible step
+        times are left out with a note. See :mod:`diagnose.record_validation`.
+        """
+        from diagnose.record_validation import load_record
+
+        return load_record(path, cls.from_dict)
 
 
 def utc_now_iso() -> str:

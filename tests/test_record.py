@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
+from diagnose.cli import main
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import (
     SCHEMA_VERSION,
@@ -183,3 +185,152 @@ def test_a_version_1_record_gets_its_lines_and_findings_as_checks() -> None:
     assert by_outcome["not_judged"].text == "optimizer: bitsandbytes missing"
     assert by_outcome["finding"].id == "attention.math_fallback"
     assert "not_judged" not in record.probes[0].data
+
+
+# --------------------------------------------------------------------------------------------
+# Loading hostile or corrupt files (diagnose.record_validation)
+
+
+def _one_line_error(path: Path) -> str:
+    with pytest.raises(DiagnoseError) as info:
+        RunRecord.load(path)
+    assert info.value.code == ExitCode.BAD_INPUT
+    assert "\n" not in info.value.message and str(path) in info.value.message
+    return info.value.message
+
+
+def _with_steps(tmp_path: Path, seconds: list[str]) -> Path:
+    """The v1 fixture with its step times replaced by JSON literals (NaN, Infinity, 1e308...)."""
+    text = (FIXTURES / "records" / "v1_minimal.json").read_text()
+    for old, new in zip(("1.80", "1.84", "1.90"), seconds, strict=True):
+        text = text.replace(f'"seconds": {old}', f'"seconds": {new}', 1)
+    path = tmp_path / "record.json"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("literal", "reason"),
+    [
+        ("-1.0", "zero or negative"),
+        ("0", "zero or negative"),
+        ("null", "not a finite number"),
+        ("NaN", "not a finite number"),
+        ("Infinity", "not a finite number"),
+        ("-Infinity", "not a finite number"),
+        ("1e308", "longer than a day"),
+    ],
+)
+def test_impossible_step_times_are_left_out_and_counted(
+    tmp_path: Path, literal: str, reason: str
+) -> None:
+    record = RunRecord.load(_with_steps(tmp_path, ["1.80", literal, "1.90"]))
+    assert [s.seconds for s in record.timing.samples] == [1.80, 1.90]
+    assert record.timing.unprofiled.median == pytest.approx(1.85)
+    assert record.notes[-1] == (
+        f"Left out when the record was read: 1 step sample with an impossible time (1 {reason}); "
+        "2 valid steps remain."
+    )
+    # The clean twin: every step kept, nothing noted.
+    clean = RunRecord.load(_with_steps(tmp_path, ["1.80", "1.84", "1.90"]))
+    assert len(clean.timing.samples) == 3 and not clean.notes
+
+
+def test_a_record_of_only_impossible_steps_reports_no_step_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: "−1.00 s/it" for negative steps, and an OverflowError (in math.fsum) for 1e308."""
+    path = _with_steps(tmp_path, ["-1.0", "1e308", "NaN"])
+    record = RunRecord.load(path)
+    assert record.timing.samples == [] and record.timing.unprofiled.n == 0
+    assert "3 step samples with an impossible time" in record.notes[-1]
+    capsys.readouterr()
+    assert main(["report", str(path), "--out", str(tmp_path / "r.html")]) == 0
+    out, err = capsys.readouterr()
+    assert "s/it (median" not in out and "-1.00" not in out and "−1.00" not in out
+    assert "note: Left out when the record was read: 3 step samples" in out
+    assert err == ""
+    assert "3 step samples with an impossible time" in (tmp_path / "r.html").read_text()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nested more than 100 deep"),
+        (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nested more than 100 deep"),
+        (
+            b'{"schema_version": 1, "mode": "run", "config": {"x": '
+            + b"[" * 150
+            + b"]" * 150
+            + b"}}",
+            "nested more than 100 deep",
+        ),
+        (b'{"schema_version": 1, "mode": "run", "config": {"seed": 1' + b"0" * 30 + b"}}", "range"),
+        (b'{"schema_version": 1' + b"0" * 5000 + b', "mode": "run"}', "thousands of digits"),
+        (b'{"schema_version": 1, "mode": "run"}\xff', "not UTF-8"),
+        ('{"schema_version": 1, "mode": "run"}'.encode("utf-16"), "not UTF-8"),
+        (b'{"schema_version": 1, "mode": "run", "probes": [{"name": [1]}]}', "malformed record"),
+        (
+            b'{"schema_version": 1, "mode": "run", "probes": [{"checked_ok": 3}]}',
+            "malformed record",
+        ),
+        (
+            b'{"schema_version": 2, "mode": "run",'
+            b' "findings": [{"est_seconds_saved_per_it": 1e308}]}',
+            "findings[0].est_seconds_saved_per_it is 1e+308",
+        ),
+        (
+            b'{"schema_version": 2, "mode": "run", "breakdown": {"seconds": {"forward": "fast"}}}',
+            "breakdown.seconds['forward'] is str",
+        ),
+        (
+            b'{"schema_version": 2, "mode": "run", "inventory": {"x": Infinity}}',
+            "inventory['x'] is inf",
+        ),
+        (
+            b'{"schema_version": 2, "mode": "run", "timing": {"samples": [{"seconds": 1,'
+            b' "phases": {"forward": NaN}}]}}',
+            "timing.samples[0].phases['forward'] is nan",
+        ),
+    ],
+)
+def test_hostile_records_are_one_line_errors(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "record.json"
+    path.write_bytes(content)
+    assert message in _one_line_error(path)
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    plain = FIXTURES / "records" / "v1_minimal.json"
+    marked = tmp_path / "record.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert RunRecord.load(marked) == RunRecord.load(plain)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_special_files_are_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # opening it to read would wait for a writer forever
+    assert "not a regular file" in _one_line_error(fifo)
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(tmp_path / "loop2.json")
+    (tmp_path / "loop2.json").symlink_to(loop)
+    assert "Too many levels of symbolic links" in _one_line_error(loop)
+    if Path("/dev/zero").exists():
+        zero = tmp_path / "zero.json"
+        zero.symlink_to("/dev/zero")
+        assert "not a regular file" in _one_line_error(zero)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    os.mkfifo(folder / "record.json")
+    assert "not a regular file" in _one_line_error(folder)
+
+
+def test_every_fixture_record_loads_as_before() -> None:
+    """The validation changes nothing in a valid record: loading equals building from the JSON."""
+    paths = [*(FIXTURES / "compare").glob("*.json"), FIXTURES / "records" / "v1_minimal.json"]
+    for path in paths:
+        data = json.loads(path.read_text())
+        if "schema_version" not in data:  # noise.json holds step times, not a record
+            continue
+        assert RunRecord.load(path) == RunRecord.from_dict(data), path

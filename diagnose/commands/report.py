@@ -31,6 +31,7 @@ class ReportCommand:
             refuse_outputs_over_inputs,
         )
         from diagnose.record import RunRecord
+        from diagnose.record_validation import left_out_notes
         from diagnose.reports import terminal_summary, write_html
 
         record = RunRecord.load(args.record)
@@ -41,5 +42,9 @@ class ReportCommand:
         check_writable_file(out, force=args.force, option="--out")
         write_html(record, out)
         print(terminal_summary(record))
+        # Step samples with impossible times were left out on loading: the headline alone would
+        # not say why it has fewer steps (or none).
+        for note in left_out_notes(record):
+            print(f"note: {note}")
         print(f"\nreport: {out}")
         return int(ExitCode.OK)

@@ -1,0 +1,234 @@
+"""Reading a record file safely, and checking the values of a loaded record.
+
+:meth:`diagnose.record.RunRecord.load` reads every record (``diagnose report``, ``compare``,
+``run --baseline``, sweeps) through here, so a hand-edited, truncated or hostile file ends in one
+:class:`DiagnoseError` line (exit 3), never a traceback, a hang or unbounded memory:
+
+* :func:`read_record_document`: only a regular file (a FIFO or ``/dev/zero`` would block or never
+  end), at most :data:`MAX_RECORD_BYTES`, UTF-8 with or without a byte-order mark, JSON nested at
+  most :data:`MAX_DEPTH` deep (Python's parser would raise RecursionError on 100,000 levels, and
+  everything that walks a record recursively would later), integers within 64 bits.
+* :func:`screen_steps`: impossible step times (zero, negative, NaN, infinite, longer than a
+  day) are left out of the document before the record is built, so no summary is "-1.00 s/it"
+  and no sum overflows; :func:`validate_record` says so in a counted note, and requires every
+  other number to be finite and plausible and the maps of seconds to hold numbers.
+
+:func:`load_record` is the whole of it, what ``RunRecord.load`` calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import stat
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.record import RankStat, RunRecord
+
+#: Real records are KB to a few MB (a trace record lists kernels and rules' tables).
+MAX_RECORD_BYTES = 256 << 20
+#: Real records nest about ten levels (record > probes > data > rules > tables > rows).
+MAX_DEPTH = 100
+#: No training step lasts a day; a larger time is a corrupt value (1e308 overflows every sum).
+MAX_STEP_SECONDS = 86_400.0
+#: The largest magnitude of any other number: far beyond any byte count, second or ratio a record
+#: holds, far below where a sum of thousands of them overflows a float.
+MAX_MAGNITUDE = 1e18
+_INT_LIMIT = 1 << 63
+#: The notes :func:`validate_record` adds start with this (the report command shows them).
+LEFT_OUT = "Left out when the record was read: "
+
+
+def load_record(path: Path, from_dict: Callable[[Mapping[str, Any]], RunRecord]) -> RunRecord:
+    """Read, build (with ``from_dict``) and check the record at ``path``, a file or a run folder.
+
+    Every problem is one DiagnoseError line naming the file (exit 3).
+    """
+    path, data = read_record_document(path)
+    left_out = screen_steps(data)
+    try:
+        record = from_dict(data)
+        validate_record(record, left_out)
+    except DiagnoseError as exc:
+        raise DiagnoseError(f"{path}: {exc.message}", exc.code) from None
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
+        # The schema migrations walk the raw document before any type is checked.
+        raise _fail(path, f"malformed record: {' '.join(str(exc).split())}") from None
+    return record
+
+
+def _fail(path: Path, problem: str) -> DiagnoseError:
+    return DiagnoseError(f"{path}: {problem}", ExitCode.BAD_INPUT)
+
+
+def read_record_document(path: Path) -> tuple[Path, Any]:
+    """The JSON document of the record at ``path`` (a file, or a run folder's ``record.json``),
+    and the file's path. Raises DiagnoseError(BAD_INPUT) naming the file."""
+    if path.is_dir():
+        path = path / "record.json"
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise _fail(path, "no such file") from None
+    except OSError as exc:  # a symlink loop (ELOOP), a permission error
+        raise _fail(path, f"cannot read: {exc.strerror or type(exc).__name__}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise _fail(path, "not a regular file (a record is a JSON file)")
+    if info.st_size > MAX_RECORD_BYTES:
+        raise _fail(path, f"{info.st_size:,} bytes, more than any record; not a diagnose record")
+    try:
+        # O_NONBLOCK: if the file was swapped for a FIFO after the check, open does not wait.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as handle:
+            raw = handle.read(MAX_RECORD_BYTES + 1)
+    except OSError as exc:
+        raise _fail(path, f"cannot read: {exc.strerror or type(exc).__name__}") from None
+    if len(raw) > MAX_RECORD_BYTES:
+        raise _fail(path, "more bytes than any record; not a diagnose record")
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors) is accepted
+    except UnicodeDecodeError as exc:
+        raise _fail(path, f"not UTF-8 text (byte {exc.start}); not a diagnose record") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise _fail(
+            path, f"JSON nested more than {MAX_DEPTH} deep; not a diagnose record"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise _fail(path, f"invalid JSON: {' '.join(str(exc).split())}") from None
+    except ValueError:  # Python refuses to convert integers of more than 4,300 digits
+        raise _fail(path, "a number with thousands of digits; not a diagnose record") from None
+    problem = _shape_problem(data)
+    if problem:
+        raise _fail(path, f"malformed record: {problem}")
+    return path, data
+
+
+def _shape_problem(data: Any) -> str | None:
+    """Why ``data`` cannot be a record whatever its fields: too deep, or an integer that no
+    float holds. Iterative, so that no depth of nesting can exhaust the stack."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                return f"JSON nested more than {MAX_DEPTH} deep"
+            items = value.values() if isinstance(value, dict) else value
+            stack.extend((item, depth + 1) for item in items)
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _INT_LIMIT:
+            return f"the integer {str(value)[:20]}... is out of range"
+    return None
+
+
+def screen_steps(data: Any) -> dict[str, int]:
+    """Remove, in place, the step samples of a record document whose ``seconds`` is a number (or
+    null, a NaN) that no step can take; return how many by reason. Samples of the wrong type are
+    left for the record's own type checks to refuse."""
+    timing = data.get("timing") if isinstance(data, dict) else None
+    if not isinstance(timing, dict) or not isinstance(timing.get("samples"), list):
+        return {}
+    samples: list[Any] = timing["samples"]
+    reasons: dict[str, int] = {}
+    kept = []
+    for sample in samples:
+        if not isinstance(sample, dict):
+            kept.append(sample)  # refused by the type checks, with their message
+            continue
+        seconds = sample.get("seconds", 0.0)  # a step without a time is no timed step
+        if seconds is None:
+            seconds = math.nan  # how a record writes a NaN
+        problem = None
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+            problem = _step_problem(float(seconds))
+        if problem is None:
+            kept.append(sample)
+        else:
+            reasons[problem] = reasons.get(problem, 0) + 1
+    timing["samples"] = kept
+    return reasons
+
+
+def validate_record(record: RunRecord, left_out: Mapping[str, int] | None = None) -> None:
+    """Check the values of a record built from a screened document; note what was left out.
+
+    Raises DiagnoseError (the caller adds the file name) for a value that is wrong rather than
+    merely impossible to time: a map of seconds holding a non-number, an infinite or absurd
+    number anywhere.
+    """
+    _check_numbers(record)
+    for index, sample in enumerate(record.timing.samples):
+        _check_map(sample.phases, f"timing.samples[{index}].phases")
+    _check_map(record.breakdown.seconds, "breakdown.seconds")
+    _check_map(record.breakdown.device_seconds_by_kernel_class, "breakdown.device_seconds")
+    _check_map(record.wall_seconds, "wall_seconds")
+    for index, rank in enumerate(record.ranks):
+        _check_rank(rank, f"ranks[{index}]")
+    if left_out:
+        left = sum(left_out.values())
+        kept = len(record.timing.samples)
+        tally = ", ".join(f"{n} {reason}" for reason, n in left_out.items())
+        record.notes.append(
+            f"{LEFT_OUT}{left} step sample{'s' if left != 1 else ''} with an impossible time "
+            f"({tally}); {kept} valid step{'s' if kept != 1 else ''} remain."
+        )
+
+
+def left_out_notes(record: RunRecord) -> list[str]:
+    """The notes :func:`validate_record` added (what was left out, for the terminal)."""
+    return [note for note in record.notes if note.startswith(LEFT_OUT)]
+
+
+def _step_problem(seconds: float) -> str | None:
+    if not math.isfinite(seconds):
+        return "not a finite number"
+    if seconds <= 0:
+        return "zero or negative"
+    if seconds > MAX_STEP_SECONDS:
+        return "longer than a day"
+    return None
+
+
+def _check_rank(rank: RankStat, where: str) -> None:
+    for key in ("phases", "comm_by_kind"):
+        _check_map(getattr(rank, key), f"{where}.{key}")
+    for index, seconds in enumerate(rank.step_seconds):
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise DiagnoseError(f"malformed record: {where}.step_seconds[{index}] is not a number")
+
+
+def _check_map(values: Mapping[str, Any], where: str) -> None:
+    """A map of name -> seconds (phases, kernel classes): numbers, finite when given."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DiagnoseError(
+                f"malformed record: {where}[{key!r}] is {type(value).__name__}, expected seconds"
+            )
+        if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
+            raise DiagnoseError(f"malformed record: {where}[{key!r}] is {value!r}")
+
+
+def _check_numbers(record: RunRecord) -> None:
+    """Every number of the record: no infinity anywhere (a record writes none: JSON has no
+    Infinity), and no float field of its dataclasses beyond :data:`MAX_MAGNITUDE`. NaN is how a
+    record says "not measured" (null), so it passes; step times are screened apart."""
+    stack: list[tuple[Any, str, bool]] = [(record, "", True)]
+    while stack:
+        item, at, typed = stack.pop()
+        if isinstance(item, float):
+            if math.isinf(item) or (typed and abs(item) > MAX_MAGNITUDE):
+                raise DiagnoseError(f"malformed record: {at.lstrip('.')} is {item!r}")
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            for field in dataclasses.fields(item):
+                stack.append((getattr(item, field.name), f"{at}.{field.name}", True))
+        elif isinstance(item, list):
+            stack.extend((child, f"{at}[{i}]", typed) for i, child in enumerate(item))
+        elif isinstance(item, dict):
+            stack.extend((child, f"{at}[{key!r}]", False) for key, child in item.items())
