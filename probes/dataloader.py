@@ -39,6 +39,7 @@ from diagnose.catalogs.dataloader_catalog import (
 from diagnose.probes.base import ProbeContext, ProbeSkipped
 from diagnose.probes.dataloader_ab import (
     INPUT_PHASES,
+    LOADER_PHASES,
     VARIANT_KEYS,
     VARIANT_OVERRUN_FACTOR,
     WARMUP_STEPS,
@@ -135,8 +136,16 @@ class DataLoaderProbe:
         data["dataset"] = facts
         self._check_folder(info, result)
 
-        # 2. Hot frames.
-        frames = self._hot_frames(ctx, loader, result)
+        # 2. Hot frames: they explain a wait, so only a wait that could matter is sampled.
+        loader_seconds = phase_bound(ctx.record, LOADER_PHASES)
+        step = wait.s_per_it if wait else None
+        negligible = (
+            loader_seconds is not None
+            and step is not None
+            and step > 0
+            and loader_seconds < MIN_MEASURED_GAIN * step
+        )
+        frames = self._hot_frames(ctx, loader, result, negligible)
 
         # 3. The A/B.
         variants = plan_variants(
@@ -215,12 +224,20 @@ class DataLoaderProbe:
             result.add_ok(SKIPPED_FILES_CHECK, skipped)
 
     def _hot_frames(
-        self, ctx: ProbeContext, loader: LoaderConfig, result: ProbeResult
+        self, ctx: ProbeContext, loader: LoaderConfig, result: ProbeResult, negligible: bool
     ) -> HotFrames | None:
-        """Sample a fresh loader alone under py-spy, when there is image work to sample."""
+        """Sample a fresh loader alone under py-spy, when there is image work to sample and the
+        step waits long enough for it to matter."""
         data = result.data
         if not self.sample:
             data["sampling"] = {"available": False, "reason": "turned off"}
+            return None
+        if negligible:
+            data["sampling"] = {
+                "available": False,
+                "reason": f"the step waits for its batches and copies them less than "
+                f"{MIN_MEASURED_GAIN:.0%} of the time: no wait for the frames to explain",
+            }
             return None
         if not loader.decodes_images:
             data["sampling"] = {

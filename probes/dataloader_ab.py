@@ -60,12 +60,14 @@ VARIANT_KEYS: tuple[VariantKey, ...] = ("configured", "workers", "predecoded", "
 #: What a variant's loader hands the step: images decoded per step, decoded-once tensors, or no
 #: pixels at all (latents come from the cache).
 Source = Literal["decode", "predecoded", "latents"]
+#: The phases the loader itself costs the step: the wait for the batch and its copy.
+LOADER_PHASES: tuple[str, ...] = ("data_wait", "h2d")
 #: The phases each fix can shorten: more workers and decoded-once images take the decode off the
-#: step (its wait for the batch and the copy); cached latents the VAE/text encode as well.
+#: step (the loader's phases); cached latents the VAE/text encode as well.
 SHORTENS: dict[VariantKey, tuple[str, ...]] = {
     "configured": (),
-    "workers": ("data_wait", "h2d"),
-    "predecoded": ("data_wait", "h2d"),
+    "workers": LOADER_PHASES,
+    "predecoded": LOADER_PHASES,
     "cached_latents": INPUT_PHASES,
 }
 

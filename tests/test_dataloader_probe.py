@@ -322,6 +322,44 @@ def test_cached_latents_with_small_images_is_quiet(fed: Probed) -> None:
 
 
 @pytest.mark.slow
+def test_a_negligible_wait_spends_no_step_on_loader_fixes(tmp_path: Path) -> None:
+    """Clean twin of ``starved``: small images decode in well under a millisecond, so the step
+    hardly waits for its batch. More workers and decoded-once images could save at most that
+    wait: they are left out with the numbers, py-spy is not started, and only cached latents
+    (which also removes the VAE encode) is timed against the configured loader."""
+    generate_images(tmp_path / "small", count=4, seed=2, size=(64, 64))
+    config = RunConfig(
+        preset="sd15",
+        size="tiny",
+        precision="fp32",
+        resolution=[64],
+        workers=0,
+        data_dir=str(tmp_path / "small"),
+    )
+    with _one_thread():
+        workload = build_workload(config, CPU)
+        try:
+            probed = _probe(workload, DataLoaderProbe(), tmp_path / "scratch")
+        finally:
+            workload.close()
+    result = probed.result
+    assert result.status == "ok", result.traceback
+    phases = probed.record.breakdown.seconds
+    share = (phases["data_wait"] + phases.get("h2d", 0.0)) / probed.record.timing.headline.median
+    assert share < 0.05, f"the planted small images still waited {share:.1%} of the step"
+    assert [row["key"] for row in result.data["ab"]] == ["configured", "cached_latents"]
+    left_out = {
+        c.id: c
+        for c in result.checks
+        if c.id in ("dataloader.ab_workers", "dataloader.ab_predecoded")
+    }
+    assert set(left_out) == {"dataloader.ab_workers", "dataloader.ab_predecoded"}
+    assert all(c.outcome == "ok" and "not measured" in c.text for c in left_out.values())
+    assert result.data["sampling"]["available"] is False
+    assert "no wait for the frames to explain" in result.data["sampling"]["reason"]
+
+
+@pytest.mark.slow
 def test_without_py_spy_the_probe_completes_and_says_why(
     starved: Probed, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
