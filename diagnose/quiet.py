@@ -119,3 +119,44 @@ def native_stderr_filtered() -> Iterator[None]:
     kept = [line for line in captured.text.splitlines() if line and not _CHATTER.match(line)]
     if kept:
         sys.stderr.write("\n".join(kept) + "\n")
+
+
+@dataclass
+class LibraryOutput:
+    """What libraries printed (stdout and stderr, native code included) and warned."""
+
+    lines: list[str]
+
+    def masked(self) -> str:
+        """The lines with secrets masked: they go to a terminal that may be recorded or shared."""
+        from diagnose.redact import redact_text
+
+        return redact_text("\n".join(self.lines))
+
+
+@contextlib.contextmanager
+def library_output() -> Iterator[LibraryOutput]:
+    """Capture what libraries print and warn for the duration; filled in on exit, known chatter
+    (the profiler's start/stop lines) left out. Python warnings are caught as well: a library's
+    warning on each step would otherwise interleave with the progress line."""
+    import warnings
+
+    out = LibraryOutput([])
+    caught: list[warnings.WarningMessage] = []
+    captured = Captured()
+    try:
+        with warnings.catch_warnings(record=True) as recorded, capture_output() as captured:
+            warnings.simplefilter("default")
+            caught = recorded
+            yield out
+    finally:
+        # After both contexts closed: the captured text is filled in on exit.
+        warned = list(
+            dict.fromkeys(
+                f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in caught
+            )
+        )
+        printed = [
+            line for line in captured.text.splitlines() if line.strip() and not _CHATTER.match(line)
+        ]
+        out.lines[:] = printed + warned

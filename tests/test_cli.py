@@ -300,3 +300,50 @@ def test_a_bad_baseline_fails_before_the_run(tmp_path: Path) -> None:
     argv = ["run", "--out", str(tmp_path / "out"), *QUICK, "--baseline", str(tmp_path / "nope")]
     assert main(argv) == ExitCode.BAD_INPUT
     assert not (tmp_path / "out").exists()
+
+
+SKIP_ALL = [f"--skip={name}" for name in ("attention", "dataloader", "optimizer", "precision")]
+
+
+@pytest.mark.slow
+def test_library_chatter_stays_off_the_terminal_unless_verbose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: Any
+) -> None:
+    """Planted: building the workload prints from native code (straight to descriptor 2, as a
+    C extension does), prints from Python with a token in it, and warns. Without --verbose none
+    of it reaches the terminal, and one line says how much was kept back; with --verbose it is
+    shown with the token masked."""
+    import warnings
+
+    import diagnose.workload as workload_module
+
+    token = "hf_" + "q" * 34
+    real_build = workload_module.build_workload
+
+    def noisy_build(*args: Any, **kwargs: Any) -> Any:
+        os.write(2, b"Failed to load CPU gemm_4bit_forward from kernels-community\n")
+        print(f"fetching https://hub.example/x?token={token}")
+        warnings.warn("a library's deprecation", FutureWarning, stacklevel=1)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setattr(workload_module, "build_workload", noisy_build)
+    argv = ["run", *QUICK, *SKIP_ALL]
+    assert main([*argv, "--out", str(tmp_path / "quiet")]) == 0
+    out, err = capfd.readouterr()
+    assert "gemm_4bit" not in out + err and "deprecation" not in out + err
+    assert "libraries printed or warned 3 lines during the run (--verbose shows them)" in out, out[-600:]
+
+    assert main([*argv, "--out", str(tmp_path / "loud"), "--verbose"]) == 0
+    out, err = capfd.readouterr()
+    assert "gemm_4bit_forward" in err and "FutureWarning: a library's deprecation" in err
+    assert token not in out + err and "fetching https://hub.example" in err
+    assert "--verbose shows them" not in out
+
+
+@pytest.mark.slow
+def test_a_quiet_run_says_nothing_about_library_output(tmp_path: Path, capfd: Any) -> None:
+    assert main(["run", *QUICK, *SKIP_ALL, "--out", str(tmp_path / "o")]) == 0
+    out, err = capfd.readouterr()
+    assert "--verbose shows them" not in out, out
+    assert err == ""

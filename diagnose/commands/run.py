@@ -136,6 +136,12 @@ class RunCommand:
             help="also replace your home folder and user name in the outputs (secrets always are)",
         )
         output.add_argument("--no-progress", action="store_true", help="no progress line")
+        output.add_argument(
+            "--verbose",
+            action="store_true",
+            help="show what libraries printed and warned while the run ran (kept off the "
+            "terminal otherwise; secrets masked)",
+        )
         from diagnose.commands.compare import add_gate_options
 
         output.add_argument(
@@ -224,10 +230,17 @@ class RunCommand:
         started = time.time()
         prepare_out_dir(out_dir, force=args.force)
         from diagnose.output import remove_partial_outputs
+        from diagnose.quiet import library_output
         from diagnose.run import execute_run
 
         try:
-            with ProgressLine(enabled=False if args.no_progress else None) as progress:
+            # Libraries print and warn on import and on first use (deprecations, kernel-hub
+            # fallbacks, profiler chatter): kept off the terminal, where diagnose's own lines
+            # and one-line errors are what the user reads; --verbose shows them after the run.
+            with (
+                ProgressLine(enabled=False if args.no_progress else None) as progress,
+                library_output() as printed,
+            ):
                 outputs = execute_run(
                     config,
                     out_dir,
@@ -257,6 +270,15 @@ class RunCommand:
             else:
                 write_html(outputs.record, outputs.report_path, comparison=outcome.comparison)
         print(terminal_summary(outputs.record, color=sys.stdout.isatty()))
+        if printed.lines:
+            if args.verbose:
+                sys.stderr.write(printed.masked() + "\n")
+            else:
+                count = len(printed.lines)
+                print(
+                    f"\nlibraries printed or warned {count} line{'s' if count != 1 else ''} "
+                    "during the run (--verbose shows them)"
+                )
         print(f"\nreport: {outputs.report_path}\nrecord: {outputs.record_path}")
         if outputs.trace_path is not None:
             print(f"trace:  {outputs.trace_path} (open it in Perfetto or chrome://tracing)")
