@@ -332,18 +332,11 @@ def test_library_chatter_stays_off_the_terminal_unless_verbose(
     assert main([*argv, "--out", str(tmp_path / "quiet")]) == 0
     out, err = capfd.readouterr()
     assert "gemm_4bit" not in out + err and "deprecation" not in out + err
-    assert "libraries printed or warned 3 lines during the run (--verbose shows them)" in out, out[-600:]
+    kept_back = "libraries printed or warned 3 lines during the run (--verbose shows them)"
+    assert kept_back in out, out[-600:]
 
     assert main([*argv, "--out", str(tmp_path / "loud"), "--verbose"]) == 0
     out, err = capfd.readouterr()
     assert "gemm_4bit_forward" in err and "FutureWarning: a library's deprecation" in err
     assert token not in out + err and "fetching https://hub.example" in err
     assert "--verbose shows them" not in out
-
-
-@pytest.mark.slow
-def test_a_quiet_run_says_nothing_about_library_output(tmp_path: Path, capfd: Any) -> None:
-    assert main(["run", *QUICK, *SKIP_ALL, "--out", str(tmp_path / "o")]) == 0
-    out, err = capfd.readouterr()
-    assert "--verbose shows them" not in out, out
-    assert err == ""

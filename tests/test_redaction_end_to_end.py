@@ -155,6 +155,8 @@ def test_cli_run_writes_and_prints_no_secret(
     assert main(["run", "--out", str(out), "--data", str(folder), *QUICK, *skip]) == 0
     printed_out, printed_err = capfd.readouterr()
     assert_clean(printed_out + printed_err, "the terminal")
+    # The clean twin of test_cli's library-chatter test: nothing printed, nothing said about it.
+    assert "--verbose shows them" not in printed_out and printed_err == ""
     assert_clean((out / "record.json").read_text(encoding="utf-8"), "record.json")
     assert_clean((out / "report.html").read_text(encoding="utf-8"), "report.html")
     record = json.loads((out / "record.json").read_text(encoding="utf-8"))
