@@ -81,7 +81,7 @@ def main() -> None:
         print(f"{name:<22}{cells}{statistics.median(values):>10.1f}")
     for label, key, fmt in (
         ("wall (command)", "wall", "{:>10.1f}"),
-        ("timed steps taken", "steps", "{:>10d}"),
+        ("timed steps taken", "steps", "{:>10.0f}"),
         ("s/it (unprofiled)", "s_per_it", "{:>10.3f}"),
         ("profiler overhead", "overhead", "{:>+10.0%}"),
         ("others' cores", "others_cores", "{:>10.2f}"),
