@@ -340,3 +340,29 @@ def test_library_chatter_stays_off_the_terminal_unless_verbose(
     assert "gemm_4bit_forward" in err and "FutureWarning: a library's deprecation" in err
     assert token not in out + err and "fetching https://hub.example" in err
     assert "--verbose shows them" not in out
+
+
+def test_the_quick_exit_keeps_the_exit_code_and_runs_the_exit_handlers(tmp_path: Path) -> None:
+    """With torch loaded, the command leaves without the interpreter's slow teardown; the exit
+    code stays, buffered output is flushed and exit handlers (temporary folders, worker
+    processes) still run. The clean twin: without torch loaded, the normal exit is taken."""
+    marker = tmp_path / "handler-ran"
+    script = (
+        "import atexit, sys\n"
+        "{imports}\n"
+        "from diagnose.cli import _finish\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'a').write('ran\\n'))\n"
+        "print('last line', end='')\n"
+        "sys.exit(_finish(3))\n"
+    )
+    for imports in ("import torch", ""):
+        marker.unlink(missing_ok=True)
+        result = subprocess.run(
+            [sys.executable, "-c", script.format(imports=imports)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 3, result.stderr
+        assert result.stdout == "last line"
+        assert marker.read_text() == "ran\n"
