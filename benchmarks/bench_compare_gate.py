@@ -40,7 +40,7 @@ from pathlib import Path
 from diagnose.config import MAX_TIMED_STEPS
 from diagnose.gate import DEFAULT_SIGNIFICANCE, DEFAULT_THRESHOLD, compare_runs
 from diagnose.record import Stats
-from diagnose.reports.view import NOISY_RELATIVE_SPREAD
+from diagnose.reports.headline import NOISY_RELATIVE_SPREAD
 
 NOISE = Path(__file__).resolve().parent.parent / "fixtures" / "compare" / "noise.json"
 SLOWDOWNS: tuple[float, ...] = (0.05, 0.10, 0.15, 0.20, 0.30, 0.50)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from diagnose.gate import DEFAULT_SIGNIFICANCE, DEFAULT_THRESHOLD, compare_samples
 from diagnose.record import Stats
-from diagnose.reports.view import NOISY_RELATIVE_SPREAD
+from diagnose.reports.headline import NOISY_RELATIVE_SPREAD
 
 NOISE = Path(__file__).resolve().parent.parent / "fixtures" / "compare" / "noise.json"
 #: (processes per side, steps per process): about the default 30 steps a side in all.

@@ -10,6 +10,7 @@ from pathlib import Path
 from diagnose.record import RunRecord
 from diagnose.verdicts import step_seconds as step_seconds_of
 
+from .headline import build_headline, describe_wall
 from .ranks import build_ranks
 from .view import (
     NOT_JUDGED,
@@ -17,8 +18,6 @@ from .view import (
     build_breakdown,
     build_checks,
     build_findings,
-    build_headline,
-    describe_wall,
 )
 
 #: How many findings the summary lists; the rest are counted and left to the report.

@@ -123,7 +123,7 @@ def test_two_buckets_are_timed_apart_and_not_called_noise() -> None:
     costing several times more. Each step records its input shape; the run's s/it is the bucket
     mix, and the spread is judged within each bucket (the clean twin: one bucket, no mix)."""
     from diagnose.record import new_record
-    from diagnose.reports.view import build_headline
+    from diagnose.reports.headline import build_headline
 
     m = measure(
         _TwoBucketWorkload(64, 96, 0.16), steps=8, warmup=0, profiled_steps=0, trace_path=None
@@ -139,7 +139,7 @@ def test_two_buckets_are_timed_apart_and_not_called_noise() -> None:
     headline = build_headline(record)
     # All steps together have an IQR far above the noise threshold; the noise verdict is each
     # bucket's own (quiet unless a loaded machine stretched the sleeps within one bucket).
-    from diagnose.reports.view import NOISY_RELATIVE_SPREAD
+    from diagnose.reports.headline import NOISY_RELATIVE_SPREAD
 
     assert m.timing.unprofiled.relative_spread > 0.5
     within = max(b.relative_spread for b in buckets.values())
@@ -159,7 +159,7 @@ def test_a_step_budget_ends_slow_steps_early_on_a_whole_bucket_cycle() -> None:
     cycle of the buckets so each shape keeps its share; the record and the headline say so.
     The clean twin: fast steps take every planned step and say nothing."""
     from diagnose.record import new_record
-    from diagnose.reports.view import build_headline
+    from diagnose.reports.headline import build_headline
 
     slow = measure(
         _TwoBucketWorkload(64, 96, 0.02),

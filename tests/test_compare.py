@@ -533,7 +533,7 @@ def test_a_a_false_alarm_rate_on_recorded_noise_is_at_most_one_percent(n: int) -
 
 def quiet_runs() -> list[list[float]]:
     """The recorded runs the report would not flag as noisy (IQR at most 10% of the median)."""
-    from diagnose.reports.view import NOISY_RELATIVE_SPREAD
+    from diagnose.reports.headline import NOISY_RELATIVE_SPREAD
 
     return [r for r in noise_runs() if Stats.of(r).relative_spread <= NOISY_RELATIVE_SPREAD]
 

@@ -21,7 +21,7 @@ from diagnose import contention, stats
 from diagnose.contention import CpuReading, LoadWindow, summarize
 from diagnose.gate import compare_records
 from diagnose.record import HostLoad, RunRecord, StepSample, Timing
-from reports.view import build_headline
+from diagnose.reports.headline import build_headline
 
 BURN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
 

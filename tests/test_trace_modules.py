@@ -202,7 +202,7 @@ def bucket_traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TraceAn
 def test_two_bucket_trace_reports_each_bucket(
     bucket_traces: dict[str, TraceAnalysis], tmp_path: Path
 ) -> None:
-    from diagnose.reports.view import NOISY_RELATIVE_SPREAD, build_headline
+    from diagnose.reports.headline import NOISY_RELATIVE_SPREAD, build_headline
 
     two = bucket_traces["two"]
     buckets = [s.bucket for s in two.steps]

@@ -224,7 +224,7 @@ def baseline_name(index: int) -> str:
 def _side(
     record: RunRecord, label: str, samples_kind: str, samples: Sequence[StepSample]
 ) -> RecordSide:
-    from diagnose.reports.view import describe_setup  # light: the view imports no torch
+    from diagnose.reports.headline import describe_setup  # light: imports no torch
 
     return RecordSide(
         label=label,
