@@ -23,19 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diagnose.reports.headline import RUN_STAGES
+
 #: The budget the default run aims for on a 2-core CPU (issue 16): idle, and with one busy process.
 TARGET_IDLE_S = 30.0
 TARGET_BUSY_S = 60.0
-#: Stage order of the table (as `diagnose run` prints them); probes follow, then the rest.
-STAGES = (
-    "start-up",
-    "inventory",
-    "build",
-    "warm-up steps",
-    "timed steps",
-    "profiled steps",
-    "trace analysis",
-)
 
 
 def one_run(extra: list[str]) -> dict[str, Any]:
@@ -69,7 +61,7 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="options passed to diagnose run (after --)")
     args = parser.parse_args()
     runs = [one_run(args.extra) for _ in range(args.repeat)]
-    names = [s for s in STAGES if any(s in r["stages"] for r in runs)]
+    names = [s for s in RUN_STAGES if any(s in r["stages"] for r in runs)]
     names += sorted({k for r in runs for k in r["stages"] if k.startswith("probe ")})
     names.append("outputs")
     print(f"diagnose run {' '.join(args.extra) or '(defaults)'}: {args.repeat} runs, seconds")
