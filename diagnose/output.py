@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from diagnose.errors import DiagnoseError, ExitCode
 
@@ -118,12 +119,18 @@ def write_text_atomic(path: Path, text: str) -> None:
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write via a temporary file in the same folder, so a crash never leaves half a file. The
     rename replaces a symlink at ``path`` itself, never the file it points to."""
+    write_stream_atomic(path, lambda handle: handle.write(data))
+
+
+def write_stream_atomic(path: Path, fill: Callable[[BinaryIO], object]) -> None:
+    """:func:`write_bytes_atomic` for content written piece by piece: ``fill`` writes it to the
+    open temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp makes the file private; a report is a file like any other the user writes.
         os.chmod(tmp, _new_file_mode())
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            fill(handle)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

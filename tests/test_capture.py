@@ -80,6 +80,32 @@ def test_samples_phases_and_trace(tmp_path: Path) -> None:
     assert len(steps) == 2, steps  # the profiler warm-up step is not recorded
     assert {"diagnose::forward", "diagnose::backward", "diagnose::optimizer"} <= names
     assert any(e.get("args", {}).get("Input Dims") for e in events), "shapes were not recorded"
+    # Exported through a temporary JSON beside it, compressed and renamed: nothing else is left.
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json.gz"]
+
+
+def test_a_failed_trace_export_leaves_no_file(tmp_path: Path) -> None:
+    """Planted: the export fails halfway (a full disk). Neither the trace nor a temporary file
+    is left; the clean twin writes a gzip trace holding the profiled op, nothing beside it."""
+    from diagnose.capture import export_trace
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(8).add(1)
+
+    class HalfWritten:
+        def export_chrome_trace(self, path: str) -> None:
+            Path(path).write_text('{"traceEvents": [')
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        export_trace(HalfWritten(), tmp_path / "trace.json.gz")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+    export_trace(prof, tmp_path / "trace.json.gz")
+    with gzip.open(tmp_path / "trace.json.gz", "rt") as handle:
+        names = {e.get("name") for e in json.load(handle)["traceEvents"]}
+    assert "aten::add" in names
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json.gz"]
 
 
 def test_a_slow_phase_shows_in_the_breakdown() -> None:
