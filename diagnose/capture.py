@@ -9,6 +9,7 @@ labels, shapes and memory, and are saved as a gzip Chrome trace that Perfetto op
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import resource
@@ -249,25 +250,19 @@ def export_trace(prof: torch.profiler.profile, trace_path: Path) -> None:
     raw = Path(raw_name)
     try:
         prof.export_chrome_trace(str(raw))
-        if trace_path.suffix == ".gz":
 
-            def fill(handle: BinaryIO) -> None:
-                with (
-                    raw.open("rb") as source,
-                    gzip.GzipFile(
-                        filename="", fileobj=handle, mode="wb", compresslevel=TRACE_GZIP_LEVEL
-                    ) as packed,
-                ):
-                    shutil.copyfileobj(source, packed, 1 << 20)
+        def fill(handle: BinaryIO) -> None:
+            target: contextlib.AbstractContextManager[Any] = (
+                gzip.GzipFile(
+                    filename="", fileobj=handle, mode="wb", compresslevel=TRACE_GZIP_LEVEL
+                )
+                if trace_path.suffix == ".gz"
+                else contextlib.nullcontext(handle)
+            )
+            with raw.open("rb") as source, target as out:
+                shutil.copyfileobj(source, out, 1 << 20)
 
-            write_stream_atomic(trace_path, fill)
-        else:
-
-            def copy(handle: BinaryIO) -> None:
-                with raw.open("rb") as source:
-                    shutil.copyfileobj(source, handle, 1 << 20)
-
-            write_stream_atomic(trace_path, copy)
+        write_stream_atomic(trace_path, fill)
     finally:
         raw.unlink(missing_ok=True)
 

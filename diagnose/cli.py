@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 from diagnose import __version__, interrupts
 from diagnose.commands import ArgumentParser, all_commands
@@ -50,8 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader of our output went away (`diagnose compare ... | head`). Commands write
         # their files before printing, so nothing is lost; stdout is pointed at /dev/null so
         # the interpreter's final flush does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _to_devnull(sys.stdout)
         return int(ExitCode.BROKEN_PIPE)
     except Exception as exc:
         if os.environ.get("DIAGNOSE_DEBUG"):
@@ -87,8 +87,7 @@ def _finish(code: int) -> int:
         try:
             stream.flush()
         except BrokenPipeError:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, stream.fileno())
+            _to_devnull(stream)
             code = code or int(ExitCode.BROKEN_PIPE)
         except (OSError, ValueError):
             pass  # a closed stream: nothing more can reach it
@@ -96,3 +95,11 @@ def _finish(code: int) -> int:
         return code  # nothing heavy loaded: the normal exit is quick
     atexit._run_exitfuncs()
     os._exit(code)
+
+
+def _to_devnull(stream: TextIO) -> None:
+    """Point ``stream``'s descriptor at /dev/null: its reader is gone, and a later flush must not
+    raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)

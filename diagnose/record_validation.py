@@ -184,6 +184,16 @@ def left_out_notes(record: RunRecord) -> list[str]:
     return [note for note in record.notes if note.startswith(LEFT_OUT)]
 
 
+def is_valid_step_time(seconds: object) -> bool:
+    """Whether ``seconds`` is a time a training step can take: the one rule for the loader here
+    and the gate (which also sees records built in memory, never loaded)."""
+    return (
+        isinstance(seconds, (int, float))
+        and not isinstance(seconds, bool)
+        and _step_problem(float(seconds)) is None
+    )
+
+
 def _step_problem(seconds: float) -> str | None:
     if not math.isfinite(seconds):
         return "not a finite number"

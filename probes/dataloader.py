@@ -46,6 +46,7 @@ from diagnose.probes.dataloader_ab import (
     PredecodedDataset,
     Variant,
     VariantRow,
+    cannot_hold_saving,
     plan_timed_steps,
     plan_variants,
     planned_items,
@@ -137,13 +138,10 @@ class DataLoaderProbe:
         self._check_folder(info, result)
 
         # 2. Hot frames: they explain a wait, so only a wait that could matter is sampled.
-        loader_seconds = phase_bound(ctx.record, LOADER_PHASES)
-        step = wait.s_per_it if wait else None
-        negligible = (
-            loader_seconds is not None
-            and step is not None
-            and step > 0
-            and loader_seconds < MIN_MEASURED_GAIN * step
+        negligible = cannot_hold_saving(
+            phase_bound(ctx.record, LOADER_PHASES),
+            wait.s_per_it if wait else None,
+            MIN_MEASURED_GAIN,
         )
         frames = self._hot_frames(ctx, loader, result, negligible)
 

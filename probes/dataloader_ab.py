@@ -93,6 +93,17 @@ class Unreachable:
         )
 
 
+def cannot_hold_saving(seconds: float | None, s_per_it: float | None, least_share: float) -> bool:
+    """Whether phases that cost ``seconds`` of an ``s_per_it`` step are too small to hold the
+    least saving that counts (False when either is unknown)."""
+    return (
+        seconds is not None
+        and s_per_it is not None
+        and s_per_it > 0
+        and seconds < least_share * s_per_it
+    )
+
+
 def split_reachable(
     variants: Sequence[Variant],
     phase_seconds: Callable[[Sequence[str]], float | None],
@@ -111,7 +122,7 @@ def split_reachable(
     left_out: list[Unreachable] = []
     for variant in variants:
         seconds = phase_seconds(SHORTENS[variant.key]) if variant.key != "configured" else None
-        if seconds is not None and seconds < least_share * s_per_it:
+        if seconds is not None and cannot_hold_saving(seconds, s_per_it, least_share):
             left_out.append(Unreachable(variant.key, variant.label, seconds, s_per_it, least_share))
         else:
             keep.append(variant)

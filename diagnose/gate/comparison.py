@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.gate.comparability import environment_changes, record_differences
 from diagnose.gate.finding_changes import FindingChange, diff_findings
-from diagnose.gate.metrics import MetricComparison, _drift, _finite, _pct
+from diagnose.gate.metrics import MetricComparison, _drift, _pct
 from diagnose.gate.options import CompareOptions
 from diagnose.gate.record_metrics import (
     _comparable_samples,
@@ -21,6 +21,7 @@ from diagnose.gate.record_metrics import (
     judged_against_load,
 )
 from diagnose.record import RunRecord, StepSample
+from diagnose.record_validation import is_valid_step_time
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def compare_records(
 def _refuse_unmeasured(record: RunRecord, name: str) -> None:
     """A record without one valid timed step has nothing to gate on: passing it would call an
     unmeasured run as fast as its baseline (ExitCode.BAD_INPUT)."""
-    valid = [s for s in record.timing.samples if _finite(s.seconds) and s.seconds > 0]
+    valid = [s for s in record.timing.samples if is_valid_step_time(s.seconds)]
     if not valid:
         had = len(record.timing.samples)
         why = f"none of its {had} steps has a valid time" if had else "it holds no timed step"

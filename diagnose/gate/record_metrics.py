@@ -21,6 +21,7 @@ from diagnose.gate.metrics import (
 )
 from diagnose.gate.options import CompareOptions
 from diagnose.record import PHASE_LABELS, PHASES, RunRecord, StepSample
+from diagnose.record_validation import is_valid_step_time
 
 
 def _comparable_samples(
@@ -37,7 +38,7 @@ def _comparable_samples(
 
     def split(record: RunRecord) -> tuple[list[StepSample], list[StepSample]]:
         nonlocal invalid
-        samples = [s for s in record.timing.samples if _finite(s.seconds) and s.seconds > 0]
+        samples = [s for s in record.timing.samples if is_valid_step_time(s.seconds)]
         invalid += len(record.timing.samples) - len(samples)
         return [s for s in samples if not s.profiled], [s for s in samples if s.profiled]
 
