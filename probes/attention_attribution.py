@@ -49,14 +49,46 @@ class ProfEvent:
     kernels: list[str] = field(default_factory=list)
 
 
-def events_from_profiler(prof: Any, on_device: bool = False) -> list[ProfEvent]:
-    """Plain copies of ``prof.events()`` (torch.profiler.profile after it stopped).
+#: Events torch's own FunctionEvent list leaves out (profiler bookkeeping and tiny autograd
+#: queries); left out here too, so both readings give one tree.
+_UNLISTED_NAMES = frozenset(
+    {
+        "[memory]",
+        "[OutOfMemory]",
+        "profiler::_record_function_enter",
+        "profiler::_record_function_enter_new",
+        "profiler::_record_function_exit",
+        "aten::is_leaf",
+        "aten::output_nr",
+        "aten::_version",
+    }
+)
 
-    Device times and kernels are read only for a GPU run, input shapes and dtypes only for
-    attention ops (the only ones read later): both are slow to compute for every event.
+
+def events_from_profiler(prof: Any, on_device: bool = False) -> list[ProfEvent]:
+    """Plain copies of the events of ``prof`` (torch.profiler.profile after it stopped).
+
+    Without a device the profiler's raw results are read directly (:func:`events_from_raw`):
+    ``prof.events()`` builds its tree of FunctionEvents in Python at a cost larger than the step
+    it profiled. A GPU run needs what only that tree links up (each op's kernels and device time
+    through correlation ids), so it reads ``prof.events()``, as does a torch without raw results.
     """
+    if not on_device:
+        results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+        raw = getattr(results, "events", None)
+        if callable(raw):
+            try:
+                return events_from_raw(raw())
+            except (AttributeError, TypeError, RuntimeError):
+                pass  # raw accessors this code does not know: torch's own tree below
+    return _events_from_function_events(prof.events(), on_device)
+
+
+def _events_from_function_events(events: Any, on_device: bool) -> list[ProfEvent]:
+    """Device times and kernels are read only for a GPU run, input shapes and dtypes only for
+    attention ops (the only ones read later): both are slow to compute for every event."""
     copied: list[ProfEvent] = []
-    for event in prof.events():
+    for event in events:
         parent = event.cpu_parent
         name = str(event.name)
         is_attention = classify_op(name) is not None
@@ -78,6 +110,83 @@ def events_from_profiler(prof: Any, on_device: bool = False) -> list[ProfEvent]:
             )
         )
     return copied
+
+
+def events_from_raw(raw_events: Sequence[Any]) -> list[ProfEvent]:
+    """CPU events from the profiler's raw results, with parents found as torch finds them.
+
+    An event's parent is the innermost event on the same thread whose interval holds its own;
+    events that end on another thread than they started (async) are neither parents nor
+    children. An only child named as its parent is one op recorded twice by the dispatcher and
+    is folded into it, as torch folds it.
+    """
+    copied: list[ProfEvent] = []
+    nestable: list[ProfEvent] = []
+    for raw in raw_events:
+        name = str(raw.name())
+        if name in _UNLISTED_NAMES or raw.is_hidden_event():
+            continue
+        if str(raw.device_type()) != "DeviceType.CPU":
+            continue
+        start_us = raw.start_ns() / 1000.0
+        end_us = raw.end_ns() / 1000.0
+        is_attention = classify_op(name) is not None
+        event = ProfEvent(
+            id=len(copied),
+            name=name,
+            parent=None,
+            start_us=start_us,
+            end_us=end_us,
+            cpu_us=end_us - start_us,
+            sequence_nr=int(raw.sequence_nr()),
+            thread=int(raw.start_thread_id()),
+            fwd_thread=int(raw.fwd_thread_id() or 0),
+            input_dtypes=list(raw.dtypes() or []) if is_attention else [],
+            input_shapes=list(raw.shapes() or []) if is_attention else [],
+        )
+        copied.append(event)
+        if not raw.is_async() and raw.start_thread_id() == raw.end_thread_id():
+            nestable.append(event)
+    _link_parents(nestable)
+    return _fold_repeated_ops(copied)
+
+
+def _fold_repeated_ops(events: list[ProfEvent]) -> list[ProfEvent]:
+    """Drop each only child that bears its parent's name; its children become the parent's."""
+    by_id = {e.id: e for e in events}
+    children: dict[int, list[int]] = defaultdict(list)
+    for e in events:
+        if e.parent is not None:
+            children[e.parent].append(e.id)
+    dropped: set[int] = set()
+    for e in events:  # in reading order, so a chain of repeats folds from the top down
+        parent = by_id.get(e.parent) if e.parent is not None else None
+        while parent is not None and parent.id in dropped:
+            parent = by_id.get(parent.parent) if parent.parent is not None else None
+        if parent is None or parent.name != e.name or len(children[parent.id]) != 1:
+            continue
+        dropped.add(e.id)
+        children[parent.id] = children.pop(e.id, [])
+        for child in children[parent.id]:
+            by_id[child].parent = parent.id
+    return [e for e in events if e.id not in dropped]
+
+
+def _link_parents(events: list[ProfEvent]) -> None:
+    """Set each event's parent: the innermost enclosing event of its thread (one stack each)."""
+    events.sort(key=lambda e: (e.thread, e.start_us, -e.end_us))
+    open_spans: list[ProfEvent] = []
+    thread: int | None = None
+    for event in events:
+        if event.thread != thread:
+            open_spans, thread = [], event.thread
+        while open_spans and (
+            event.start_us >= open_spans[-1].end_us or event.end_us > open_spans[-1].end_us
+        ):
+            open_spans.pop()
+        if open_spans:
+            event.parent = open_spans[-1].id
+        open_spans.append(event)
 
 
 def _range_index(name: str, prefix: str) -> int | None:

@@ -44,6 +44,8 @@ HOST_SYNC_CALLS: frozenset[str] = frozenset(
 #: aten ops that read a tensor's value into Python (``.item()``, ``float(t)``). On a GPU tensor
 #: they block; on a CPU tensor (torch AdamW's step counters) they do not.
 SCALAR_READ_OPS: tuple[str, str] = ("aten::_local_scalar_dense", "aten::item")
+#: Names of CUDA/HIP runtime calls: any one of them shows the device tracer recorded the runtime.
+RUNTIME_PREFIXES: tuple[str, str] = ("cuda", "hip")
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def count_step_syncs(events: Sequence[ProfiledEvent]) -> StepSyncs:
         else:
             merged.append(ProfiledEvent(span.name, span.start_us, span.end_us, span.thread))
     result = StepSyncs(steps=len(merged))
-    result.runtime_events_seen = any(e.name.startswith(("cuda", "hip")) for e in events)
+    result.runtime_events_seen = any(e.name.startswith(RUNTIME_PREFIXES) for e in events)
     reads: dict[str, int] = dict.fromkeys(SCALAR_READ_OPS, 0)
     for event in events:
         is_sync = event.name in HOST_SYNC_CALLS
@@ -193,26 +195,41 @@ def profile_steps(
     return _events_of(prof)
 
 
+def _counted(name: str) -> bool:
+    """Whether :func:`count_step_syncs` reads an event of this name (it reads no other)."""
+    return (
+        name in HOST_SYNC_CALLS
+        or name in SCALAR_READ_OPS
+        or _is_step_span(name)
+        or name.startswith(RUNTIME_PREFIXES)
+    )
+
+
 def _events_of(prof: Any) -> list[ProfiledEvent]:
-    """The recorded events, read from the profiler's raw results when it exposes them.
+    """The events :func:`count_step_syncs` reads, from the profiler's raw results when it can.
 
     ``prof.events()`` builds the full tree of FunctionEvents (parents, stacks, per-thread
     nesting) in Python: on a CPU-bound step that parse cost more than the steps themselves, and
-    the count needs only names, times and threads.
+    the count needs only the names, times and threads of a few kinds of event.
     """
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     raw = getattr(results, "events", None)
     if callable(raw):
         try:
-            return [
-                ProfiledEvent(
-                    name=e.name(),
-                    start_us=e.start_ns() / 1000.0,
-                    end_us=(e.start_ns() + e.duration_ns()) / 1000.0,
-                    thread=int(e.start_thread_id()),
-                )
-                for e in raw()
-            ]
+            kept: list[ProfiledEvent] = []
+            for e in raw():
+                name = e.name()
+                if _counted(name):
+                    start_ns = e.start_ns()
+                    kept.append(
+                        ProfiledEvent(
+                            name=name,
+                            start_us=start_ns / 1000.0,
+                            end_us=(start_ns + e.duration_ns()) / 1000.0,
+                            thread=int(e.start_thread_id()),
+                        )
+                    )
+            return kept
         except (AttributeError, TypeError, RuntimeError):
             pass  # an older or newer torch without these accessors: the slow path below
     return [
@@ -223,6 +240,7 @@ def _events_of(prof: Any) -> list[ProfiledEvent]:
             thread=int(e.thread),
         )
         for e in prof.events()
+        if _counted(e.name)
     ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,11 @@ from diagnose.probes.attention import (
     torch_requirement,
     xformers_rule,
 )
-from diagnose.probes.attention_attribution import attribute, events_from_profiler
+from diagnose.probes.attention_attribution import (
+    _events_from_function_events,
+    attribute,
+    events_from_profiler,
+)
 from diagnose.probes.attention_bench import (
     SignatureTrials,
     Trial,
@@ -354,6 +359,42 @@ def test_recorder_sees_path_shapes_switches_and_backward() -> None:
     msig = manual.signature
     assert msig is not None and (msig.batch, msig.heads, msig.q_len, msig.kv_len) == (2, 4, 16, 16)
     assert manual.forward_seconds > 0 and manual.backward_seconds > 0
+
+
+def _tree_shape(events: list[Any]) -> Counter[tuple[Any, ...]]:
+    """Each event by what attribution reads of it, its parent by name (ids differ by reading)."""
+    names = {e.id: e.name for e in events}
+    return Counter(
+        (
+            e.name,
+            names.get(e.parent) if e.parent is not None else None,
+            e.sequence_nr,
+            e.thread,
+            e.fwd_thread,
+            tuple(e.input_dtypes),
+            repr(e.input_shapes),
+        )
+        for e in events
+    )
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_raw_reading_gives_torchs_own_tree(checkpointed: bool) -> None:
+    # The probe reads the profiler's raw results on the CPU (torch's tree costs more than the
+    # step); both readings must give the same events, parents, autograd numbers and shapes.
+    model: torch.nn.Module = Checkpointed() if checkpointed else ToyAttention()
+    x = torch.randn(2, 16, 32)
+    with (
+        torch.profiler.profile(record_shapes=True) as prof,
+        torch.profiler.record_function("outer"),
+    ):
+        model(x).sum().backward()
+    fast = events_from_profiler(prof)
+    slow = _events_from_function_events(prof.events(), on_device=False)
+    assert len(fast) > 20 and any(e.parent is not None for e in fast)
+    assert _tree_shape(fast) == _tree_shape(slow)
+    timed = {e.name: e.cpu_us for e in slow}
+    assert all(abs(e.cpu_us - timed[e.name]) < 1.0 for e in fast if e.name == "outer")
 
 
 class Checkpointed(torch.nn.Module):
