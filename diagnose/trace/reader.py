@@ -83,6 +83,11 @@ class HostTable:
     ext_id: LongArray  # -1 when absent
     input_types: IntArray  # index into ParsedTrace.names ("float, c10::BFloat16, ..."), -1
     input_dims: IntArray  # index into ParsedTrace.names (JSON text of "Input Dims"), -1
+    #: index into ParsedTrace.names (JSON text of "Concrete Inputs": the values of the op's int,
+    #: bool and list arguments, recorded by torch >= 2.1 with record_shapes), -1
+    concrete_inputs: IntArray
+    #: the op's "flops" arg (torch.profiler with_flops, where the exporter writes it), NaN if none
+    flops: FloatArray
 
     def __len__(self) -> int:
         return int(self.name.size)
@@ -333,6 +338,7 @@ class _Builder:
             device_rows.append,
         )
         empty = _EMPTY_ARGS
+        nan = float("nan")
         for event in events:
             cat = event.get("cat")
             code = categories(cat)
@@ -397,11 +403,14 @@ class _Builder:
                 )
                 continue
             input_types = args.get("Input type")
+            flops = args.get("flops")
+            if type(flops) is not int and type(flops) is not float:
+                flops = nan
             if input_types is None:
-                types_id = dims_id = -1
+                types_id = dims_id = concrete_id = -1
             else:
                 # Cache hits inline; the methods intern first sightings. Non-lists: ignored.
-                types_id = dims_id = -1
+                types_id = dims_id = concrete_id = -1
                 if type(input_types) is list:
                     cached = list_ids(tuple(input_types))
                     types_id = self._types(input_types) if cached is None else cached
@@ -409,6 +418,10 @@ class _Builder:
                 if type(dims) is list:
                     cached = dims_ids(dumps(dims))
                     dims_id = self._dims(dims) if cached is None else cached
+                concrete = args.get("Concrete Inputs")
+                if type(concrete) is list:
+                    cached = dims_ids(dumps(concrete))
+                    concrete_id = self._dims(concrete) if cached is None else cached
             add_host(
                 (
                     nid,
@@ -419,10 +432,14 @@ class _Builder:
                     ext,
                     types_id,
                     dims_id,
+                    concrete_id,
+                    flops,
                 )
             )
         if host_rows:
-            name, ann, ts, dur, thread_col, ext_col, types, dims = zip(*host_rows, strict=True)
+            name, ann, ts, dur, thread_col, ext_col, types, dims, concrete_col, flops_col = zip(
+                *host_rows, strict=True
+            )
             self._host.append(
                 {
                     "name": _ints(name, "i"),
@@ -433,6 +450,8 @@ class _Builder:
                     "ext_id": _ints(ext_col, "q"),
                     "input_types": _ints(types, "i"),
                     "input_dims": _ints(dims, "i"),
+                    "concrete_inputs": _ints(concrete_col, "i"),
+                    "flops": _floats(flops_col),
                 }
             )
         if runtime_rows:
@@ -655,6 +674,8 @@ _HOST_FIELDS: dict[str, Any] = {
     "ext_id": np.int64,
     "input_types": np.int32,
     "input_dims": np.int32,
+    "concrete_inputs": np.int32,
+    "flops": np.float64,
 }
 _RUNTIME_FIELDS: dict[str, Any] = {
     "name": np.int32,

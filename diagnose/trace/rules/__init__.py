@@ -16,7 +16,14 @@ Rule = Callable[[TraceContext], ProbeResult]
 
 
 def _registry() -> list[tuple[str, Rule]]:
-    from diagnose.trace.rules import attention, dataloader, launch, optimizer, precision
+    from diagnose.trace.rules import (
+        attention,
+        dataloader,
+        launch,
+        optimizer,
+        precision,
+        roofline,
+    )
 
     return [
         ("dataloader", dataloader.check),
@@ -24,6 +31,7 @@ def _registry() -> list[tuple[str, Rule]]:
         ("attention", attention.check),
         ("optimizer", optimizer.check),
         ("launch", launch.check),
+        ("roofline", roofline.check),
     ]
 
 
