@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar, get_args, get_type_hints
 from diagnose import __version__
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record_migrations import MIGRATIONS
+from diagnose.roofline.model import Utilisation
 
 #: Bump when a field changes meaning or is removed, and add a migration for the previous version.
 #: Adding an optional field with a default needs no bump: older readers ignore it, newer readers
@@ -494,6 +495,9 @@ class RunRecord:
     #: "warm-up steps", "timed steps", "profiled steps", "trace analysis", "probe <name>",
     #: "record and report"): seconds each.
     wall_seconds: dict[str, float] = field(default_factory=dict)
+    #: The step's counted FLOPs against the device's peaks (MFU); None when the trace had no
+    #: shapes to count from (see :mod:`diagnose.roofline`).
+    utilisation: Utilisation | None = None
 
     def all_checks(self) -> list[Check]:
         """Every check of every probe and trace rule, in probe order."""

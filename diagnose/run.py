@@ -283,10 +283,12 @@ def finish_run(
 ) -> RunOutputs:
     """Hand the probes' findings to the record, redact it, write the record and the report."""
     from diagnose.reports import write_html
+    from diagnose.roofline.utilisation import settle_utilisation
 
     # The record keeps one ranked list: probe results hand their findings over to it.
     record.findings = _merge_findings([p.findings for p in record.probes])
     settle(record)
+    settle_utilisation(record)
     for result in record.probes:
         result.findings = []
     # Records and reports get attached to public tickets: no secret leaves this process.

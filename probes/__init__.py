@@ -12,6 +12,7 @@ from diagnose.probes.dataloader import DataLoaderProbe
 from diagnose.probes.environment import EnvironmentProbe
 from diagnose.probes.optimizer import OptimizerProbe
 from diagnose.probes.precision import PrecisionProbe
+from diagnose.probes.roofline import RooflineProbe
 from diagnose.probes.triton_probe import TritonProbe
 
 #: Probes in run order. Each entry is an instance of a class that satisfies ``Probe``.
@@ -21,6 +22,7 @@ REGISTRY: tuple[Probe, ...] = (
     AttentionProbe(),
     DataLoaderProbe(),
     OptimizerProbe(),
+    RooflineProbe(),
     # In a run, only on a GPU: a CPU training step runs no Triton kernel, so the interpreter's
     # verdict would not explain the measured s/it (`diagnose triton` runs it on demand).
     TritonProbe(device_kinds=("cuda", "rocm")),

@@ -29,9 +29,11 @@ from .format import format_bytes, format_per_iteration, format_percent, format_s
 VERDICT_BADGE: dict[str, str] = {
     "slower": "sev-critical",
     "larger": "sev-critical",
+    "lower": "sev-critical",
     "inconclusive": "sev-warn",
     "faster": "status-ok",
     "smaller": "status-ok",
+    "higher": "status-ok",
     "same": "",
 }
 
@@ -40,6 +42,7 @@ _KIND_CLASSNAME: dict[str, str] = {
     "phase": "diagnose.compare.phase",
     "memory": "diagnose.compare.memory",
     "kernel_class": "diagnose.compare.kernel_class",
+    "utilisation": "diagnose.compare.utilisation",
 }
 FINDINGS_CLASSNAME = "diagnose.compare.findings"
 
@@ -118,6 +121,8 @@ def _value(metric: MetricComparison, value: float | None, like: float | None) ->
         return "—"
     if metric.unit == "bytes":
         return format_bytes(value)
+    if metric.unit == "fraction":
+        return format_percent(value)
     if metric.kind == "step":
         return format_per_iteration(value)
     return format_seconds(value, like=like)
@@ -312,9 +317,11 @@ _STYLES: dict[str, str] = {
 _VERDICT_STYLE = {
     "slower": "fail",
     "larger": "fail",
+    "lower": "fail",
     "inconclusive": "warn",
     "faster": "ok",
     "smaller": "ok",
+    "higher": "ok",
 }
 
 

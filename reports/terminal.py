@@ -12,6 +12,7 @@ from diagnose.verdicts import step_seconds as step_seconds_of
 
 from .headline import build_headline, describe_wall
 from .ranks import build_ranks
+from .utilisation import build_utilisation
 from .view import (
     NOT_JUDGED,
     FindingView,
@@ -68,6 +69,9 @@ def terminal_summary(
         lines.append(f"  {style('noisy:', 'warn')} {headline.noise_text}")
     if headline.profiler_text:
         lines.append(f"  {style(headline.profiler_text, 'dim')}")
+    utilisation = build_utilisation(record)
+    if utilisation is not None:
+        lines.append(f"  {style('peak:', 'dim')} {_clean(utilisation.line)}")
 
     step_seconds = step_seconds_of(record)
     breakdown = build_breakdown(record.breakdown, step_seconds, [], draw=False)

@@ -50,6 +50,7 @@ from .headline import (
     describe_wall,
 )
 from .ranks import RanksView, build_ranks
+from .utilisation import UtilisationView, build_utilisation
 
 #: How each saving basis reads in the report.
 SAVING_BASIS_LABELS: dict[str, str] = {
@@ -578,6 +579,8 @@ class ReportView:
     ranks: RanksView | None = None
     #: Where this command's own wall time went ("" when the record does not say).
     wall_text: str = ""
+    #: The step's FLOPs against the device's peak (None when no FLOPs were counted).
+    utilisation: UtilisationView | None = None
 
 
 def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> ReportView:
@@ -612,6 +615,7 @@ def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> R
         comparison=comparison,
         ranks=build_ranks(record.ranks),
         wall_text=describe_wall(record.wall_seconds),
+        utilisation=build_utilisation(record),
     )
     return view
 

@@ -18,6 +18,7 @@ from diagnose.gate.record_metrics import (
     _compare_memory,
     _compare_phases,
     _compare_step,
+    _compare_utilisation,
     judged_against_load,
 )
 from diagnose.record import RunRecord, StepSample
@@ -150,6 +151,7 @@ def compare_records(
             "partly that."
         )
     metrics.extend(_compare_kernel_classes(baselines, current, base_step, options, notes))
+    metrics.extend(_compare_utilisation(baselines, current, options, notes))
 
     sides = tuple(
         _side(record, name, samples_kind, run)

@@ -54,6 +54,7 @@ def gate_failures(
             "phase": "phase",
             "memory": "memory",
             "kernel_class": "kernel",
+            "utilisation": "mfu",
         }[metric.kind]
         if metric.regressed and criterion in criteria:
             message = f"{metric.label} {metric.verdict}: {metric.reason}"

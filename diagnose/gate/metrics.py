@@ -53,16 +53,19 @@ from diagnose.stats import (
     smallest_p_value,
 )
 
-Verdict = Literal["faster", "same", "slower", "larger", "smaller", "inconclusive"]
-MetricKind = Literal["step", "phase", "memory", "kernel_class"]
-Unit = Literal["seconds", "bytes"]
+Verdict = Literal[
+    "faster", "same", "slower", "larger", "smaller", "lower", "higher", "inconclusive"
+]
+MetricKind = Literal["step", "phase", "memory", "kernel_class", "utilisation"]
+Unit = Literal["seconds", "bytes", "fraction"]
 
 
 @dataclass(frozen=True)
 class MetricComparison:
     """One metric of the two records, and the verdict on it."""
 
-    #: Stable key: "step", "phase.forward", "memory.peak_rss_bytes", "kernel_class.gemm".
+    #: Stable key: "step", "phase.forward", "memory.peak_rss_bytes", "kernel_class.gemm",
+    #: "utilisation.mfu".
     key: str
     kind: MetricKind
     #: "s/it", "forward", "peak host memory (RSS)", "kernel class gemm".
@@ -93,7 +96,7 @@ class MetricComparison:
 
     @property
     def regressed(self) -> bool:
-        return self.verdict in ("slower", "larger")
+        return self.verdict in ("slower", "larger", "lower")
 
     @property
     def change(self) -> float | None:

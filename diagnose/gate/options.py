@@ -10,7 +10,9 @@ from diagnose.errors import DiagnoseError, ExitCode
 
 #: What can fail the job (``--fail-on``). The first five are the ones the brief names; ``kernel``
 #: (a kernel class slower) and ``inconclusive`` (the s/it could not be judged) are stricter extras.
-FailOn = Literal["slower", "phase", "new-critical", "new-warn", "memory", "kernel", "inconclusive"]
+FailOn = Literal[
+    "slower", "phase", "new-critical", "new-warn", "memory", "kernel", "mfu", "inconclusive"
+]
 
 FAIL_ON_CHOICES: tuple[str, ...] = get_args(FailOn)
 DEFAULT_FAIL_ON: frozenset[str] = frozenset({"slower", "new-critical"})

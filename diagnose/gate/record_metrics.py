@@ -180,12 +180,14 @@ def _single(
     label: str,
     unit: Unit,
     threshold: float,
-    worse: Verdict,
-    better: Verdict,
+    rise: Verdict,
+    fall: Verdict,
     floor: float | None = None,
 ) -> MetricComparison:
     """Judge a single number per record by the threshold alone. With several baselines the
-    median is shown, and a change counts only beyond every baseline's value."""
+    median is shown, and a change counts only beyond every baseline's value. ``rise`` and
+    ``fall`` name the verdicts of a rise and a fall ("larger"/"smaller" for memory,
+    "higher"/"lower" for MFU)."""
     present = [v for v in baselines if v is not None]
     a = statistics.median(present) if present else None
     method = "single number: threshold only, no significance test"
@@ -210,10 +212,10 @@ def _single(
     change = _pct(ratio - 1) if ratio is not None else ("new" if b > 0 else "0 → 0")
     verdict: Verdict
     if up and material_up:
-        verdict = worse
+        verdict = rise
         reason = f"{change}: beyond +{threshold:.0%}{every} (single number, no test)"
     elif down and material_down:
-        verdict = better
+        verdict = fall
         reason = f"{change}: beyond −{threshold:.0%}{every} (single number, no test)"
     elif (up or down) and floor is not None:
         verdict = "same"
@@ -254,8 +256,8 @@ def _compare_memory(
                 label=label,
                 unit="bytes",
                 threshold=options.threshold,
-                worse="larger",
-                better="smaller",
+                rise="larger",
+                fall="smaller",
             )
         )
     return out
@@ -296,9 +298,58 @@ def _compare_kernel_classes(
                 label=f"kernel class {name}",
                 unit="seconds",
                 threshold=options.threshold,
-                worse="slower",
-                better="faster",
+                rise="slower",
+                fall="faster",
                 floor=floor,
             )
         )
     return out
+
+
+def _mfu_pair(
+    baselines: Sequence[RunRecord], current: RunRecord
+) -> tuple[str, list[float | None], float | None]:
+    """The MFU every record has against the same kind of peak: the vendor's spec when all have
+    one (comparable across machines), else the one measured on each machine."""
+    records = [*baselines, current]
+    for basis in ("spec", "measured"):
+        values: list[float | None] = []
+        for record in records:
+            u = record.utilisation
+            peak = None if u is None else (u.spec if basis == "spec" else u.measured)
+            values.append(None if peak is None else peak.mfu)
+        if all(v is not None for v in values):
+            return basis, values[:-1], values[-1]
+    values = []
+    for record in records:
+        peak = record.utilisation.headline_peak if record.utilisation is not None else None
+        values.append(None if peak is None else peak.mfu)
+    return "", values[:-1], values[-1]
+
+
+def _compare_utilisation(
+    baselines: Sequence[RunRecord], current: RunRecord, options: CompareOptions, notes: list[str]
+) -> list[MetricComparison]:
+    """MFU, a single number per record: a fall beyond the threshold is "lower"."""
+    if all(r.utilisation is None for r in [*baselines, current]):
+        return []
+    basis, a, b = _mfu_pair(baselines, current)
+    if not basis:
+        notes.append(
+            "MFU is not against the same kind of peak in every record (vendor spec or measured "
+            "here), or not in every record: not compared."
+        )
+        return []
+    return [
+        _single(
+            a,
+            b,
+            key="utilisation.mfu",
+            kind="utilisation",
+            label=f"MFU (against the {basis} peak)",
+            unit="fraction",
+            threshold=options.threshold,
+            rise="higher",
+            fall="lower",
+        )
+    ]

@@ -30,6 +30,7 @@ from diagnose.record import (
     StepSample,
     new_record,
 )
+from diagnose.roofline.utilisation import settle_utilisation
 from diagnose.trace.attribution import placement_notes
 from diagnose.trace.breakdown import (
     StepBreakdown,
@@ -359,6 +360,7 @@ def analysis_to_record(analysis: TraceAnalysis, trace_path: Path) -> RunRecord:
             checks=list(analysis.checks),
         )
     ]
+    settle_utilisation(record)
     return record
 
 

@@ -1,0 +1,87 @@
+"""The record's view of utilisation: what the step does, what the device can do, how far apart.
+
+Plain dataclasses (no torch) so that the record, the reports and the gate read them anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ClassUtilisation:
+    """One class of work in the step: FLOPs (or bytes, for "memory") against its own time."""
+
+    #: "gemm", "conv", "attention" (FLOPs) or "memory" (bytes moved by elementwise/norm ops).
+    op_class: str = ""
+    #: FLOPs per step, or bytes per step for "memory".
+    work_per_step: float = 0.0
+    #: Seconds per step the class took: device kernel time on a GPU, op time on a CPU.
+    seconds: float | None = None
+    #: "device kernels" or "host ops": where ``seconds`` comes from.
+    seconds_basis: str = ""
+    #: work / seconds: FLOP/s (bytes/s for "memory").
+    achieved_per_s: float | None = None
+    #: The peak it is held against (FLOP/s or bytes/s) and the seconds the work needs at it.
+    peak_per_s: float | None = None
+    seconds_at_peak: float | None = None
+    #: achieved / peak, in (0, 1] when both are known.
+    share_of_peak: float | None = None
+
+
+@dataclass
+class Peak:
+    """A device peak the step is compared with, per dtype."""
+
+    #: "measured" (a microbenchmark on this machine) or "spec" (the vendor's dense figure).
+    basis: str = ""
+    #: FLOP/s per dtype name ("bfloat16", "float32", ...).
+    flops_per_s: dict[str, float] = field(default_factory=dict)
+    memory_bytes_per_s: float | None = None
+    #: How it was obtained: the shapes measured, or the datasheet and the card it matched.
+    source: str = ""
+    #: Seconds the step's counted FLOPs need at this peak (each dtype at its own rate).
+    seconds_at_peak: float | None = None
+    #: seconds_at_peak / measured s/it: model FLOPs utilisation against this peak.
+    mfu: float | None = None
+    #: Dtypes with FLOPs in the step but no peak here (left out of seconds_at_peak).
+    dtypes_without_peak: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Utilisation:
+    """Model FLOPs utilisation of the step, as a whole and per class of work."""
+
+    #: FLOPs per training step, counted from the ops' recorded shapes (or their flops args).
+    flops_per_step: float = 0.0
+    #: "trace shapes" or "trace flops args".
+    basis: str = ""
+    flops_by_dtype: dict[str, float] = field(default_factory=dict)
+    flops_by_phase: dict[str, float] = field(default_factory=dict)
+    #: The s/it the FLOPs are divided by, and which number it is.
+    step_seconds: float = 0.0
+    step_basis: str = ""
+    achieved_flops_per_s: float = 0.0
+    #: Measured here (run) and the vendor's spec (when the device is in the table).
+    measured: Peak | None = None
+    spec: Peak | None = None
+    classes: list[ClassUtilisation] = field(default_factory=list)
+    #: Bytes per step moved by memory-bound ops (elementwise, norms, reductions).
+    memory_bytes_per_step: float | None = None
+    #: What could not be counted, and the assumptions the count made.
+    notes: list[str] = field(default_factory=list)
+    #: Ops without shapes or unknown to the count were left out: the FLOPs are a lower bound.
+    lower_bound: bool = False
+
+    @property
+    def headline_peak(self) -> Peak | None:
+        """The peak the first screen quotes: the spec when known (comparable across machines,
+        as MFU is usually quoted), else the one measured here."""
+        if self.spec is not None and self.spec.mfu is not None:
+            return self.spec
+        if self.measured is not None and self.measured.mfu is not None:
+            return self.measured
+        return None
+
+
+__all__ = ["ClassUtilisation", "Peak", "Utilisation"]
