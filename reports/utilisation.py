@@ -67,7 +67,7 @@ def _dtype_rates(peak: Peak) -> str:
 
 def _peak_phrase(peak: Peak) -> str:
     if peak.basis == "spec":
-        return f"the vendor's dense peak ({_dtype_rates(peak)}; {peak.source})"
+        return f"the vendor's dense peak of the {peak.device} ({_dtype_rates(peak)})"
     return f"the peak measured on this machine ({_dtype_rates(peak)})"
 
 
@@ -124,10 +124,14 @@ def build_utilisation(record: RunRecord) -> UtilisationView | None:
     caution = ""
     if shrunk_preset(record.config):
         caution = (
-            "A tiny model's ops are too small to fill a device: its MFU says how far this "
-            "stand-in is from the peak, not how far the real model's training is."
+            "This is the tiny stand-in's MFU: the real model's larger ops use the device "
+            "differently, so its own distance from the peak is measured on the real model."
         )
-    notes = [f"s/it: {u.step_basis}."] + [n.rstrip(".") + "." for n in u.notes]
+    notes = [f"s/it: {u.step_basis}."]
+    for source in (u.spec, u.measured):
+        if source is not None and source.source:
+            notes.append(f"{source.basis} peak: {source.source.rstrip('.')}.")
+    notes += [n.rstrip(".") + "." for n in u.notes]
     return UtilisationView(
         line=line,
         caution=caution,

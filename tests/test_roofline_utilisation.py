@@ -72,6 +72,25 @@ def test_each_dtype_is_held_against_its_own_peak() -> None:
     assert any("no recorded shapes" in n for n in u.notes)
 
 
+def test_a_class_faster_than_the_microbenchmark_raises_the_measured_peak() -> None:
+    # A CPU without native bf16: torch.mm in bf16 crawls, while the fused attention kernel
+    # computes its blocks in fp32 and runs faster than that "peak". The peak is the fastest rate
+    # the device was seen to reach, so no share reads above 100%.
+    work = dict(WORK, flops_by_dtype={"bfloat16": 3.0e12})
+    slow_mm = Peak(basis="measured", flops_per_s={"bfloat16": 1e12}, memory_bytes_per_s=1e9)
+    u = utilisation_of(work, step_seconds=10.0, step_basis="m", spec=None, measured=slow_mm)
+    assert u is not None and u.measured is not None
+    attention = next(c for c in u.classes if c.op_class == "attention")
+    assert attention.achieved_per_s == pytest.approx(5e12)  # 0.5 TFLOP in 0.1 s
+    assert u.measured.flops_per_s["bfloat16"] == pytest.approx(5e12)
+    assert "raised" in u.measured.source and any("faster than the torch.mm" in n for n in u.notes)
+    assert u.measured.mfu == pytest.approx(3.0 / 5.0 / 10.0)
+    for row in u.classes:
+        assert row.share_of_peak is not None and 0 < row.share_of_peak <= 1.0, row
+    # The memory class's 10 GB/s beat the copy's 1 GB/s: the bandwidth is raised the same way.
+    assert u.measured.memory_bytes_per_s == pytest.approx(1e10)
+
+
 def test_device_kernel_time_is_used_on_a_gpu_and_spec_leads() -> None:
     kernels = {"gemm": 0.2, "conv": 0.05, "attention_fused": 0.05, "elementwise": 0.1, "norm": 0.1}
     u = utilisation_of(
@@ -121,7 +140,11 @@ def test_spec_lookup_combines_dtypes_and_skips_unknown_cards() -> None:
 
     peak = spec_peak_for(DeviceInfo(kind="cuda", name="X"), ["bfloat16", "float32", "x"], lookup)
     assert peak is not None and peak.flops_per_s == {"bfloat16": 989e12, "float32": 67e12}
-    assert peak.memory_bytes_per_s == 3.35e12 and "Card X" in peak.source
+    assert (
+        peak.memory_bytes_per_s == 3.35e12
+        and peak.device == "Card X"
+        and peak.source == "datasheet"
+    )
     assert spec_peak_for(DeviceInfo(kind="cuda"), ["x"], lookup) is None
 
 
@@ -176,7 +199,7 @@ def test_report_line_agrees_with_the_record() -> None:
     assert view.caution == ""
     assert [r.label for r in view.rows][-1] == "memory-bound ops (bytes)"
     tiny = build_utilisation(_record(1.0, tiny=True))
-    assert tiny is not None and "tiny model" in tiny.caution.lower()
+    assert tiny is not None and "tiny stand-in" in tiny.caution
     assert build_utilisation(RunRecord(mode="run")) is None
     assert format_flops(4.1e12) == "4.1 TFLOP" and format_flops(2.5e9, per_second=True) == (
         "2.5 GFLOP/s"
@@ -252,3 +275,53 @@ def test_probe_skips_without_counted_flops() -> None:
 
     result = run_probe(RooflineProbe(), _ctx_with_work({}))
     assert result.status == "skipped" and "no FLOPs" in result.reason
+
+
+# --------------------------------------------------------------------------------------------
+# Real GPU traces: MFU against the spec of the trace's own device
+
+
+GPU_TRACES = (
+    "cuda/h100_bert_small_infer.json.gz",
+    "cuda/v100_resnet50_num_workers_0.json.gz",
+    "rocm/mi300x_bert_small_infer.json.gz",
+    "rocm/mi300x_resnet_ddp_bf16_train.json.gz",
+    "rocm/mi250_minitoy_train.json.gz",
+)
+
+
+@pytest.mark.parametrize("name", GPU_TRACES)
+def test_real_gpu_traces_get_mfu_against_their_cards_spec(name: str) -> None:
+    from diagnose.trace import analysis_to_record, analyze_trace
+    from tests.conftest import SHARED_TRACES
+
+    path = SHARED_TRACES / name
+    if not path.is_file():
+        pytest.skip(f"the shared GPU traces are not here ({SHARED_TRACES})")
+    record = analysis_to_record(analyze_trace(path), path)
+    u = record.utilisation
+    assert u is not None and u.flops_per_step > 0 and u.measured is None
+    assert u.spec is not None and u.spec.device, record.device.name
+    assert u.spec.mfu is not None and 0 < u.spec.mfu <= 1
+    assert u.headline_peak is u.spec
+    # The time at peak and the MFU are one number seen two ways, and agree with the s/it.
+    assert u.spec.seconds_at_peak == pytest.approx(u.spec.mfu * record.timing.profiled.median)
+    view = build_utilisation(record)
+    assert view is not None and u.spec.device in view.line and "MFU" in view.line
+    for row in u.classes:
+        if row.share_of_peak is not None and row.op_class != "memory":
+            assert 0 < row.share_of_peak <= 1, row
+
+
+def test_a_trace_without_shapes_gets_no_utilisation() -> None:
+    from diagnose.trace import analysis_to_record, analyze_trace
+    from tests.conftest import SHARED_TRACES
+
+    path = SHARED_TRACES / "cuda/a100_alexnet_train.json.gz"
+    if not path.is_file():
+        pytest.skip(f"the shared GPU traces are not here ({SHARED_TRACES})")
+    record = analysis_to_record(analyze_trace(path), path)
+    assert record.utilisation is None
+    assert any(
+        c.id == "compute.flops_counted" and c.outcome == "not_judged" for c in record.all_checks()
+    )

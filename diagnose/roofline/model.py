@@ -40,6 +40,8 @@ class Peak:
     memory_bytes_per_s: float | None = None
     #: How it was obtained: the shapes measured, or the datasheet and the card it matched.
     source: str = ""
+    #: The card the spec is of, as the table names it ("" for a measured peak).
+    device: str = ""
     #: Seconds the step's counted FLOPs need at this peak (each dtype at its own rate).
     seconds_at_peak: float | None = None
     #: seconds_at_peak / measured s/it: model FLOPs utilisation against this peak.
