@@ -92,6 +92,13 @@ def test_run_writes_record_report_and_trace(default_run: Path) -> None:
     assert "probe trace" not in wall  # the trace rules are the trace analysis, counted once
     plain = sum(s.seconds for s in record.timing.samples if not s.profiled)
     assert wall["timed steps"] >= plain
+    # The step's counted FLOPs against the peak measured here (a CPU has no vendor spec).
+    u = record.utilisation
+    assert u is not None and u.flops_per_step > 0 and not u.lower_bound and u.spec is None
+    assert u.measured is not None and min(u.measured.flops_per_s.values()) > 0
+    assert u.measured.mfu is not None and 0 < u.measured.mfu <= 1
+    assert u.step_seconds == record.timing.unprofiled.median
+    assert all(0 < c.share_of_peak <= 1 for c in u.classes if c.share_of_peak is not None)
 
 
 def test_report_is_self_contained_and_states_the_number(default_run: Path) -> None:
@@ -100,6 +107,7 @@ def test_report_is_self_contained_and_states_the_number(default_run: Path) -> No
     assert "/it" in html  # "s/it" or "ms/it"
     assert "SD 1.5" in html
     assert record.command in html  # the command that reproduces the run
+    assert "model FLOPs utilisation (MFU)" in html and 'id="utilisation"' in html
 
 
 def test_report_command_rerenders_a_saved_record(default_run: Path, tmp_path: Path) -> None:
