@@ -215,6 +215,20 @@ def test_gate_says_lower_when_mfu_falls_beyond_the_threshold() -> None:
     assert next(m for m in same.metrics if m.key == "utilisation.mfu").verdict == "same"
     higher = compare_records([_record(1.0)], _record(2.0), options=options)
     assert next(m for m in higher.metrics if m.key == "utilisation.mfu").verdict == "higher"
+    # The same step on a machine whose microbenchmark ran 30% faster this time: held against the
+    # first baseline's peak, the MFU has not changed, and the gate does not say it fell.
+    noisy = _record(1.0)
+    assert noisy.utilisation is not None
+    noisy.utilisation = utilisation_of(
+        WORK,
+        step_seconds=2.0,
+        step_basis="median s/it of the timed steps",
+        spec=None,
+        measured=_peak("measured", 130e12, 13e12, 100e9),
+    )
+    steady = compare_records([_record(1.0)], noisy, options=options)
+    metric = next(m for m in steady.metrics if m.key == "utilisation.mfu")
+    assert metric.verdict == "same" and metric.current == pytest.approx(metric.baseline)
     # Records without utilisation have no MFU metric at all (older records, no shapes).
     plain = RunRecord(mode="run")
     plain.timing.samples = [StepSample(index=i, seconds=1.0) for i in range(10)]

@@ -22,6 +22,7 @@ from diagnose.gate.metrics import (
 from diagnose.gate.options import CompareOptions
 from diagnose.record import PHASE_LABELS, PHASES, RunRecord, StepSample
 from diagnose.record_validation import is_valid_step_time
+from diagnose.roofline.utilisation import mfu_against
 
 
 def _comparable_samples(
@@ -309,22 +310,23 @@ def _compare_kernel_classes(
 def _mfu_pair(
     baselines: Sequence[RunRecord], current: RunRecord
 ) -> tuple[str, list[float | None], float | None]:
-    """The MFU every record has against the same kind of peak: the vendor's spec when all have
-    one (comparable across machines), else the one measured on each machine."""
+    """Every record's MFU against ONE peak, the first baseline's: the vendor's spec when every
+    record has one, else the peak measured for that baseline. A measured peak varies from run to
+    run with the machine's noise; held against one, the MFU changes only with the step's work
+    and time. ("", ...) when there is no common peak to hold them against."""
     records = [*baselines, current]
-    for basis in ("spec", "measured"):
-        values: list[float | None] = []
-        for record in records:
-            u = record.utilisation
-            peak = None if u is None else (u.spec if basis == "spec" else u.measured)
-            values.append(None if peak is None else peak.mfu)
-        if all(v is not None for v in values):
-            return basis, values[:-1], values[-1]
-    values = []
-    for record in records:
-        peak = record.utilisation.headline_peak if record.utilisation is not None else None
-        values.append(None if peak is None else peak.mfu)
-    return "", values[:-1], values[-1]
+    utilisations = [r.utilisation for r in records]
+    if any(u is None for u in utilisations):
+        return "", [], None
+    first = utilisations[0]
+    assert first is not None
+    peak = first.spec if all(u is not None and u.spec for u in utilisations) else first.measured
+    if peak is None:
+        return "", [], None
+    values = [mfu_against(u, peak) for u in utilisations if u is not None]
+    if any(v is None for v in values):
+        return "", [], None
+    return peak.basis, values[:-1], values[-1]
 
 
 def _compare_utilisation(
@@ -336,8 +338,8 @@ def _compare_utilisation(
     basis, a, b = _mfu_pair(baselines, current)
     if not basis:
         notes.append(
-            "MFU is not against the same kind of peak in every record (vendor spec or measured "
-            "here), or not in every record: not compared."
+            "MFU is not in every record, or the first baseline's peak has no rate for a dtype "
+            "another record computes in: not compared."
         )
         return []
     return [
@@ -346,7 +348,7 @@ def _compare_utilisation(
             b,
             key="utilisation.mfu",
             kind="utilisation",
-            label=f"MFU (against the {basis} peak)",
+            label=f"MFU (against the first baseline's {basis} peak)",
             unit="fraction",
             threshold=options.threshold,
             rise="higher",

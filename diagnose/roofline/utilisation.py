@@ -60,6 +60,16 @@ def _held_against(flops_by_dtype: Mapping[str, float], peak: Peak, step_seconds:
     return peak
 
 
+def mfu_against(u: Utilisation, peak: Peak) -> float | None:
+    """``u``'s step held against another record's ``peak``: the gate compares records against
+    one peak, so a change in MFU is a change in the step's work or time, not in how fast a
+    microbenchmark happened to run on each side. None when a dtype of ``u`` has no rate there."""
+    if any(d not in peak.flops_per_s for d in u.flops_by_dtype):
+        return None
+    reference = Peak(basis=peak.basis, flops_per_s=dict(peak.flops_per_s))
+    return _held_against(u.flops_by_dtype, reference, u.step_seconds).mfu
+
+
 def _effective_rate(flops_by_dtype: Mapping[str, float], peak: Peak | None) -> float | None:
     """The FLOP/s the step's dtype mix reaches at ``peak`` (FLOPs over seconds at peak)."""
     if peak is None or peak.seconds_at_peak is None:
@@ -307,6 +317,7 @@ __all__ = [
     "PROBE_NAME",
     "RULE_NAME",
     "measured_peak",
+    "mfu_against",
     "settle_utilisation",
     "spec_peak_for",
     "utilisation_of",
