@@ -15,6 +15,29 @@ from contextlib import contextmanager
 import torch
 
 
+def timed_calls(
+    call: Callable[[], object],
+    sync: Callable[[], None],
+    *,
+    min_calls: int,
+    max_calls: int,
+    budget_s: float,
+) -> list[float]:
+    """Device-synchronised seconds of repeated ``call()``s: at least ``min_calls``, then more
+    while the budget lasts, at most ``max_calls``."""
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < max_calls and (
+        len(samples) < min_calls or time.perf_counter() - started < budget_s
+    ):
+        sync()
+        begin = time.perf_counter()
+        call()
+        sync()
+        samples.append(time.perf_counter() - begin)
+    return samples
+
+
 def device_synchronizer(device: torch.device) -> Callable[[], None]:
     """A function that waits until all queued work on ``device`` is done (no-op on the CPU)."""
     if device.type == "cuda":  # also ROCm: torch exposes HIP devices as "cuda"

@@ -10,7 +10,6 @@ of the step than the phase holds.
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.probes.optimizer_inventory import first_line
 from diagnose.record import Finding, Stats
 from diagnose.stats import SAVING_SIGNIFICANCE, clearly_faster, ratio_interval, sure_saving
+from diagnose.timing import timed_calls
 
 #: Timed calls per optimizer: at least MIN_CALLS, then more until the budget is spent.
 MIN_CALLS = 5
@@ -193,18 +193,9 @@ def time_steps(
     max_calls: int = MAX_CALLS,
     budget_s: float = TIME_BUDGET_S,
 ) -> list[float]:
-    """Device-synchronised seconds of repeated ``step()`` calls."""
-    samples: list[float] = []
-    started = time.perf_counter()
-    while len(samples) < max_calls and (
-        len(samples) < min_calls or time.perf_counter() - started < budget_s
-    ):
-        sync()
-        begin = time.perf_counter()
-        step()
-        sync()
-        samples.append(time.perf_counter() - begin)
-    return samples
+    """Device-synchronised seconds of repeated ``step()`` calls, within the optimizer A/B's
+    bounds."""
+    return timed_calls(step, sync, min_calls=min_calls, max_calls=max_calls, budget_s=budget_s)
 
 
 def warning_texts(caught: Sequence[warnings.WarningMessage], printed: str) -> list[str]:

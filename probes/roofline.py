@@ -8,35 +8,23 @@ utilisation (:func:`diagnose.roofline.utilisation.settle_utilisation`) combines 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from diagnose.probes.base import ProbeContext, ProbeSkipped
 from diagnose.record import ProbeResult
 from diagnose.roofline.measure import DTYPES, measure_peaks
-from diagnose.roofline.utilisation import RULE_NAME
+from diagnose.roofline.utilisation import counted_work, positive_values
 
 #: A dtype is measured when it carries at least this share of the step's counted FLOPs.
 MIN_DTYPE_SHARE = 0.05
 CHECK_ID = "compute.peak_measured"
 
 
-def _counted_work(ctx: ProbeContext) -> Mapping[str, Any]:
-    for probe in ctx.record.probes:
-        if probe.name == "trace":
-            rules = probe.data.get("rules") or {}
-            work = rules.get(RULE_NAME) if isinstance(rules, Mapping) else None
-            return work if isinstance(work, Mapping) else {}
-    return {}
-
-
 def dtypes_to_measure(flops_by_dtype: Mapping[str, Any]) -> list[str]:
     """Dtypes with a real share of the step's FLOPs, largest first (ones torch can multiply)."""
-    values = {
-        str(k): float(v)
-        for k, v in flops_by_dtype.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-    }
+    values = positive_values(flops_by_dtype)
     total = sum(values.values())
     if total <= 0:
         return []
@@ -56,9 +44,8 @@ class RooflineProbe:
     device_kinds: tuple[str, ...] = ()
 
     def run(self, ctx: ProbeContext) -> ProbeResult:
-        work = _counted_work(ctx)
-        flops_by_dtype = work.get("flops_by_dtype") or {}
-        dtypes = dtypes_to_measure(flops_by_dtype if isinstance(flops_by_dtype, Mapping) else {})
+        work = counted_work(ctx.record)
+        dtypes = dtypes_to_measure(work.get("flops_by_dtype") or {})
         if not dtypes:
             raise ProbeSkipped(
                 "the trace analysis counted no FLOPs in a dtype this probe can multiply "
@@ -76,18 +63,7 @@ class RooflineProbe:
         result.data = {
             "flops_per_s": dict(peaks.flops_per_s),
             "memory_bytes_per_s": peaks.memory_bytes_per_s,
-            "gemms": [
-                {
-                    "dtype": g.dtype,
-                    "shape": g.shape,
-                    "m": g.m,
-                    "n": g.n,
-                    "k": g.k,
-                    "flops_per_s": g.flops_per_s,
-                    "repeats": g.repeats,
-                }
-                for g in peaks.gemms
-            ],
+            "gemms": [{**dataclasses.asdict(g), "shape": g.shape} for g in peaks.gemms],
             "notes": list(peaks.notes),
         }
         # A measured peak is a number, not a verdict: only its absence is a check (what MFU

@@ -20,6 +20,9 @@ _SECOND_UNITS: tuple[tuple[float, float, str], ...] = (
 )
 
 
+_FLOP_UNITS = ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1e3, "kFLOP"))
+
+
 def is_number(value: object) -> bool:
     """A finite int or float (bools are not numbers here)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -138,10 +141,22 @@ def format_value(value: object) -> str:
     return str(value)
 
 
+def format_flops(value: float | None, *, per_second: bool = False) -> str:
+    """4.1e12 -> "4.10 TFLOP" ("4.10 TFLOP/s" with ``per_second``)."""
+    if value is None or not is_number(value):
+        return "not counted"
+    suffix = "/s" if per_second else ""
+    for scale, unit in _FLOP_UNITS:
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}{suffix}"
+    return f"{value:.0f} FLOP{suffix}"
+
+
 __all__ = [
     "NOT_MEASURED",
     "format_bytes",
     "format_count",
+    "format_flops",
     "format_per_iteration",
     "format_percent",
     "format_seconds",

@@ -9,26 +9,14 @@ from diagnose.carry_over import shrunk_preset
 from diagnose.record import RunRecord
 from diagnose.roofline.model import Peak, Utilisation
 
-from .format import format_bytes, format_percent, format_seconds, is_number
+from .format import format_bytes, format_flops, format_percent, format_seconds, is_number
 
-_FLOP_UNITS = ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1e3, "kFLOP"))
 _CLASS_LABELS = {
     "gemm": "matrix multiply (GEMM)",
     "conv": "convolution",
     "attention": "fused attention",
     "memory": "memory-bound ops (bytes)",
 }
-
-
-def format_flops(value: float | None, *, per_second: bool = False) -> str:
-    """4.1e12 -> "4.10 TFLOP" ("4.10 TFLOP/s" with ``per_second``)."""
-    if value is None or not is_number(value):
-        return "not counted"
-    suffix = "/s" if per_second else ""
-    for scale, unit in _FLOP_UNITS:
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {unit}{suffix}"
-    return f"{value:.0f} FLOP{suffix}"
 
 
 def _bytes_rate(value: float | None) -> str:

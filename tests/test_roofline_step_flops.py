@@ -1,7 +1,7 @@
 """The "roofline" trace rule on real traces: the FLOPs it counts per step against
 torch.utils.flop_counter.FlopCounterMode over the same step and against a hand count from the
-layers' shapes; the tiny SD1.5 LoRA step of this project; the shared real GPU traces; and the
-clean twin without record_shapes.
+layers' shapes (a small module, and the UNet forward of the tiny SD1.5 LoRA step of this
+project); the shared real GPU traces; and the clean twin without record_shapes.
 
 The reader keeps each op's "Concrete Inputs" (stride, padding, output_mask), which torch records
 since 2.1. A trace from an older torch has none: :func:`_without_args` is the same trace with
@@ -264,10 +264,57 @@ def test_the_trace_flops_arg_is_preferred(tmp_path: Path) -> None:
 # The tiny SD1.5 LoRA step of this project
 
 
+class HandCount:
+    """Forward FLOPs of the modules it hooks, 2 per multiply-add, bias adds not counted."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.flops = 0.0
+        self.armed = False
+        self.handles: list[Any] = []
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+                self.handles.append(module.register_forward_hook(self._layer))
+            elif type(module).__name__ == "Attention" and hasattr(module, "to_q"):
+                self.handles.append(
+                    module.register_forward_pre_hook(self._attention, with_kwargs=True)
+                )
+
+    def _layer(self, module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        x = inputs[0]
+        if isinstance(module, torch.nn.Linear):
+            self.flops += 2.0 * x[..., 0].numel() * module.in_features * module.out_features
+            return
+        assert isinstance(module, torch.nn.Conv2d)
+        n, c_out, h, w = output.shape
+        kh, kw = module.kernel_size
+        self.flops += 2.0 * n * c_out * h * w * (module.in_channels // module.groups) * kh * kw
+
+    def _attention(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if not self.armed:
+            return
+        hidden = args[0] if args else kwargs["hidden_states"]
+        context = kwargs.get("encoder_hidden_states")
+        if context is None and len(args) > 1:
+            context = args[1]
+        batch, queries = hidden.shape[0], hidden.shape[1]
+        keys = queries if context is None else context.shape[1]
+        head_dim = module.to_q.out_features // module.heads
+        # q·kᵀ and attention·v: two products of b·h·q·k·d multiply-adds each.
+        self.flops += 2 * (2.0 * batch * module.heads * queries * keys * head_dim)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 @dataclasses.dataclass
 class UnetCapture:
     path: Path
     flop_counter: int
+    #: FLOPs of the UNet's forward in the profiled (exported) step, counted by hand.
+    forward_by_hand: float
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +329,7 @@ def unet_step(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UnetCapture]
     info = describe_device(device)
     config = resolve_config(RunConfig(), info.kind, info.memory_bytes)
     workload = build_workload(config, device)
+    hand = HandCount(workload.components.denoiser)
     try:
         timer = PhaseTimer(lambda: None)
         batches = workload.batches()
@@ -293,15 +341,19 @@ def unet_step(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UnetCapture]
             schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
             on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
         ) as prof:
-            for _ in range(2):
-                workload.step(next(batches), timer)
-                prof.step()
+            workload.step(next(batches), timer)
+            prof.step()
+            hand.armed = True  # the active (exported) step only
+            workload.step(next(batches), timer)
+            hand.armed = False
+            prof.step()
 
         def one_step() -> None:
             workload.step(next(batches), timer)
 
-        yield UnetCapture(path, flop_counter_total(one_step))
+        yield UnetCapture(path, flop_counter_total(one_step), hand.flops)
     finally:
+        hand.close()
         workload.close()
 
 
@@ -324,6 +376,17 @@ def test_unet_lora_step_matches_flop_counter(unet_step: UnetCapture) -> None:
     # The backward needs no stride: frozen base convs (LoRA) accumulate no weight gradient, and
     # the mask inferred from that is the recorded one.
     assert bare["flops_by_phase"]["backward"] == pytest.approx(exact["flops_by_phase"]["backward"])
+
+
+def test_unet_forward_flops_match_a_hand_count(unet_step: UnetCapture) -> None:
+    # The UNet forward's FLOPs in the profiled step, against a count by hand from its layers'
+    # shapes: every Linear and Conv2d it calls (LoRA's A and B included) and every attention
+    # module's q·kᵀ and attention·v products, read by hooks during that same step.
+    by_hand = unet_step.forward_by_hand
+    data = analyze_parsed(read_trace(unet_step.path)).rule_data["roofline"]
+    assert data["steps"] == 1 and data["uncounted"] == {}
+    assert by_hand > 1e6
+    assert data["flops_by_phase"]["forward"] == pytest.approx(by_hand, rel=0.05)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from diagnose.timing import device_synchronizer, timed_calls
 
 #: Square GEMM edge that fills the device: a GPU needs thousands of rows to reach its peak, a CPU
 #: core reaches its own with far less (and a bigger one would cost seconds in emulated dtypes).
@@ -69,22 +70,10 @@ def _median_seconds(run: Callable[[], object], sync: Callable[[], None]) -> tupl
     """Median wall seconds of ``run`` after one warm-up call, within the per-shape budget."""
     run()
     sync()
-    times: list[float] = []
-    started = time.perf_counter()
-    while len(times) < MAX_REPEATS and (
-        len(times) < MIN_REPEATS or time.perf_counter() - started < SECONDS_PER_SHAPE
-    ):
-        begin = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - begin)
+    times = timed_calls(
+        run, sync, min_calls=MIN_REPEATS, max_calls=MAX_REPEATS, budget_s=SECONDS_PER_SHAPE
+    )
     return statistics.median(times), len(times)
-
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
 
 
 def gemm_rate(
@@ -115,7 +104,7 @@ def measure_peaks(
 ) -> MeasuredPeaks:
     """Measure the matrix peak of each dtype (best of the step's largest GEMM and a square one)
     and the copy bandwidth. A dtype the device cannot multiply is noted, not measured."""
-    sync = _synchronizer(device)
+    sync = device_synchronizer(device)
     kind = "cpu" if device.type == "cpu" else "gpu"
     edge = SQUARE_EDGE[kind]
     shapes: list[tuple[int, int, int]] = [(edge, edge, edge)]

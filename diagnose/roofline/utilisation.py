@@ -37,7 +37,8 @@ def _positive(value: Any) -> float | None:
     return None
 
 
-def _per_dtype(values: Any) -> dict[str, float]:
+def positive_values(values: Any) -> dict[str, float]:
+    """The finite positive numbers of a mapping read from a record (FLOPs or rates by name)."""
     if not isinstance(values, Mapping):
         return {}
     return {str(k): v for k, raw in values.items() if (v := _positive(raw)) is not None}
@@ -79,22 +80,17 @@ def _effective_rate(flops_by_dtype: Mapping[str, float], peak: Peak | None) -> f
 
 
 def _classes(
-    work: Mapping[str, Any],
-    kernel_seconds: Mapping[str, float],
-    rate: float | None,
-    bandwidth: float | None,
+    work: Mapping[str, Any], kernel_seconds: Mapping[str, float]
 ) -> list[ClassUtilisation]:
+    """Each class of work with its own time and achieved rate (its peak is set by :func:`_hold`)."""
     on_device = bool(kernel_seconds)
     host = work.get("host_seconds_by_class") or {}
-    out: list[ClassUtilisation] = []
-    flops_by_class = _per_dtype(work.get("flops_by_class"))
+    entries = list(positive_values(work.get("flops_by_class")).items())
     memory = _positive(work.get("memory_bytes_per_step"))
-    entries: list[tuple[str, float, float | None]] = [
-        (name, flops, rate) for name, flops in flops_by_class.items()
-    ]
     if memory is not None:
-        entries.append(("memory", memory, bandwidth))
-    for name, amount, peak in sorted(entries, key=lambda e: (e[0] == "memory", -e[1])):
+        entries.append(("memory", memory))
+    out: list[ClassUtilisation] = []
+    for name, amount in sorted(entries, key=lambda e: (e[0] == "memory", -e[1])):
         if on_device:
             seconds = sum(kernel_seconds.get(k, 0.0) for k in KERNEL_CLASSES_OF.get(name, ()))
             basis = "device kernels"
@@ -106,13 +102,20 @@ def _classes(
         if seconds > 0:
             row.seconds = seconds
             row.achieved_per_s = amount / seconds
-        if peak is not None:
-            row.peak_per_s = peak
-            row.seconds_at_peak = amount / peak
-            if row.achieved_per_s is not None:
-                row.share_of_peak = row.achieved_per_s / peak
         out.append(row)
     return out
+
+
+def _hold(classes: list[ClassUtilisation], rate: float | None, bandwidth: float | None) -> None:
+    """Each class against its peak: the FLOP rate, or the bandwidth for "memory"."""
+    for row in classes:
+        peak = bandwidth if row.op_class == "memory" else rate
+        if peak is None:
+            continue
+        row.peak_per_s = peak
+        row.seconds_at_peak = row.work_per_step / peak
+        if row.achieved_per_s is not None:
+            row.share_of_peak = row.achieved_per_s / peak
 
 
 def _raise_to_what_the_step_reached(
@@ -125,37 +128,24 @@ def _raise_to_what_the_step_reached(
     compute = [c for c in result.classes if c.op_class != "memory" and c.achieved_per_s]
     fastest = max(compute, key=lambda c: c.achieved_per_s or 0.0, default=None)
     rate = _effective_rate(by_dtype, measured)
-    if fastest is None or fastest.achieved_per_s is None or rate is None:
-        return
-    factor = fastest.achieved_per_s / rate
-    if factor > 1.0:
-        measured.flops_per_s = {d: r * factor for d, r in measured.flops_per_s.items()}
-        measured.source += (
-            f"; raised to the {fastest.op_class} ops' own rate in the step "
-            f"({fastest.achieved_per_s / 1e9:.3g} GFLOP/s), {factor:.2f}x the microbenchmark's"
-        )
-        _held_against(by_dtype, measured, result.step_seconds)
-        result.notes.append(
-            f"the step's {fastest.op_class} ops ran faster than the torch.mm microbenchmark "
-            f"({factor:.2f}x): the measured peak is the fastest rate the step itself reached"
-        )
+    if fastest is not None and fastest.achieved_per_s is not None and rate is not None:
+        factor = fastest.achieved_per_s / rate
+        if factor > 1.0:
+            measured.flops_per_s = {d: r * factor for d, r in measured.flops_per_s.items()}
+            measured.source += (
+                f"; raised to the {fastest.op_class} ops' own rate in the step "
+                f"({fastest.achieved_per_s / 1e9:.3g} GFLOP/s), {factor:.2f}x the "
+                "microbenchmark's"
+            )
+            _held_against(by_dtype, measured, result.step_seconds)
+            result.notes.append(
+                f"the step's {fastest.op_class} ops ran faster than the torch.mm microbenchmark "
+                f"({factor:.2f}x): the measured peak is the fastest rate the step itself reached"
+            )
     memory = next((c for c in result.classes if c.op_class == "memory"), None)
-    if (
-        memory is not None
-        and memory.achieved_per_s
-        and bandwidth
-        and memory.achieved_per_s > bandwidth
-    ):
-        measured.memory_bytes_per_s = memory.achieved_per_s
-    effective = _effective_rate(by_dtype, measured)
-    for row in result.classes:
-        peak = measured.memory_bytes_per_s if row.op_class == "memory" else effective
-        if peak is None:
-            continue
-        row.peak_per_s = peak
-        row.seconds_at_peak = row.work_per_step / peak
-        if row.achieved_per_s is not None:
-            row.share_of_peak = row.achieved_per_s / peak
+    reached = memory.achieved_per_s if memory is not None else None
+    if reached and bandwidth and reached > bandwidth:
+        measured.memory_bytes_per_s = reached
 
 
 def utilisation_of(
@@ -171,12 +161,12 @@ def utilisation_of(
     flops = _positive(work.get("flops_per_step"))
     if flops is None or not (math.isfinite(step_seconds) and step_seconds > 0):
         return None
-    by_dtype = _per_dtype(work.get("flops_by_dtype")) or {"unknown": flops}
+    by_dtype = positive_values(work.get("flops_by_dtype")) or {"unknown": flops}
     result = Utilisation(
         flops_per_step=flops,
         basis=str(work.get("basis") or ""),
         flops_by_dtype=by_dtype,
-        flops_by_phase=_per_dtype(work.get("flops_by_phase")),
+        flops_by_phase=positive_values(work.get("flops_by_phase")),
         step_seconds=step_seconds,
         step_basis=step_basis,
         achieved_flops_per_s=flops / step_seconds,
@@ -189,16 +179,15 @@ def utilisation_of(
     # Per class against the peak measured here when there is one: the classes' own time was
     # measured on this machine too.
     reference = measured if measured is not None and measured.mfu is not None else spec
-    bandwidth = None
-    for peak in (measured, spec):
-        if peak is not None and peak.memory_bytes_per_s:
-            bandwidth = peak.memory_bytes_per_s
-            break
-    result.classes = _classes(
-        work, kernel_seconds or {}, _effective_rate(by_dtype, reference), bandwidth
-    )
+
+    def bandwidth() -> float | None:
+        found = (p.memory_bytes_per_s for p in (measured, spec) if p is not None)
+        return next((b for b in found if b), None)
+
+    result.classes = _classes(work, kernel_seconds or {})
     if reference is measured and measured is not None:
-        _raise_to_what_the_step_reached(result, measured, by_dtype, bandwidth)
+        _raise_to_what_the_step_reached(result, measured, by_dtype, bandwidth())
+    _hold(result.classes, _effective_rate(by_dtype, reference), bandwidth())
     without = int(work.get("ops_without_shapes") or 0)
     if without:
         result.notes.append(
@@ -227,7 +216,7 @@ def utilisation_of(
 
 def measured_peak(data: Mapping[str, Any]) -> Peak | None:
     """The Peak the ``roofline`` probe measured (its ProbeResult.data), or None."""
-    rates = _per_dtype(data.get("flops_per_s"))
+    rates = positive_values(data.get("flops_per_s"))
     if not rates:
         return None
     shapes = sorted(
@@ -275,7 +264,8 @@ def spec_peak_for(
     )
 
 
-def _rule_data(record: RunRecord) -> Mapping[str, Any]:
+def counted_work(record: RunRecord) -> Mapping[str, Any]:
+    """What the trace rule ``roofline`` counted in the record's trace ({} when nothing)."""
     for probe in record.probes:
         if probe.name == "trace":
             rules = probe.data.get("rules") or {}
@@ -286,7 +276,7 @@ def _rule_data(record: RunRecord) -> Mapping[str, Any]:
 
 def settle_utilisation(record: RunRecord) -> None:
     """Fill ``record.utilisation`` from the trace rule's count, the s/it and the peaks."""
-    work = _rule_data(record)
+    work = counted_work(record)
     if not work:
         return
     stats = record.timing.unprofiled if record.timing.unprofiled.n else record.timing.profiled
@@ -301,7 +291,7 @@ def settle_utilisation(record: RunRecord) -> None:
         (measured_peak(p.data) for p in record.probes if p.name == PROBE_NAME and p.status == "ok"),
         None,
     )
-    dtypes = list(_per_dtype(work.get("flops_by_dtype")))
+    dtypes = list(positive_values(work.get("flops_by_dtype")))
     record.utilisation = utilisation_of(
         work,
         step_seconds=float(stats.median),
@@ -316,8 +306,10 @@ __all__ = [
     "KERNEL_CLASSES_OF",
     "PROBE_NAME",
     "RULE_NAME",
+    "counted_work",
     "measured_peak",
     "mfu_against",
+    "positive_values",
     "settle_utilisation",
     "spec_peak_for",
     "utilisation_of",

@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from diagnose.record import ProbeResult
+from diagnose.reports.format import format_flops
 from diagnose.roofline.op_inputs import OpInputs, Shape, op_inputs
 from diagnose.roofline.op_work import (
     COMPUTE_CLASSES,
@@ -476,20 +477,6 @@ def _nulled(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def flop_text(value: float) -> str:
-    """FLOPs with an SI prefix: "12.3 GFLOP"."""
-    for scale, unit in (
-        (1e15, "PFLOP"),
-        (1e12, "TFLOP"),
-        (1e9, "GFLOP"),
-        (1e6, "MFLOP"),
-        (1e3, "kFLOP"),
-    ):
-        if value >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value:.3g} FLOP"
-
-
 def _summary(data: dict[str, Any]) -> str:
     total = float(data["flops_per_step"])
     basis = (
@@ -499,10 +486,10 @@ def _summary(data: dict[str, Any]) -> str:
         text = "no matrix, convolution or attention op in the analysed steps: 0 FLOPs per step"
     else:
         parts = ", ".join(
-            f"{cls} {flop_text(v)}" for cls, v in data["flops_by_class"].items() if v > 0
+            f"{cls} {format_flops(v)}" for cls, v in data["flops_by_class"].items() if v > 0
         )
         text = (
-            f"{flop_text(total)} per step counted from {basis} ({parts}; "
+            f"{format_flops(total)} per step counted from {basis} ({parts}; "
             f"{data['ops_counted']} ops per step)"
         )
     if data["uncounted"]:
