@@ -120,14 +120,16 @@ def _hold(classes: list[ClassUtilisation], rate: float | None, bandwidth: float 
 
 def _raise_to_what_the_step_reached(
     result: Utilisation, measured: Peak, by_dtype: Mapping[str, float], bandwidth: float | None
-) -> None:
+) -> float | None:
     """A measured peak is the fastest rate the device was seen to reach: when a class of the
     step's own work ran faster than the microbenchmark (a fused kernel that computes bf16 in fp32
     on a CPU without native bf16, a layout torch.mm does not take), the step's rate is that
-    fastest rate, and every share is held against it, so none reads above 100%."""
+    fastest rate, and every share is held against it, so none reads above 100%. Returns that
+    rate when it was raised to it (exact: rescaling the dtypes' rates rounds)."""
     compute = [c for c in result.classes if c.op_class != "memory" and c.achieved_per_s]
     fastest = max(compute, key=lambda c: c.achieved_per_s or 0.0, default=None)
     rate = _effective_rate(by_dtype, measured)
+    raised: float | None = None
     if fastest is not None and fastest.achieved_per_s is not None and rate is not None:
         factor = fastest.achieved_per_s / rate
         if factor > 1.0:
@@ -138,6 +140,7 @@ def _raise_to_what_the_step_reached(
                 "microbenchmark's"
             )
             _held_against(by_dtype, measured, result.step_seconds)
+            raised = fastest.achieved_per_s
             result.notes.append(
                 f"the step's {fastest.op_class} ops ran faster than the torch.mm microbenchmark "
                 f"({factor:.2f}x): the measured peak is the fastest rate the step itself reached"
@@ -146,6 +149,7 @@ def _raise_to_what_the_step_reached(
     reached = memory.achieved_per_s if memory is not None else None
     if reached and bandwidth and reached > bandwidth:
         measured.memory_bytes_per_s = reached
+    return raised
 
 
 def utilisation_of(
@@ -185,9 +189,10 @@ def utilisation_of(
         return next((b for b in found if b), None)
 
     result.classes = _classes(work, kernel_seconds or {})
+    raised = None
     if reference is measured and measured is not None:
-        _raise_to_what_the_step_reached(result, measured, by_dtype, bandwidth())
-    _hold(result.classes, _effective_rate(by_dtype, reference), bandwidth())
+        raised = _raise_to_what_the_step_reached(result, measured, by_dtype, bandwidth())
+    _hold(result.classes, raised or _effective_rate(by_dtype, reference), bandwidth())
     without = int(work.get("ops_without_shapes") or 0)
     if without:
         result.notes.append(
