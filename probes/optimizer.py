@@ -147,7 +147,9 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Paramet
 @dataclass
 class _Measured:
     row: ABRow
-    syncs: StepSyncs
+    #: None for an alternative on the CPU: there is no device to wait for, and only the
+    #: configured optimizer's reads are judged.
+    syncs: StepSyncs | None
     debug_warnings: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -238,9 +240,11 @@ class OptimizerProbe:
         row.step_seconds = time_steps(
             step, sync, min_calls=self.min_calls, max_calls=self.max_calls, budget_s=self.budget_s
         )
-        syncs = count_step_syncs(profile_steps(step, sync, device, self.profiled_calls))
-        row.host_syncs_per_step = syncs.per_step(syncs.host_syncs)
-        row.scalar_reads_per_step = syncs.per_step(syncs.scalar_reads)
+        syncs: StepSyncs | None = None
+        if configured or device.type != "cpu":
+            syncs = count_step_syncs(profile_steps(step, sync, device, self.profiled_calls))
+            row.host_syncs_per_step = syncs.per_step(syncs.host_syncs)
+            row.scalar_reads_per_step = syncs.per_step(syncs.scalar_reads)
         debug: list[dict[str, Any]] = []
         if configured and device.type == "cuda":
             debug = sync_debug_warnings(step, SYNC_DEBUG_CALLS)
@@ -362,6 +366,7 @@ class OptimizerProbe:
         configured_step = _positive(configured_row.stats.median)
         configured_row.implied_s_per_it = s_per_it
         syncs = measured.syncs
+        assert syncs is not None  # the configured optimizer is always profiled
         data["configured"] = {
             "optimizer": running_label,
             "key": running,

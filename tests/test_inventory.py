@@ -625,3 +625,23 @@ def test_diagnose_env_on_this_machine(
     assert "amdsmi: KeyError: 'amdgpu'" in telemetry["reason"]
     assert "nvml:" in telemetry["reason"]
     assert "Unable to find amdgpu driver" in telemetry["printed"]
+
+
+def test_torch_compile_is_deferred_to_the_first_call_while_packages_import() -> None:
+    from diagnose.inventory.packages import torch_compile_deferred
+
+    real = torch.compile
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    with torch_compile_deferred():
+        lazy = torch.compile(double, backend="eager")
+        decorated = torch.compile(backend="eager")(double)
+        module = torch.compile(torch.nn.Identity(), backend="eager")
+    assert torch.compile is real
+    # A function gets a plain wrapper until it is called; a module its compiled type at once.
+    assert lazy.__wrapped__ is double and decorated.__wrapped__ is double  # type: ignore[attr-defined]
+    assert isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+    x = torch.arange(4.0)
+    assert torch.equal(lazy(x), x * 2) and torch.equal(decorated(x), x * 2)

@@ -493,7 +493,8 @@ def test_ab_table_on_the_tiny_workload_and_the_workload_is_put_back(
         assert row["samples"] >= 3 and row["step_ms_median"] > 0
         assert row["implied_s_per_it"] is not None
         assert row["state_bytes"]["float32"] >= 2 * 4 * elements
-        assert row["host_syncs_per_step"] == 0
+        # On the CPU only the configured optimizer is profiled: nothing waits for a device.
+        assert row["host_syncs_per_step"] == (0 if row["configured"] else None)
     # torch AdamW reads its CPU step counters with .item(); bitsandbytes does not.
     assert rows["torch AdamW (for-loop)"]["scalar_reads_per_step"] >= len(before["params"])
     assert result.data["inventory"]["bitsandbytes"]["version"]

@@ -13,7 +13,7 @@ from diagnose.gate import compare_records
 from diagnose.gate.options import CompareOptions
 from diagnose.record import DeviceInfo, RunRecord, StepSample
 from diagnose.reports.utilisation import build_utilisation, format_flops
-from diagnose.roofline.measure import gemm_rate, measure_peaks
+from diagnose.roofline.measure import MIN_SQUARE_EDGE, gemm_rate, measure_peaks, square_edge
 from diagnose.roofline.model import Peak
 from diagnose.roofline.utilisation import spec_peak_for, utilisation_of
 
@@ -167,6 +167,15 @@ def test_measured_peaks_take_the_best_shape_and_note_unknown_dtypes() -> None:
     assert peaks.flops_per_s["float32"] > peaks.gemms[0].flops_per_s
     assert peaks.memory_bytes_per_s is not None and peaks.memory_bytes_per_s > 1e8
     assert any("int4" in n for n in peaks.notes)
+
+
+def test_square_edge_shrinks_a_shape_too_slow_for_its_budget() -> None:
+    cpu = torch.device("cpu")
+    # An 8192^3 float32 multiply takes seconds on any CPU: far past the per-shape budget.
+    shrunk = square_edge(cpu, "float32", 8192, lambda: None)
+    assert MIN_SQUARE_EDGE <= shrunk < 8192
+    # Nothing smaller than the floor is ever asked for.
+    assert square_edge(cpu, "float32", MIN_SQUARE_EDGE, lambda: None) == MIN_SQUARE_EDGE
 
 
 # --------------------------------------------------------------------------------------------

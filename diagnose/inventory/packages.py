@@ -5,16 +5,18 @@ build, are imported in a child interpreter with a timeout."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,11 +138,49 @@ def _package_entry(spec: PackageSpec, dist: str | None, version: str | None) -> 
     }
 
 
+@contextlib.contextmanager
+def torch_compile_deferred() -> Iterator[None]:
+    """Within the block, ``torch.compile(fn)`` returns a wrapper that compiles on its first call.
+
+    bitsandbytes decorates its CPU kernels with ``torch.compile`` at import, which imports torch's
+    compiler stack (seconds on a small CPU) for functions a LoRA step on most devices never calls.
+    A compiled function only compiles when called anyway; deferring the wrapping to that call
+    changes when the compiler is imported, not what runs.
+    """
+    torch: Any = sys.modules.get("torch")
+    real = getattr(torch, "compile", None)
+    if torch is None or real is None:
+        yield
+        return
+
+    def deferred(model: Any = None, **options: Any) -> Any:
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: deferred(fn, **options)
+        if not inspect.isfunction(model):
+            return real(model, **options)  # modules and callables keep their compiled type
+        compiled: Any = None
+
+        @functools.wraps(model)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
 def _import_in_process(modules: Iterable[str]) -> tuple[bool, str, str, float]:
     """Import ``modules`` here with output captured: (imported, error, printed, seconds)."""
     error = ""
     started = time.perf_counter()
-    with _recorded_warnings() as caught, capture_output() as captured:
+    with _recorded_warnings() as caught, capture_output() as captured, torch_compile_deferred():
         for module in modules:
             try:
                 importlib.import_module(module)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -18,8 +19,10 @@ import torch
 from diagnose.timing import device_synchronizer, timed_calls
 
 #: Square GEMM edge that fills the device: a GPU needs thousands of rows to reach its peak, a CPU
-#: core reaches its own with far less (and a bigger one would cost seconds in emulated dtypes).
+#: core reaches its own with far less.
 SQUARE_EDGE = {"cpu": 512, "gpu": 4096}
+#: The smallest square edge a slow dtype is shrunk to (see :func:`square_edge`).
+MIN_SQUARE_EDGE = 128
 #: Bytes of the tensor copied to measure memory bandwidth: well past the last-level cache.
 COPY_BYTES = {"cpu": 64 << 20, "gpu": 1 << 30}
 #: Wall seconds one shape may take (after its warm-up call), and its repetitions.
@@ -88,6 +91,31 @@ def gemm_rate(
     return GemmRate(dtype, m, n, k, 2.0 * m * n * k / max(seconds, 1e-12), repeats)
 
 
+def square_edge(device: torch.device, dtype: str, largest: int, sync: Callable[[], None]) -> int:
+    """The square edge to measure ``dtype`` at: ``largest``, halved while one call would leave no
+    room in the per-shape budget for its repetitions.
+
+    A dtype the device only emulates (bfloat16 on a CPU without bf16 instructions) multiplies
+    hundreds of times slower than its float32; its rate is as flat in the size as it is low, so a
+    smaller square measures the same rate in a fraction of the time. The cost of one call is
+    extrapolated (cubically) from a call at the smallest edge.
+    """
+    torch_dtype = DTYPES[dtype]
+    small = min(MIN_SQUARE_EDGE, largest)
+    a = torch.randn(small, small, device=device).to(torch_dtype)
+    torch.mm(a, a)  # the first call pays for dispatch and allocation
+    sync()
+    started = time.perf_counter()
+    torch.mm(a, a)
+    sync()
+    small_seconds = time.perf_counter() - started
+    allowed = SECONDS_PER_SHAPE / (MIN_REPEATS + 1)  # the warm-up call and the repeats
+    edge = largest
+    while edge > small and small_seconds * (edge / small) ** 3 > allowed:
+        edge //= 2
+    return max(edge, small)
+
+
 def copy_bandwidth(device: torch.device, size_bytes: int, sync: Callable[[], None]) -> float:
     """Bytes read plus written per second by one device-to-device tensor copy."""
     elements = size_bytes // 4
@@ -106,15 +134,18 @@ def measure_peaks(
     and the copy bandwidth. A dtype the device cannot multiply is noted, not measured."""
     sync = device_synchronizer(device)
     kind = "cpu" if device.type == "cpu" else "gpu"
-    edge = SQUARE_EDGE[kind]
-    shapes: list[tuple[int, int, int]] = [(edge, edge, edge)]
-    if step_gemm is not None and all(d > 0 for d in step_gemm) and step_gemm not in shapes:
-        shapes.insert(0, step_gemm)
     peaks = MeasuredPeaks()
     for dtype in dict.fromkeys(dtypes):
         if dtype not in DTYPES:
             peaks.notes.append(f"{dtype}: no matrix microbenchmark for this dtype")
             continue
+        try:
+            edge = square_edge(device, dtype, SQUARE_EDGE[kind], sync)
+        except (RuntimeError, TypeError):
+            edge = SQUARE_EDGE[kind]  # the measurement below notes what fails
+        shapes: list[tuple[int, int, int]] = [(edge, edge, edge)]
+        if step_gemm is not None and all(d > 0 for d in step_gemm) and step_gemm not in shapes:
+            shapes.insert(0, step_gemm)
         for m, n, k in shapes:
             try:
                 rate = gemm_rate(device, dtype, m, n, k, sync)
@@ -135,10 +166,12 @@ def measure_peaks(
 __all__ = [
     "COPY_BYTES",
     "DTYPES",
+    "MIN_SQUARE_EDGE",
     "SQUARE_EDGE",
     "GemmRate",
     "MeasuredPeaks",
     "copy_bandwidth",
     "gemm_rate",
     "measure_peaks",
+    "square_edge",
 ]
