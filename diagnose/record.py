@@ -30,7 +30,9 @@ from diagnose.roofline.model import Utilisation
 #: default it.
 SCHEMA_VERSION = 2
 
-Mode = Literal["run", "trace"]
+#: "run": diagnose's own workload; "trace": a trace from any trainer; "profile": the user's own
+#: command, captured by ``diagnose profile``.
+Mode = Literal["run", "trace", "profile"]
 Severity = Literal["info", "warn", "critical"]
 Category = Literal[
     "precision",

@@ -183,6 +183,21 @@ def mixed_precision_fix(low: str) -> str:
     )
 
 
+_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def claim_not_applied_fix(said: str, low: str) -> str:
+    """The fix when the command line asks for ``low`` (``said``) and the steps ran in fp32."""
+    return (
+        f"`{said}` did not reach the training step: its forward ran without {low} autocast on "
+        "fp32 weights. Check that the flag is read by the script that trains (accelerate: "
+        f'`Accelerator(mixed_precision="{low}")` or `accelerate launch --mixed_precision '
+        f"{low}`, with the forward inside `accelerator.autocast()` or a prepared model; a plain "
+        f"loop: `with torch.autocast(device_type, dtype=torch.{_TORCH_DTYPE.get(low, low)})`), "
+        "and that no config file or preset sets it back."
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Builders: one per id, called by the probe and the trace rule alike
 
@@ -372,6 +387,7 @@ __all__ = [
     "UPCAST_ID",
     "bf16_not_native_finding",
     "bf16_slower_finding",
+    "claim_not_applied_fix",
     "dtype_mismatch_finding",
     "fp32_training_finding",
     "fp32_weights_finding",

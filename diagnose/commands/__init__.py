@@ -7,6 +7,7 @@ each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Protocol
 
 from diagnose.errors import DiagnoseError, ExitCode
@@ -41,10 +42,23 @@ def comma_ints(text: str) -> list[int]:
     return values
 
 
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """--out, --force and --redact-paths, as the commands that write a record and a report
+    take them."""
+    parser.add_argument("--out", type=Path, metavar="DIR", help="output folder (default: new)")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty --out folder")
+    parser.add_argument(
+        "--redact-paths",
+        action="store_true",
+        help="also replace your home folder and user name in the outputs (secrets always are)",
+    )
+
+
 def all_commands() -> list[Command]:
     from diagnose.commands.compare import CompareCommand
     from diagnose.commands.env import EnvCommand
     from diagnose.commands.presets import PresetsCommand
+    from diagnose.commands.profile import ProfileCommand
     from diagnose.commands.report import ReportCommand
     from diagnose.commands.run import RunCommand
     from diagnose.commands.sweep import SweepCommand
@@ -53,6 +67,7 @@ def all_commands() -> list[Command]:
 
     return [
         RunCommand(),
+        ProfileCommand(),
         SweepCommand(),
         TraceCommand(),
         ReportCommand(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from diagnose.commands import add_output_options
 from diagnose.errors import DiagnoseError, ExitCode
 
 
@@ -30,15 +31,7 @@ class TraceCommand:
             metavar="N",
             help="rank traces read at once, one process each (default: the CPU count)",
         )
-        parser.add_argument("--out", type=Path, metavar="DIR", help="output folder (default: new)")
-        parser.add_argument(
-            "--force", action="store_true", help="write into a non-empty --out folder"
-        )
-        parser.add_argument(
-            "--redact-paths",
-            action="store_true",
-            help="also replace your home folder and user name in the outputs (secrets always are)",
-        )
+        add_output_options(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         from diagnose.distributed.ranks import (

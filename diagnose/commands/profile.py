@@ -1,0 +1,166 @@
+"""`diagnose profile [options] -- CMD ...`: diagnose the user's own trainer, unmodified.
+
+The command runs as is (its output passes through); a bootstrap in every Python process it starts
+times and profiles a few of its optimizer steps (see ``diagnose.profile``). Once it has ended,
+the captured trace goes through the same analysis as ``diagnose trace``, the environment probe and
+the device's measured peak are added, and the same outputs as ``diagnose run`` are written.
+The exit code is the command's own; see README "diagnose profile" for the cases without a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+
+from diagnose.commands import add_output_options
+from diagnose.errors import DiagnoseError, ExitCode
+
+#: The capture folder inside --out while the command runs (removed when the outputs are written).
+CAPTURE_FOLDER = ".diagnose-capture"
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+class ProfileCommand:
+    name = "profile"
+    help = (
+        "run your own training command unmodified (-- python train.py ..., -- accelerate launch "
+        "..., -- torchrun ...), capture a few of its steps and explain its s/it"
+    )
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        from diagnose.profile.launch import CaptureOptions
+
+        d = CaptureOptions()
+        parser.add_argument(
+            "--skip-steps",
+            type=_non_negative,
+            default=d.skip_steps,
+            metavar="N",
+            help=f"optimizer steps left alone first: warm-up, compiling (default: {d.skip_steps})",
+        )
+        parser.add_argument(
+            "--steps",
+            type=_non_negative,
+            default=d.timed_steps,
+            metavar="N",
+            help=f"steps timed without the profiler: the s/it (default: {d.timed_steps})",
+        )
+        parser.add_argument(
+            "--profile-steps",
+            type=_non_negative,
+            default=d.profiled_steps,
+            metavar="K",
+            help=f"steps recorded by torch.profiler after them (default: {d.profiled_steps})",
+        )
+        parser.add_argument(
+            "--stop-after",
+            action="store_true",
+            help="end the command once its steps are captured (default: it trains on to its end)",
+        )
+        parser.add_argument(
+            "--timeout",
+            type=_positive_seconds,
+            default=None,
+            metavar="S",
+            help="stop the command when no optimizer step has ended S seconds after its start",
+        )
+        add_output_options(parser)
+        parser.add_argument(
+            "command",
+            nargs=argparse.REMAINDER,
+            metavar="-- CMD",
+            help="the training command, after --",
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        from diagnose.output import default_out_dir, prepare_out_dir, remove_partial_outputs
+        from diagnose.profile.finish import RANK_TRACES_FOLDER, finish_profile
+        from diagnose.profile.launch import CaptureOptions, launch_profiled
+
+        command = list(args.command)
+        if command and command[0] == "--":
+            command = command[1:]
+        if not command:
+            raise DiagnoseError(
+                "diagnose profile: no command to run; put it after --, e.g. "
+                "diagnose profile -- python train.py --config my.toml",
+                ExitCode.USAGE,
+            )
+        options = CaptureOptions(
+            skip_steps=args.skip_steps,
+            timed_steps=args.steps,
+            profiled_steps=args.profile_steps,
+            stop_after=args.stop_after,
+        )
+        out_dir = args.out if args.out is not None else default_out_dir("profile")
+        created = not out_dir.exists()
+        started = time.time()
+        prepare_out_dir(out_dir, force=args.force)
+        capture_dir = out_dir / CAPTURE_FOLDER
+        shutil.rmtree(capture_dir, ignore_errors=True)  # a stale one of an interrupted profile
+        print(
+            f"diagnose: profiling `{' '.join(command)}`: {options.timed_steps} timed and "
+            f"{options.profiled_steps} profiled step(s) after {options.skip_steps}; "
+            "its output follows",
+            file=sys.stderr,
+            flush=True,
+        )
+
+        def clean_up() -> None:
+            """Leave nothing half-written: the capture, this profile's files, and the folder
+            when this profile created it."""
+            shutil.rmtree(capture_dir, ignore_errors=True)
+            remove_partial_outputs(out_dir, created=created, since=started)
+            shutil.rmtree(out_dir / RANK_TRACES_FOLDER, ignore_errors=True)
+            if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+                out_dir.rmdir()
+
+        try:
+            try:
+                result = launch_profiled(command, capture_dir, options, timeout_s=args.timeout)
+            except OSError as exc:
+                raise DiagnoseError(
+                    f"cannot start {command[0]}: {exc.strerror or exc}", ExitCode.BAD_INPUT
+                ) from None
+            if not result.captures:
+                clean_up()
+                print(f"diagnose: {result.message}; nothing was written", file=sys.stderr)
+                if result.timed_out or result.exit_code == 0:
+                    return int(ExitCode.BAD_INPUT)
+                return result.exit_code
+            outputs = finish_profile(result, out_dir, redact_paths=args.redact_paths)
+        except BaseException:
+            clean_up()
+            raise
+        shutil.rmtree(capture_dir, ignore_errors=True)
+        from diagnose.reports import terminal_summary
+
+        print(terminal_summary(outputs.record))
+        print(f"\nreport: {outputs.report_path}\nrecord: {outputs.record_path}")
+        if result.exit_code != 0:
+            print(
+                f"diagnose: the command exited with code {result.exit_code}; so does diagnose",
+                file=sys.stderr,
+            )
+        return result.exit_code

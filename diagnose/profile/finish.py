@@ -1,0 +1,132 @@
+"""From a finished capture to the outputs of ``diagnose profile``: the traces moved into the output
+folder, the record built and completed by the probes that need only the device, the record and
+the report written (as ``diagnose run`` writes them)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from diagnose.output import TRACE_NAME
+from diagnose.profile.launch import LaunchResult, RankCapture
+from diagnose.record import RunRecord
+
+if TYPE_CHECKING:
+    from diagnose.run import RunOutputs
+
+#: Where the rank traces of a multi-process command go inside the output folder.
+RANK_TRACES_FOLDER = "traces"
+#: The probes that can run from a capture: they need the device, not diagnose's own workload.
+PROFILE_PROBES = ("environment", "roofline")
+
+
+def _keep_traces(result: LaunchResult, out_dir: Path) -> tuple[LaunchResult, Path | None]:
+    """Move the traces out of the capture folder: one as ``trace.json.gz`` beside the record
+    (as `diagnose run` leaves it), several into ``traces/`` (a folder `diagnose trace` reads)."""
+    traced = [c for c in result.captures if c.trace_path is not None and c.trace_path.is_file()]
+    if not traced:
+        return result, None
+    moved: dict[int, Path] = {}
+    if len(traced) == 1:
+        target = out_dir / TRACE_NAME
+        shutil.move(str(traced[0].trace_path), target)
+        moved[traced[0].pid] = target
+        where: Path | None = target
+    else:
+        folder = out_dir / RANK_TRACES_FOLDER
+        folder.mkdir(exist_ok=True)
+        for capture in traced:
+            assert capture.trace_path is not None
+            target = folder / capture.trace_path.name
+            shutil.move(str(capture.trace_path), target)
+            moved[capture.pid] = target
+        where = folder
+    captures = [
+        RankCapture(
+            rank=c.rank,
+            pid=c.pid,
+            status=c.status,
+            facts_path=c.facts_path,
+            trace_path=moved.get(c.pid, c.trace_path),
+            facts=c.facts,
+        )
+        for c in result.captures
+    ]
+    kept = LaunchResult(
+        command=result.command,
+        returncode=result.returncode,
+        captures=captures,
+        processes=result.processes,
+        timed_out=result.timed_out,
+        message=result.message,
+        seconds=result.seconds,
+        signals_forwarded=result.signals_forwarded,
+    )
+    return kept, where
+
+
+def _same_python(record: RunRecord) -> bool:
+    """Whether the command's processes ran this interpreter: only then does this process's
+    inventory describe their packages."""
+    capture = next((p for p in record.probes if p.name == "capture"), None)
+    ranks = (capture.data.get("ranks") or {}) if capture is not None else {}
+    executables = {str(f.get("executable") or "") for f in ranks.values()}
+    here = os.path.realpath(sys.executable)
+    return bool(executables) and all(os.path.realpath(e) == here for e in executables if e)
+
+
+def _device_probes(record: RunRecord) -> None:
+    """The environment doctor and the measured peak, on this machine's device (the command has
+    ended: nothing of the user's runs on it any more)."""
+    from diagnose.config import RunConfig
+    from diagnose.device import describe_device, select_device
+    from diagnose.inventory import collect_inventory
+    from diagnose.probes import REGISTRY, ProbeContext, run_probes
+    from diagnose.profile.record import claimed_precision_of
+
+    device = select_device("auto")
+    device_info = describe_device(device)
+    if record.device.kind in ("", "unknown"):
+        record.device = device_info
+    if _same_python(record):
+        trace_fields = record.inventory.get("trace")
+        record.inventory = collect_inventory(device_info.kind)
+        if trace_fields:
+            record.inventory["trace"] = trace_fields
+    else:
+        record.notes.append(
+            "The command ran another Python than diagnose: the package inventory is not its own "
+            "and was left out."
+        )
+    config = RunConfig(device=str(device), precision=claimed_precision_of(record))
+    ctx = ProbeContext(config=config, device=device, device_info=device_info, record=record)
+    chosen = [p for p in REGISTRY if p.name in PROFILE_PROBES]
+    record.probes.extend(run_probes(chosen, ctx))
+
+
+def finish_profile(result: LaunchResult, out_dir: Path, *, redact_paths: bool) -> RunOutputs:
+    """Write record.json, report.html and the traces of a capture into ``out_dir``."""
+    from diagnose.profile.record import profile_record
+    from diagnose.run import finish_run, redact_own_trace
+
+    result, traces = _keep_traces(result, out_dir)
+    record = profile_record(result)
+    if traces is not None:
+        record.trace_path = traces.name
+    _device_probes(record)
+    if redact_paths and traces is not None:
+        for trace in [traces] if traces.is_file() else sorted(traces.iterdir()):
+            redact_own_trace(trace, record)
+    return finish_run(
+        record,
+        out_dir,
+        traces if traces is not None and traces.is_file() else None,
+        redact_paths=redact_paths,
+        say=lambda message: None,
+    )
+
+
+__all__ = ["PROFILE_PROBES", "RANK_TRACES_FOLDER", "finish_profile"]

@@ -1,0 +1,319 @@
+"""A RunRecord (mode "profile") from the capture of the user's own command.
+
+The trace analysis is the one ``diagnose trace`` runs (one rank, or the ranks compared); what a
+capture adds is what a trace cannot say: the s/it from steps timed without the profiler, and what
+the trainer really ran (autocast, dtypes, optimizer state, loaders), held against what its command
+line claims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from diagnose.catalogs.precision_catalog import (
+    FP32_TRAINING_ID,
+    claim_not_applied_fix,
+    fp32_training_finding,
+)
+from diagnose.config import Precision
+from diagnose.profile.claims import PrecisionClaim, precision_claim
+from diagnose.profile.launch import LaunchResult, RankCapture
+from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, new_record
+
+#: The ProbeResult that carries the capture's facts and its claimed-vs-actual checks.
+CAPTURE_PROBE = "capture"
+PRECISION_CLAIM_ID = "profile.precision_claim"
+STEPS_ID = "profile.steps_captured"
+_LOW = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecord:
+    """The record of a capture in which at least one process stepped an optimizer."""
+    if not result.captures:
+        raise ValueError("no capture: the command never completed an optimizer step")
+    traced = [c for c in result.captures if c.trace_path is not None and c.trace_path.is_file()]
+    record = _analysed(traced, jobs)
+    record.mode = "profile"
+    pacing_rank = next((s.rank for s in record.ranks if s.paces), None)
+    pacing = next(
+        (c for c in result.captures if c.rank == pacing_rank),
+        traced[0] if traced else result.captures[0],
+    )
+    _timing_from(record, pacing)
+    # As in `diagnose run`, findings travel with the result that raised them until the record
+    # merges them (diagnose.run.finish_run): the trace's with the "trace" result.
+    trace_probe = next((p for p in record.probes if p.name == "trace"), None)
+    if trace_probe is not None:
+        trace_probe.findings = record.findings
+        record.findings = []
+    record.command = shlex.join(result.command)
+    record.config = _setup_seen(pacing.facts)
+    if len(result.captures) > 1 and not record.ranks:
+        record.notes.append(
+            f"{len(result.captures)} processes stepped an optimizer but "
+            f"{'only one' if traced else 'none'} reached its profiled steps: the timing is "
+            f"rank {pacing.rank}'s"
+        )
+    record.probes.append(
+        capture_result(result, pacing, trace_probe.findings if trace_probe else [])
+    )
+    return record
+
+
+def _analysed(traced: Sequence[RankCapture], jobs: int | None) -> RunRecord:
+    from diagnose.trace import analysis_to_record, analyze_trace
+
+    if not traced:
+        record = new_record("profile")
+        record.notes.append(
+            "No step reached the profiler (the command ended or was stopped during the timed "
+            "steps): the step time is measured, its breakdown is not."
+        )
+        return record
+    if len(traced) == 1:
+        path = traced[0].trace_path
+        assert path is not None
+        return analysis_to_record(analyze_trace(path), path)
+    from diagnose.distributed.ranks import compare_ranks, comparison_record, read_ranks
+
+    ranks, notes = read_ranks([c.trace_path for c in traced if c.trace_path], jobs=jobs)
+    comparison = compare_ranks(ranks)
+    comparison.notes.extend(notes)
+    return comparison_record(comparison)
+
+
+def _timing_from(record: RunRecord, pacing: RankCapture) -> None:
+    """The steps timed without the profiler lead; the trace's steps stay as profiled samples."""
+    options = pacing.facts.get("options") or {}
+    skipped = int(options.get("skip_steps") or 0)
+    timed = [
+        StepSample(index=skipped + i, seconds=seconds, profiled=False)
+        for i, seconds in enumerate(pacing.timed_step_s)
+        if seconds > 0
+    ]
+    # In run order: the profiled steps come after the timed ones and the probe step between.
+    first_profiled = skipped + len(timed) + 1
+    profiled = [
+        dataclasses.replace(s, index=first_profiled + i)
+        for i, s in enumerate(s for s in record.timing.samples if s.profiled)
+    ]
+    if not profiled:
+        profiled = [
+            StepSample(index=first_profiled + i, seconds=float(s), profiled=True)
+            for i, s in enumerate(pacing.facts.get("profiled_step_s") or [])
+            if float(s) > 0
+        ]
+    record.timing.samples = timed + profiled
+    record.timing.warmup_steps = skipped
+    record.timing.summarize()
+
+
+def _setup_seen(facts: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a run's configuration the capture saw, under the keys ``diagnose run``
+    records them with (the report's one-line setup reads them)."""
+    config: dict[str, Any] = {}
+    seen = low_precision_seen(facts)
+    if seen:
+        dtype = max(seen, key=lambda d: seen[d])
+        config["precision"] = "bf16-mixed" if dtype == "bf16" else "fp16"
+    elif int((facts.get("autocast") or {}).get("sampled_steps") or 0):
+        config["precision"] = (
+            "bf16-full" if _low_weight_share(weight_elements(facts)) >= 0.5 else "fp32"
+        )
+    optimizer = (facts.get("optimizer") or {}).get("class")
+    if isinstance(optimizer, str) and optimizer:
+        config["optimizer"] = optimizer.rsplit(".", 1)[-1]
+    loaders = [
+        d
+        for d in facts.get("dataloaders") or []
+        if isinstance(d, dict) and d.get("iterated_during_capture")
+    ]
+    if len(loaders) == 1 and isinstance(loaders[0].get("batch_size"), int):
+        config["batch"] = loaders[0]["batch_size"]
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# What the trainer ran, against what its command line says
+
+
+def low_precision_seen(facts: Mapping[str, Any]) -> dict[str, int]:
+    """Sampled steps per low-precision autocast dtype ("bf16"/"fp16") on any device."""
+    seen: dict[str, int] = {}
+    for state in (facts.get("autocast") or {}).get("states") or []:
+        dtypes = {
+            _LOW[s["dtype"]]
+            for device in ("cuda", "cpu")
+            if isinstance(s := state.get(device), dict)
+            and s.get("enabled")
+            and s.get("dtype") in _LOW
+        }
+        for dtype in dtypes:
+            seen[dtype] = seen.get(dtype, 0) + int(state.get("steps") or 0)
+    return seen
+
+
+def weight_elements(facts: Mapping[str, Any]) -> dict[str, int]:
+    """Elements per dtype of the trainable and the frozen parameters together."""
+    parameters = facts.get("parameters") or {}
+    tables = [
+        (parameters.get("trainable") or {}).get("params") or {},
+        parameters.get("frozen_in_roots") or {},
+    ]
+    elements: dict[str, int] = {}
+    for table in tables:
+        for dtype, row in table.items():
+            elements[dtype] = elements.get(dtype, 0) + int((row or {}).get("elements") or 0)
+    return elements
+
+
+def claimed_precision_of(record: RunRecord) -> Precision:
+    """The ``RunConfig.precision`` that says what the command asked for (what the environment
+    rules judge against): its claim, else what its steps ran."""
+    capture = next((p for p in record.probes if p.name == CAPTURE_PROBE), None)
+    if capture is None:
+        return "fp32"
+    claimed = capture.data.get("precision_claim")
+    dtype = claimed.get("dtype") if isinstance(claimed, dict) else None
+    if dtype is None:
+        ranks = capture.data.get("ranks") or {}
+        facts = ranks.get(str(capture.data.get("pacing_rank"))) or {}
+        seen = low_precision_seen(facts)
+        dtype = max(seen, key=lambda d: seen[d]) if seen else "fp32"
+    if dtype == "bf16":
+        return "bf16-mixed"
+    return "fp16" if dtype == "fp16" else "fp32"
+
+
+def _low_weight_share(elements: Mapping[str, int]) -> float:
+    total = sum(elements.values())
+    return sum(v for k, v in elements.items() if k in _LOW) / total if total else 0.0
+
+
+def _rank_key(capture: RankCapture, captures: Sequence[RankCapture]) -> str:
+    """The rank number, with the process id when two processes claimed the same rank."""
+    twins = sum(1 for c in captures if c.rank == capture.rank)
+    return str(capture.rank) if twins == 1 else f"{capture.rank}-pid{capture.pid}"
+
+
+def capture_result(
+    result: LaunchResult, pacing: RankCapture, trace_findings: Sequence[Finding]
+) -> ProbeResult:
+    """The facts of every rank, and the checks that hold them against the command line (a
+    finding of the trace that says the same is amended rather than repeated)."""
+    probe = ProbeResult(name=CAPTURE_PROBE, status="ok")
+    facts = pacing.facts
+    options = facts.get("options") or {}
+    probe.data = {
+        "command": list(result.command),
+        "exit_code": result.exit_code,
+        "seconds": result.seconds,
+        "pacing_rank": pacing.rank,
+        "ranks": {_rank_key(c, result.captures): c.facts for c in result.captures},
+        "processes": len(result.processes),
+    }
+    timed, profiled = len(pacing.timed_step_s), len(facts.get("profiled_step_s") or [])
+    text = (
+        f"rank {pacing.rank}: {timed} step(s) timed without the profiler and {profiled} "
+        f"profiled, after {options.get('skip_steps', 0)} skipped (status: {pacing.status})"
+    )
+    if pacing.complete:
+        probe.add_ok(STEPS_ID, text)
+    else:
+        probe.add_not_judged(STEPS_ID, text)
+    argv = [*result.command, *[str(w) for w in facts.get("argv") or []]]
+    claim = precision_claim(argv)
+    if claim is not None:
+        probe.data["precision_claim"] = {"dtype": claim.dtype, "said": claim.said}
+    _judge_precision_claim(probe, claim, facts, trace_findings)
+    return probe
+
+
+def _judge_precision_claim(
+    probe: ProbeResult,
+    claim: PrecisionClaim | None,
+    facts: Mapping[str, Any],
+    trace_findings: Sequence[Finding],
+) -> None:
+    if claim is None:
+        probe.add_not_judged(
+            PRECISION_CLAIM_ID,
+            "precision: the command line names none (--mixed_precision, --precision, --bf16 …); "
+            "what ran is judged from the trace",
+        )
+        return
+    sampled = int((facts.get("autocast") or {}).get("sampled_steps") or 0)
+    autocast = low_precision_seen(facts)
+    weights = weight_elements(facts)
+    low_weights = _low_weight_share(weights)
+    per_dtype = ", ".join(f"{d} at {n} of {sampled} sampled step(s)" for d, n in autocast.items())
+    ran = (
+        f"autocast {per_dtype}"
+        if autocast
+        else f"no low-precision autocast at any of {sampled} sampled step(s)"
+    ) + f"; {low_weights:.0%} of the parameters' elements in bf16/fp16"
+    if claim.dtype == "fp32":
+        probe.add_ok(PRECISION_CLAIM_ID, f"precision: `{claim.said}` asks for fp32; {ran}")
+        return
+    if not sampled and not weights:
+        probe.add_not_judged(
+            PRECISION_CLAIM_ID,
+            f"precision: `{claim.said}` asks for {claim.dtype}; no step was sampled to check it",
+        )
+        return
+    if autocast or low_weights >= 0.5:
+        other = sorted(set(autocast) - {claim.dtype})
+        probe.add_ok(
+            PRECISION_CLAIM_ID,
+            f"precision: `{claim.said}` asks for {claim.dtype}; {ran}"
+            + (f" (also {', '.join(other)})" if other else ""),
+        )
+        return
+    # The claim did not apply: every sampled forward ran without low-precision autocast on
+    # weights kept in fp32, so the matmuls computed in fp32 whatever the flag says.
+    said = f"the command asks for {claim.dtype} (`{claim.said}`) but its steps ran with {ran}"
+    evidence = {
+        "claimed": claim.said,
+        "claimed_dtype": claim.dtype,
+        "autocast": autocast,
+        "weight_elements": weights,
+        "sampled_steps": sampled,
+    }
+    existing = next((f for f in trace_findings if f.id == FP32_TRAINING_ID), None)
+    fix = claim_not_applied_fix(claim.said, claim.dtype)
+    if existing is not None:
+        existing.title = f"{existing.title}; {said}"
+        existing.evidence = {**existing.evidence, "claim": evidence}
+        existing.fix = fix
+        return
+    finding: Finding = fp32_training_finding(
+        how_known=said,
+        low=claim.dtype,
+        evidence=evidence,
+        saving=None,
+        basis="none",
+        detail=(
+            "The capture sampled autocast inside the model's forward at the timed and profiled "
+            "steps and read the dtypes of the optimizer's and the called modules' parameters. "
+            "A precision flag the script does not pass to its autocast (or to accelerate) "
+            "leaves the whole step in fp32."
+        ),
+        source=CAPTURE_PROBE,
+    )
+    finding.fix = fix
+    probe.add_finding(finding)
+
+
+__all__ = [
+    "CAPTURE_PROBE",
+    "PRECISION_CLAIM_ID",
+    "STEPS_ID",
+    "capture_result",
+    "claimed_precision_of",
+    "low_precision_seen",
+    "profile_record",
+    "weight_elements",
+]

@@ -1,0 +1,219 @@
+"""`diagnose profile -- CMD`: the user's own script, run unmodified, analysed end to end.
+
+The scripts are real training loops (a small MLP, AdamW, a real DataLoader) run in real child
+processes through the CLI; the capture layer itself is tested in test_profile_capture.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from diagnose.cli import main
+from diagnose.profile.claims import precision_claim
+
+# A loop that says --mixed_precision on its command line; --ignore-precision plants the fault
+# trainers have: the flag is parsed but never reaches the autocast.
+TRAIN = textwrap.dedent(
+    """
+    import sys, torch
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = DataLoader(TensorDataset(torch.randn(256, 64)), batch_size=16, shuffle=True)
+    args = sys.argv[1:]
+    asked = args[args.index("--mixed_precision") + 1] if "--mixed_precision" in args else "no"
+    low = asked == "bf16" and "--ignore-precision" not in args
+    step = 0
+    while step < 20:
+        for (x,) in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step == 20:
+                break
+    print("trained", step)
+    sys.exit(int(args[args.index("--exit") + 1]) if "--exit" in args else 0)
+    """
+)
+FAST = ["--skip-steps", "1", "--steps", "4", "--profile-steps", "2"]
+
+
+def _script(folder: Path, text: str = TRAIN, name: str = "train.py") -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def _profile(out: Path, *command: str, options: list[str] = FAST) -> int:
+    return main(["profile", "--out", str(out), *options, "--", *command])
+
+
+def _record(out: Path) -> dict[str, Any]:
+    return json.loads((out / "record.json").read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def ignored_flag(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+    folder = tmp_path_factory.mktemp("ignored")
+    script = _script(folder)
+    out = folder / "out"
+    code = _profile(
+        out, sys.executable, str(script), "--mixed_precision", "bf16", "--ignore-precision"
+    )
+    return code, out
+
+
+@pytest.fixture(scope="module")
+def applied_flag(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+    folder = tmp_path_factory.mktemp("applied")
+    script = _script(folder)
+    out = folder / "out"
+    code = _profile(out, sys.executable, str(script), "--mixed_precision", "bf16", "--exit", "3")
+    return code, out
+
+
+# --------------------------------------------------------------------------------------------
+# The command line's claims
+
+
+@pytest.mark.parametrize(
+    ("argv", "dtype", "said"),
+    [
+        (
+            ["accelerate", "launch", "--mixed_precision", "bf16", "t.py"],
+            "bf16",
+            "--mixed_precision bf16",
+        ),
+        (["python", "t.py", "--mixed_precision=fp16"], "fp16", "--mixed_precision=fp16"),
+        (["python", "t.py", "--mixed_precision", "no"], "fp32", "--mixed_precision no"),
+        (
+            ["python", "fit.py", "--trainer.precision", "bf16-mixed"],
+            "bf16",
+            "--trainer.precision bf16-mixed",
+        ),
+        (["python", "run.py", "--bf16"], "bf16", "--bf16"),
+        (["python", "t.py", "--full_fp16"], "fp16", "--full_fp16"),
+        # A later flag overrides an earlier one, as argparse reads them.
+        (
+            ["python", "t.py", "--mixed_precision", "fp16", "--mixed_precision", "bf16"],
+            "bf16",
+            "--mixed_precision bf16",
+        ),
+    ],
+)
+def test_precision_claims_in_the_trainers_flags(argv: list[str], dtype: str, said: str) -> None:
+    claim = precision_claim(argv)
+    assert claim is not None and (claim.dtype, claim.said) == (dtype, said)
+
+
+def test_a_command_without_a_precision_flag_claims_none() -> None:
+    assert precision_claim(["python", "train.py", "--lr", "1e-4", "--precision_note"]) is None
+    assert precision_claim(["python", "train.py", "--mixed_precision"]) is None
+
+
+# --------------------------------------------------------------------------------------------
+# End to end
+
+
+def test_a_flag_that_never_reaches_the_autocast_is_found(ignored_flag: tuple[int, Path]) -> None:
+    code, out = ignored_flag
+    assert code == 0
+    record = _record(out)
+    assert record["mode"] == "profile"
+    assert "--ignore-precision" in record["command"]
+    # The s/it is the steps timed without the profiler; the trace's steps stay profiled samples.
+    assert record["timing"]["unprofiled"]["n"] == 4
+    assert record["timing"]["profiled"]["n"] >= 1
+    assert (out / "trace.json.gz").is_file() and not (out / ".diagnose-capture").exists()
+    findings = {f["id"]: f for f in record["findings"]}
+    fp32 = findings["precision.fp32_training"]
+    assert "--mixed_precision bf16" in fp32["title"]
+    assert "did not reach the training step" in fp32["fix"]
+    capture = next(p for p in record["probes"] if p["name"] == "capture")
+    assert capture["data"]["precision_claim"] == {"dtype": "bf16", "said": "--mixed_precision bf16"}
+    assert record["config"]["precision"] == "fp32"
+    assert record["config"]["optimizer"] == "AdamW" and record["config"]["batch"] == 16
+    assert "your command, profiled" in (out / "report.html").read_text()
+
+
+def test_its_twin_with_the_flag_applied_stays_quiet_and_keeps_the_exit_code(
+    applied_flag: tuple[int, Path],
+) -> None:
+    code, out = applied_flag
+    assert code == 3  # the script's own exit code, with the outputs written
+    record = _record(out)
+    assert "precision.fp32_training" not in {f["id"] for f in record["findings"]}
+    capture = next(p for p in record["probes"] if p["name"] == "capture")
+    claim = next(c for c in capture["checks"] if c["id"] == "profile.precision_claim")
+    assert claim["outcome"] == "ok" and "autocast bf16" in claim["text"]
+    assert record["config"]["precision"] == "bf16-mixed"
+
+
+def test_a_command_that_fails_before_its_first_step_writes_nothing(tmp_path: Path) -> None:
+    script = _script(tmp_path, "import torch, sys\nsys.exit(7)\n", "broken.py")
+    out = tmp_path / "out"
+    assert _profile(out, sys.executable, str(script)) == 7
+    assert not out.exists()
+
+
+def test_a_script_that_never_steps_an_optimizer_is_stopped_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, "import time, torch\ntime.sleep(60)\n", "idle.py")
+    out = tmp_path / "out"
+    code = _profile(out, sys.executable, str(script), options=[*FAST, "--timeout", "4"])
+    assert code == 3
+    assert "no optimizer step in 4 s" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
+    assert main(["profile", "--out", str(tmp_path / "out")]) == 2
+    assert main(["profile", "--out", str(tmp_path / "out"), "--"]) == 2
+
+
+DDP = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())
+    model = DistributedDataParallel(torch.nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(12):
+        model(torch.randn(16, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_every_rank_of_a_torchrun_job_is_captured_and_compared(tmp_path: Path) -> None:
+    script = _script(tmp_path, DDP, "ddp.py")
+    out = tmp_path / "out"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    code = _profile(out, *torchrun, "--nproc_per_node", "2", str(script))
+    assert code == 0
+    record = _record(out)
+    assert sorted(r["rank"] for r in record["ranks"]) == [0, 1]
+    assert sorted(p.name for p in (out / "traces").iterdir()) == [
+        "rank0.pt.trace.json.gz",
+        "rank1.pt.trace.json.gz",
+    ]
+    capture = next(p for p in record["probes"] if p["name"] == "capture")
+    assert sorted(capture["data"]["ranks"]) == ["0", "1"]
+    # The folder of rank traces reads again on its own, as `diagnose trace` input.
+    assert main(["trace", str(out / "traces"), "--out", str(tmp_path / "again")]) == 0
