@@ -27,7 +27,7 @@ import torch
 
 from diagnose import interrupts
 from diagnose.contention import LoadWindow
-from diagnose.output import write_stream_atomic
+from diagnose.output import TRACE_GZIP_LEVEL, write_stream_atomic
 from diagnose.quiet import native_stderr_filtered
 from diagnose.record import PHASES, Breakdown, StepSample, Timing
 from diagnose.telemetry import TelemetrySampler, TelemetrySummary
@@ -233,11 +233,6 @@ def _profile(
             timing.samples.append(runner.run_one(first_index + 1 + i, profiled=True))
             prof.step()
     return trace_path
-
-
-#: gzip level of the saved trace. torch's own .gz export compresses at level 9 line by line:
-#: several times slower for a file about 12% smaller than this level gives.
-TRACE_GZIP_LEVEL = 6
 
 
 def export_trace(prof: torch.profiler.profile, trace_path: Path) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -140,6 +141,7 @@ def _name_words(name: str) -> list[str]:
     return [w.upper() for w in _WORD_SPLIT.split(name.strip()) if w]
 
 
+@functools.lru_cache(maxsize=4096)
 def is_secret_name(name: str) -> bool:
     """Whether a variable, option or key called ``name`` may hold a secret.
 
@@ -341,6 +343,13 @@ def secret_env_values(environ: Mapping[str, str] | None = None) -> list[str]:
     return sorted((v for v in values if len(v) >= MIN_SECRET_LENGTH), key=lambda v: (-len(v), v))
 
 
+#: Values no redaction changes.
+_LEAVES = frozenset({int, float, bool, type(None)})
+#: Texts a redactor remembers, and the longest it remembers (memory stays bounded on any input).
+_REMEMBERED_TEXTS = 200_000
+_REMEMBERED_LENGTH = 1024
+
+
 @dataclass
 class Redactor:
     """Compiled redaction rules; build once, apply to many strings (see :func:`redact_obj`)."""
@@ -354,6 +363,10 @@ class Redactor:
     _host: re.Pattern[str] | None = field(default=None, init=False, repr=False)
     _home: re.Pattern[str] | None = field(default=None, init=False, repr=False)
     _user: re.Pattern[str] | None = field(default=None, init=False, repr=False)
+    #: Redacted text by its input: the rules are fixed at construction, and a trace repeats the
+    #: same keys and op names hundreds of thousands of times.
+    _done: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _keys: dict[str, tuple[str, bool, bool]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         literals = sorted(
@@ -381,6 +394,15 @@ class Redactor:
     def text(self, text: str) -> str:
         if not text:
             return text
+        done = self._done.get(text)
+        if done is not None:
+            return done
+        redacted = self._text(text)
+        if len(text) <= _REMEMBERED_LENGTH and len(self._done) < _REMEMBERED_TEXTS:
+            self._done[text] = redacted
+        return redacted
+
+    def _text(self, text: str) -> str:
         if self._literal is not None:
             text = self._literal.sub(MASK, text)
         text = _mask_private_keys(text)
@@ -401,6 +423,20 @@ class Redactor:
             text = self._host.sub(HOST_MASK, text)
         return text
 
+    def _key(self, key: str) -> tuple[str, bool, bool]:
+        """A data key: (its redacted text, whether it is a secret name, whether it is a host
+        field this redactor masks), remembered as texts are."""
+        known = self._keys.get(key)
+        if known is None:
+            known = (
+                self.text(key),
+                is_secret_name(key),
+                bool(self.host) and key.lower() in HOST_KEYS,
+            )
+            if len(key) <= _REMEMBERED_LENGTH and len(self._keys) < _REMEMBERED_TEXTS:
+                self._keys[key] = known
+        return known
+
     def masks_host_field(self, key: object, value: object) -> bool:
         """Whether ``key: value`` is a host field whose value this redactor replaces."""
         return (
@@ -418,19 +454,34 @@ class Redactor:
         the value replaced by :data:`MASK` (so a record keeps its shape and the reader sees that
         something was hidden).
         """
+        kind = type(obj)
+        if kind in _LEAVES:  # most of a trace: numbers (checked by type: isinstance is slower)
+            return obj
+        if kind is str:
+            return self.text(obj)
+        if kind is list:  # a trace's shape and stride lists: numbers inside, walked inline
+            return [
+                v if type(v) in _LEAVES else self.obj(v, mask_secret_keys=mask_secret_keys)
+                for v in obj
+            ]
         if isinstance(obj, str):
             return self.text(obj)
         if isinstance(obj, Mapping):
             out: dict[Any, Any] = {}
             for key, value in obj.items():
-                secret = isinstance(key, str) and _masks_pair(key, value)
+                if isinstance(key, str):
+                    new_key, secret_name, host_key = self._key(key)
+                    secret = secret_name and _masks_pair(key, value)
+                else:
+                    new_key, secret, host_key = key, False, False
                 if secret and not mask_secret_keys:
                     continue
-                new_key = self.text(key) if isinstance(key, str) else key
                 if secret and value not in (None, "", [], {}):
                     out[new_key] = MASK
-                elif self.masks_host_field(key, value):
+                elif host_key and isinstance(value, str) and value:
                     out[new_key] = HOST_MASK
+                elif type(value) in _LEAVES:
+                    out[new_key] = value
                 else:
                     out[new_key] = self.obj(value, mask_secret_keys=mask_secret_keys)
             return out
@@ -526,15 +577,18 @@ def redact_trace_file(path: Path, redactor: Redactor) -> None:
     trace is read, never rewritten.
     """
     import gzip
-    import json
 
-    from diagnose.output import write_bytes_atomic
+    import orjson
+
+    from diagnose.output import TRACE_GZIP_LEVEL, write_bytes_atomic
 
     raw = path.read_bytes()
     zipped = raw[:2] == b"\x1f\x8b"
-    data = json.loads(gzip.decompress(raw) if zipped else raw)
-    text = json.dumps(redactor.obj(data, mask_secret_keys=True)).encode("utf-8")
-    write_bytes_atomic(path, gzip.compress(text, mtime=0) if zipped else text)
+    data = orjson.loads(gzip.decompress(raw) if zipped else raw)
+    text = orjson.dumps(redactor.obj(data, mask_secret_keys=True))
+    write_bytes_atomic(
+        path, gzip.compress(text, compresslevel=TRACE_GZIP_LEVEL, mtime=0) if zipped else text
+    )
 
 
 def redact_record(
