@@ -7,6 +7,7 @@ processes through the CLI; the capture layer itself is tested in test_profile_ca
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,15 +22,27 @@ from diagnose.profile.claims import precision_claim
 # trainers have: the flag is parsed but never reaches the autocast.
 TRAIN = textwrap.dedent(
     """
-    import sys, torch
-    from torch.utils.data import DataLoader, TensorDataset
+    import sys, time, torch
+    from torch.utils.data import DataLoader, Dataset
     torch.manual_seed(0)
+    args = sys.argv[1:]
+
+    class Images(Dataset):
+        # --slow-loader plants a decode that costs more than the step, on the training thread.
+        def __init__(self):
+            self.x = torch.randn(256, 64)
+        def __len__(self):
+            return len(self.x)
+        def __getitem__(self, i):
+            if "--slow-loader" in args:
+                time.sleep(0.004)
+            return (self.x[i],)
+
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = DataLoader(TensorDataset(torch.randn(256, 64)), batch_size=16, shuffle=True)
-    args = sys.argv[1:]
+    data = DataLoader(Images(), batch_size=16, shuffle=True)
     asked = args[args.index("--mixed_precision") + 1] if "--mixed_precision" in args else "no"
     low = asked == "bf16" and "--ignore-precision" not in args
     step = 0
@@ -43,7 +56,7 @@ TRAIN = textwrap.dedent(
             step += 1
             if step == 20:
                 break
-    print("trained", step)
+    print("trained", step, "loss", repr(loss.item()))
     sys.exit(int(args[args.index("--exit") + 1]) if "--exit" in args else 0)
     """
 )
@@ -69,9 +82,9 @@ def ignored_flag(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     folder = tmp_path_factory.mktemp("ignored")
     script = _script(folder)
     out = folder / "out"
-    code = _profile(
-        out, sys.executable, str(script), "--mixed_precision", "bf16", "--ignore-precision"
-    )
+    # Two independent faults: a flag that never reaches the autocast, and a slow loader.
+    faults = ["--mixed_precision", "bf16", "--ignore-precision", "--slow-loader"]
+    code = _profile(out, sys.executable, str(script), *faults)
     return code, out
 
 
@@ -148,6 +161,36 @@ def test_a_flag_that_never_reaches_the_autocast_is_found(ignored_flag: tuple[int
     assert "your command, profiled" in (out / "report.html").read_text()
 
 
+def test_the_slow_loader_is_found_and_its_twin_stays_quiet(
+    ignored_flag: tuple[int, Path], applied_flag: tuple[int, Path]
+) -> None:
+    slow = {f["id"]: f for f in _record(ignored_flag[1])["findings"]}
+    assert "dataloader.gpu_starved" in slow
+    assert "dataloader.gpu_starved" not in {f["id"] for f in _record(applied_flag[1])["findings"]}
+    # What the capture saw of the loader is kept for the report's reader.
+    capture = next(p for p in _record(ignored_flag[1])["probes"] if p["name"] == "capture")
+    loaders = capture["data"]["ranks"]["0"]["dataloaders"]
+    assert [(d["num_workers"], d["batch_size"]) for d in loaders] == [(0, 16)]
+
+
+def test_the_training_result_is_unchanged(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The hooks only read: the loss after the last step is the same bit for bit."""
+    script = _script(tmp_path)
+    plain = subprocess.run(
+        [sys.executable, str(script), "--mixed_precision", "bf16"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    capfd.readouterr()
+    assert _profile(tmp_path / "out", sys.executable, str(script), "--mixed_precision", "bf16") == 0
+    profiled = capfd.readouterr().out
+    loss = plain.split("loss", 1)[1].split()[0]
+    assert f"loss {loss}" in profiled
+
+
 def test_its_twin_with_the_flag_applied_stays_quiet_and_keeps_the_exit_code(
     applied_flag: tuple[int, Path],
 ) -> None:
@@ -186,13 +229,15 @@ def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
 
 DDP = textwrap.dedent(
     """
-    import torch, torch.distributed as dist
+    import time, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     dist.init_process_group("gloo")
     torch.manual_seed(dist.get_rank())
     model = DistributedDataParallel(torch.nn.Linear(64, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(12):
+        if dist.get_rank() == 1:
+            time.sleep(0.05)  # the planted straggler: its data comes late every step
         model(torch.randn(16, 64)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -201,7 +246,7 @@ DDP = textwrap.dedent(
 )
 
 
-def test_every_rank_of_a_torchrun_job_is_captured_and_compared(tmp_path: Path) -> None:
+def test_every_rank_of_a_torchrun_job_is_captured_and_the_straggler_named(tmp_path: Path) -> None:
     script = _script(tmp_path, DDP, "ddp.py")
     out = tmp_path / "out"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -215,5 +260,7 @@ def test_every_rank_of_a_torchrun_job_is_captured_and_compared(tmp_path: Path) -
     ]
     capture = next(p for p in record["probes"] if p["name"] == "capture")
     assert sorted(capture["data"]["ranks"]) == ["0", "1"]
+    straggler = next(f for f in record["findings"] if f["id"] == "distributed.straggler")
+    assert straggler["title"].startswith("Rank 1 is the straggler")
     # The folder of rank traces reads again on its own, as `diagnose trace` input.
     assert main(["trace", str(out / "traces"), "--out", str(tmp_path / "again")]) == 0
