@@ -264,3 +264,40 @@ def test_every_rank_of_a_torchrun_job_is_captured_and_the_straggler_named(tmp_pa
     assert straggler["title"].startswith("Rank 1 is the straggler")
     # The folder of rank traces reads again on its own, as `diagnose trace` input.
     assert main(["trace", str(out / "traces"), "--out", str(tmp_path / "again")]) == 0
+
+
+def test_ctrl_c_reaches_the_trainer_and_what_was_timed_is_written(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    script = _script(
+        tmp_path,
+        "import time, torch\n"
+        "m = torch.nn.Linear(8, 8)\n"
+        "o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(10_000):\n"
+        "    m(torch.randn(4, 8)).sum().backward(); o.step(); o.zero_grad(); time.sleep(0.05)\n",
+        "forever.py",
+    )
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "diagnose", "profile", "--out", str(out), "--skip-steps", "1"]
+    process = subprocess.Popen(
+        [*command, "--steps", "1000", "--", sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not list(out.glob(".diagnose-capture/rank0.capture.json")):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.2)
+    time.sleep(1.0)  # some timed steps
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    record = _record(out)
+    assert record["timing"]["unprofiled"]["n"] >= 3 and record["timing"]["profiled"]["n"] == 0
+    capture = next(p for p in record["probes"] if p["name"] == "capture")
+    steps = next(c for c in capture["checks"] if c["id"] == "profile.steps_captured")
+    assert steps["outcome"] == "not_judged" and "interrupted" in steps["text"]
+    assert not (out / ".diagnose-capture").exists()
