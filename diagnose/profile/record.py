@@ -241,8 +241,8 @@ def _judge_precision_claim(
     if claim is None:
         probe.add_not_judged(
             PRECISION_CLAIM_ID,
-            "precision: the command line names none (--mixed_precision, --precision, --bf16 …); "
-            "what ran is judged from the trace",
+            "precision: the command line names none (--mixed_precision, --precision, --bf16 …): "
+            "no claim to hold the steps against",
         )
         return
     sampled = int((facts.get("autocast") or {}).get("sampled_steps") or 0)
