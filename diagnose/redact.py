@@ -437,16 +437,6 @@ class Redactor:
                 self._keys[key] = known
         return known
 
-    def masks_host_field(self, key: object, value: object) -> bool:
-        """Whether ``key: value`` is a host field whose value this redactor replaces."""
-        return (
-            bool(self.host)
-            and isinstance(key, str)
-            and key.lower() in HOST_KEYS
-            and isinstance(value, str)
-            and bool(value)
-        )
-
     def obj(self, obj: Any, *, mask_secret_keys: bool = False) -> Any:
         """A copy of a JSON-like structure with every string (keys too) redacted.
 

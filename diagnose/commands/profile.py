@@ -127,14 +127,16 @@ class ProfileCommand:
             flush=True,
         )
 
+        rank_traces = out_dir / RANK_TRACES_FOLDER
+        ours = not rank_traces.exists()  # a folder of an earlier profile (--force) is left alone
+
         def clean_up() -> None:
             """Leave nothing half-written: the capture, this profile's files, and the folder
-            when this profile created it."""
+            when this profile created it (remove_partial_outputs removes it once empty)."""
             shutil.rmtree(capture_dir, ignore_errors=True)
+            if ours:
+                shutil.rmtree(rank_traces, ignore_errors=True)
             remove_partial_outputs(out_dir, created=created, since=started)
-            shutil.rmtree(out_dir / RANK_TRACES_FOLDER, ignore_errors=True)
-            if created and out_dir.is_dir() and not any(out_dir.iterdir()):
-                out_dir.rmdir()
 
         try:
             try:

@@ -4,6 +4,7 @@ the report written (as ``diagnose run`` writes them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diagnose.output import TRACE_NAME
-from diagnose.profile.launch import LaunchResult, RankCapture
+from diagnose.profile.launch import LaunchResult
 from diagnose.record import RunRecord
 
 if TYPE_CHECKING:
@@ -45,26 +46,9 @@ def _keep_traces(result: LaunchResult, out_dir: Path) -> tuple[LaunchResult, Pat
             moved[capture.pid] = target
         where = folder
     captures = [
-        RankCapture(
-            rank=c.rank,
-            pid=c.pid,
-            status=c.status,
-            facts_path=c.facts_path,
-            trace_path=moved.get(c.pid, c.trace_path),
-            facts=c.facts,
-        )
-        for c in result.captures
+        dataclasses.replace(c, trace_path=moved.get(c.pid, c.trace_path)) for c in result.captures
     ]
-    kept = LaunchResult(
-        command=result.command,
-        returncode=result.returncode,
-        captures=captures,
-        processes=result.processes,
-        timed_out=result.timed_out,
-        message=result.message,
-        seconds=result.seconds,
-        signals_forwarded=result.signals_forwarded,
-    )
+    kept = dataclasses.replace(result, captures=captures)
     return kept, where
 
 

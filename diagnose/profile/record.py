@@ -19,6 +19,7 @@ from diagnose.catalogs.precision_catalog import (
     fp32_training_finding,
 )
 from diagnose.config import Precision
+from diagnose.precision_policy import normalize_dtype
 from diagnose.profile.claims import PrecisionClaim, precision_claim
 from diagnose.profile.launch import LaunchResult, RankCapture
 from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, new_record
@@ -27,7 +28,8 @@ from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, new_rec
 CAPTURE_PROBE = "capture"
 PRECISION_CLAIM_ID = "profile.precision_claim"
 STEPS_ID = "profile.steps_captured"
-_LOW = {"bfloat16": "bf16", "float16": "fp16"}
+#: The low-precision dtypes, by the project's short names (diagnose.precision_policy).
+_LOW = ("bf16", "fp16")
 
 
 def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecord:
@@ -118,7 +120,7 @@ def _setup_seen(facts: Mapping[str, Any]) -> dict[str, Any]:
     seen = low_precision_seen(facts)
     if seen:
         dtype = max(seen, key=lambda d: seen[d])
-        config["precision"] = "bf16-mixed" if dtype == "bf16" else "fp16"
+        config["precision"] = _mixed_precision(dtype)
     elif int((facts.get("autocast") or {}).get("sampled_steps") or 0):
         config["precision"] = (
             "bf16-full" if _low_weight_share(weight_elements(facts)) >= 0.5 else "fp32"
@@ -140,18 +142,26 @@ def _setup_seen(facts: Mapping[str, Any]) -> dict[str, Any]:
 # What the trainer ran, against what its command line says
 
 
+def _short_dtype(name: object) -> str | None:
+    return normalize_dtype(name) if isinstance(name, str) else None
+
+
+def _mixed_precision(dtype: str | None) -> Precision:
+    """The ``RunConfig.precision`` of a run whose low-precision dtype is ``dtype`` (None: fp32)."""
+    if dtype == "bf16":
+        return "bf16-mixed"
+    return "fp16" if dtype == "fp16" else "fp32"
+
+
 def low_precision_seen(facts: Mapping[str, Any]) -> dict[str, int]:
     """Sampled steps per low-precision autocast dtype ("bf16"/"fp16") on any device."""
     seen: dict[str, int] = {}
     for state in (facts.get("autocast") or {}).get("states") or []:
+        on = [state.get(device) for device in ("cuda", "cpu")]
         dtypes = {
-            _LOW[s["dtype"]]
-            for device in ("cuda", "cpu")
-            if isinstance(s := state.get(device), dict)
-            and s.get("enabled")
-            and s.get("dtype") in _LOW
+            _short_dtype(s.get("dtype")) for s in on if isinstance(s, dict) and s.get("enabled")
         }
-        for dtype in dtypes:
+        for dtype in (d for d in _LOW if d in dtypes):
             seen[dtype] = seen.get(dtype, 0) + int(state.get("steps") or 0)
     return seen
 
@@ -177,20 +187,16 @@ def claimed_precision_of(record: RunRecord) -> Precision:
     if capture is None:
         return "fp32"
     claimed = capture.data.get("precision_claim")
-    dtype = claimed.get("dtype") if isinstance(claimed, dict) else None
-    if dtype is None:
-        ranks = capture.data.get("ranks") or {}
-        facts = ranks.get(str(capture.data.get("pacing_rank"))) or {}
-        seen = low_precision_seen(facts)
-        dtype = max(seen, key=lambda d: seen[d]) if seen else "fp32"
-    if dtype == "bf16":
-        return "bf16-mixed"
-    return "fp16" if dtype == "fp16" else "fp32"
+    if isinstance(claimed, dict):
+        return _mixed_precision(claimed.get("dtype"))
+    # No claim: the low-precision autocast the steps ran under (the record's setup), else fp32.
+    ran = record.config.get("precision")
+    return _mixed_precision("bf16" if ran == "bf16-mixed" else "fp16" if ran == "fp16" else None)
 
 
 def _low_weight_share(elements: Mapping[str, int]) -> float:
     total = sum(elements.values())
-    return sum(v for k, v in elements.items() if k in _LOW) / total if total else 0.0
+    return sum(v for k, v in elements.items() if _short_dtype(k) in _LOW) / total if total else 0.0
 
 
 def _rank_key(capture: RankCapture, captures: Sequence[RankCapture]) -> str:
