@@ -38,8 +38,11 @@ TRAIN = textwrap.dedent(
                 time.sleep(0.004)
             return (self.x[i],)
 
+    # Enough compute per step that an ordinary loader's own cost is a small share of it.
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)
+        torch.nn.Linear(64, 512), torch.nn.GELU(),
+        torch.nn.Linear(512, 512), torch.nn.GELU(),
+        torch.nn.Linear(512, 64),
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = DataLoader(Images(), batch_size=16, shuffle=True)
