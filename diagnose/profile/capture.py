@@ -125,6 +125,35 @@ def _qualified(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
+def _module_names(called: dict[int, tuple[Any, Any]]) -> dict[int, str]:
+    """Dotted names of the called modules, from the first called module that holds each (its
+    class name first): ``UNet2DConditionModel.mid_block.attentions.0...``."""
+    names: dict[int, str] = {}
+    for key, (module, _) in called.items():
+        if key in names:
+            continue
+        with contextlib.suppress(Exception):
+            prefix = type(module).__name__
+            for name, sub in module.named_modules():
+                names.setdefault(id(sub), f"{prefix}.{name}" if name else prefix)
+    return names
+
+
+def _distinguishing(names: list[str], others: list[str]) -> list[str]:
+    """The shortest dotted prefixes that cover ``names`` and no name of ``others``, in order:
+    the modules of one autocast state as the blocks that hold them (``UNet.mid_block``)."""
+    found: list[str] = []
+    for name in names:
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            if not any(o == prefix or o.startswith(prefix + ".") for o in others):
+                break
+        if not any(prefix == f or prefix.startswith(f + ".") for f in found):
+            found.append(prefix)
+    return found
+
+
 def write_json_atomic(path: str, payload: dict[str, Any]) -> None:
     """Write ``payload`` so that a reader sees the old file or the new one, never half of it."""
     import json
@@ -279,6 +308,10 @@ class _Capture:
         self.autocast_samples: list[dict[str, dict[str, Any]]] = []
         self.root_autocast: list[dict[str, Any]] = []
         self.called: dict[int, tuple[Any, dict[str, dict[str, Any]]]] = {}
+        #: ids of the parameters the stepping optimizer trains (empty: sample the first module).
+        self.trainable_ids: frozenset[int] = frozenset()
+        #: The probe step's trainable modules, grouped by the autocast state they ran under.
+        self.trainable_autocast: list[dict[str, Any]] = []
         self.forward_handle: Any = None
         self.register_forward: Callable[[Callable[..., None]], Any] | None = None
         self.parameters: dict[str, Any] = {}
@@ -496,6 +529,11 @@ class _Capture:
 
     def _start_capture(self) -> None:
         self.timed_started_unix = time.time()
+        optimizer: Any = self._boundary_optimizer()
+        if optimizer is not None:
+            self.trainable_ids = frozenset(
+                id(p) for group in optimizer.param_groups for p in group["params"]
+            )
         self.dynamo_before = _dynamo_counters()
         self.yielded_before = {
             key: yielded
@@ -551,10 +589,17 @@ class _Capture:
         if handle is not None:
             handle.remove()
 
-    def _forward_once(self, module: object, args: object) -> None:
-        """First module forward of a timed or profiled step: sample autocast, then unhook (one
-        Python call per step)."""
+    def _forward_once(self, module: Any, args: object) -> None:
+        """Timed or profiled step: sample autocast at the first module that holds a parameter
+        the optimizer trains, then unhook. Not at the first module called: a frozen VAE or text
+        encoder often runs first, outside the autocast, and accelerate enters its autocast inside
+        the prepared model's forward, after that model's own pre-hook has run."""
         try:
+            trainable = self.trainable_ids
+            if trainable and not any(
+                id(p) in trainable for p in getattr(module, "_parameters", {}).values()
+            ):
+                return
             self._remove_forward()
             if os.getpid() == self.pid and not self.off:
                 import torch
@@ -585,6 +630,7 @@ class _Capture:
         roots = []
         fx = sys.modules.get("torch.fx")
         graph_module = getattr(fx, "GraphModule", None) if fx is not None else None
+        self.trainable_autocast = self._trainable_autocast(called)
         for key, (module, autocast) in called.items():
             if key in covered:
                 continue
@@ -615,6 +661,36 @@ class _Capture:
             entry["iterated_during_capture"] = bool(
                 entry.get("iterated_during_capture") or (yielded or 0) > before
             )
+
+    def _trainable_autocast(
+        self, called: dict[int, tuple[Any, dict[str, dict[str, Any]]]]
+    ) -> list[dict[str, Any]]:
+        """The probe step's modules that hold trained parameters, grouped by autocast state:
+        where a block ran with autocast off inside an autocast step, its group names it."""
+        trainable = self.trainable_ids
+        groups: list[dict[str, Any]] = []
+        if not trainable:
+            return groups
+        names = _module_names(called)
+        for key, (module, autocast) in called.items():
+            if not any(id(p) in trainable for p in getattr(module, "_parameters", {}).values()):
+                continue
+            for group in groups:
+                if group["cuda"] == autocast["cuda"] and group["cpu"] == autocast["cpu"]:
+                    break
+            else:
+                if len(groups) >= _MAX_KEYS:
+                    continue
+                group = {**autocast, "modules": 0, "examples": []}
+                groups.append(group)
+            group["modules"] += 1
+            group["examples"].append(names.get(key) or _qualified(type(module)))
+        for group in groups:
+            others = [n for g in groups if g is not group for n in g["examples"]]
+            group["examples"] = [
+                name[:_MAX_NAME] for name in _distinguishing(group["examples"], others)[:3]
+            ]
+        return groups
 
     def _describe_trainable(self, optimizer: Any) -> dict[str, Any]:
         params, grads = _Tally(), _Tally()
@@ -807,6 +883,7 @@ class _Capture:
                 "sampled_steps": len(self.autocast_samples),
                 "states": autocast_states,
                 "roots": self.root_autocast,
+                "trainable_modules": self.trainable_autocast,
             },
             "parameters": self.parameters,
             "optimizer": self.optimizer_facts,
