@@ -15,6 +15,8 @@ from typing import Any
 
 from diagnose.catalogs.precision_catalog import (
     FP32_TRAINING_ID,
+    LOW_PRECISION_RUN_SHARE,
+    UPCAST_ID,
     claim_not_applied_fix,
     fp32_training_finding,
 )
@@ -48,6 +50,7 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
     # As in `diagnose run`, findings travel with the result that raised them until the record
     # merges them (diagnose.run.finish_run): the trace's with the "trace" result.
     trace_probe = next((p for p in record.probes if p.name == "trace"), None)
+    _scale_to_unprofiled(record)
     if trace_probe is not None:
         trace_probe.findings = record.findings
         record.findings = []
@@ -59,8 +62,11 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
             f"{'only one' if traced else 'none'} reached its profiled steps: the timing is "
             f"rank {pacing.rank}'s"
         )
+    rules = (trace_probe.data.get("rules") or {}) if trace_probe is not None else {}
     record.probes.append(
-        capture_result(result, pacing, trace_probe.findings if trace_probe else [])
+        capture_result(
+            result, pacing, trace_probe.findings if trace_probe else [], rules.get("precision")
+        )
     )
     return record
 
@@ -111,6 +117,42 @@ def _timing_from(record: RunRecord, pacing: RankCapture) -> None:
     record.timing.samples = timed + profiled
     record.timing.warmup_steps = skipped
     record.timing.summarize()
+
+
+def _scale_to_unprofiled(record: RunRecord) -> None:
+    """The trace's seconds as shares of the step the report leads with.
+
+    The s/it is the median of the steps timed without the profiler; the trace's phases and the
+    savings its rules read off it come from the profiled steps, which the profiler slows (on a
+    CPU, or a host-bound GPU loop, by tens of percent or more). Each is kept as the same share of
+    the step, so no phase or saving is larger than the step it is part of. Device time per
+    kernel class is not slowed by the host-side profiler and stays as traced.
+    """
+    plain, traced = record.timing.unprofiled, record.timing.profiled
+    if not (plain.n and traced.n) or record.breakdown.basis != "trace":
+        return
+    if not 0 < plain.median < traced.median:
+        return
+    scale = plain.median / traced.median
+    record.breakdown.seconds = {k: v * scale for k, v in record.breakdown.seconds.items()}
+    for finding in record.findings:
+        saving = finding.est_seconds_saved_per_it
+        if saving is None:
+            continue
+        finding.evidence = {
+            **finding.evidence,
+            "saving_in_profiled_steps_seconds": saving,
+            "saving_scaled_by": scale,
+        }
+        finding.est_seconds_saved_per_it = saving * scale
+        if finding.sure_seconds_saved_per_it is not None:
+            finding.sure_seconds_saved_per_it *= scale
+    record.notes.append(
+        f"The profiled steps took {traced.median * 1e3:.3g} ms against {plain.median * 1e3:.3g} ms "
+        f"without the profiler: the phases and the savings read off the trace are scaled by "
+        f"{scale:.2f} to the unprofiled step (each keeps its share); the times in the findings' "
+        "titles are the profiled steps' own."
+    )
 
 
 def _setup_seen(facts: Mapping[str, Any]) -> dict[str, Any]:
@@ -206,7 +248,10 @@ def _rank_key(capture: RankCapture, captures: Sequence[RankCapture]) -> str:
 
 
 def capture_result(
-    result: LaunchResult, pacing: RankCapture, trace_findings: Sequence[Finding]
+    result: LaunchResult,
+    pacing: RankCapture,
+    trace_findings: Sequence[Finding],
+    trace_precision: Mapping[str, Any] | None = None,
 ) -> ProbeResult:
     """The facts of every rank, and the checks that hold them against the command line (a
     finding of the trace that says the same is amended rather than repeated)."""
@@ -234,8 +279,37 @@ def capture_result(
     claim = precision_claim(argv)
     if claim is not None:
         probe.data["precision_claim"] = {"dtype": claim.dtype, "said": claim.said}
-    _judge_precision_claim(probe, claim, facts, trace_findings)
+    _judge_precision_claim(probe, claim, facts, trace_findings, trace_precision)
     return probe
+
+
+def _computed_share(trace_precision: Mapping[str, Any] | None) -> float | None:
+    """The share of the traced matmul/conv/attention calls that ran in bf16/fp16 (None: the
+    trace judged no call)."""
+    calls = (trace_precision or {}).get("calls_by_dtype_per_step") or {}
+    total = sum(float(v) for v in calls.values())
+    if not total:
+        return None
+    return sum(float(v) for d, v in calls.items() if d in _LOW) / total
+
+
+def _trainable_autocast(facts: Mapping[str, Any]) -> tuple[int, int, list[str]]:
+    """Of the trained modules the probe step called: how many ran under low-precision
+    autocast, how many in all, and examples of those that ran with it off."""
+    low = total = 0
+    off: list[str] = []
+    for group in (facts.get("autocast") or {}).get("trainable_modules") or []:
+        count = int(group.get("modules") or 0)
+        total += count
+        states = [group.get(device) for device in ("cuda", "cpu")]
+        if any(
+            isinstance(s, dict) and s.get("enabled") and _short_dtype(s.get("dtype")) in _LOW
+            for s in states
+        ):
+            low += count
+        else:
+            off.extend(str(e) for e in group.get("examples") or [])
+    return low, total, off
 
 
 def _judge_precision_claim(
@@ -243,6 +317,7 @@ def _judge_precision_claim(
     claim: PrecisionClaim | None,
     facts: Mapping[str, Any],
     trace_findings: Sequence[Finding],
+    trace_precision: Mapping[str, Any] | None,
 ) -> None:
     if claim is None:
         probe.add_not_judged(
@@ -255,31 +330,50 @@ def _judge_precision_claim(
     autocast = low_precision_seen(facts)
     weights = weight_elements(facts)
     low_weights = _low_weight_share(weights)
+    computed = _computed_share(trace_precision)
+    low_modules, trained_modules, _ = _trainable_autocast(facts)
     per_dtype = ", ".join(f"{d} at {n} of {sampled} sampled step(s)" for d, n in autocast.items())
-    ran = (
+    seen = [
         f"autocast {per_dtype}"
         if autocast
         else f"no low-precision autocast at any of {sampled} sampled step(s)"
-    ) + f"; {low_weights:.0%} of the parameters' elements in bf16/fp16"
+    ]
+    if trained_modules:
+        seen.append(
+            f"{low_modules} of {trained_modules} trained module(s) ran under it"
+            if autocast
+            else f"{low_modules} of {trained_modules} trained module(s) under low-precision "
+            "autocast"
+        )
+    seen.append(f"{low_weights:.0%} of the parameters' elements in bf16/fp16")
+    if computed is not None:
+        # What computed is the trace's to say; the samples say why.
+        seen.insert(0, f"{computed:.0%} of the traced matmul/conv/attention calls in bf16/fp16")
+    ran = "; ".join(seen)
     if claim.dtype == "fp32":
         probe.add_ok(PRECISION_CLAIM_ID, f"precision: `{claim.said}` asks for fp32; {ran}")
         return
-    if not sampled and not weights:
+    if not sampled and not weights and computed is None:
         probe.add_not_judged(
             PRECISION_CLAIM_ID,
             f"precision: `{claim.said}` asks for {claim.dtype}; no step was sampled to check it",
         )
         return
-    if autocast or low_weights >= 0.5:
+    applied = (
+        computed >= LOW_PRECISION_RUN_SHARE
+        if computed is not None
+        else bool(autocast) or low_weights >= 0.5
+    )
+    if applied:
         other = sorted(set(autocast) - {claim.dtype})
         probe.add_ok(
             PRECISION_CLAIM_ID,
             f"precision: `{claim.said}` asks for {claim.dtype}; {ran}"
             + (f" (also {', '.join(other)})" if other else ""),
         )
+        _name_autocast_off(facts, trace_findings)
         return
-    # The claim did not apply: every sampled forward ran without low-precision autocast on
-    # weights kept in fp32, so the matmuls computed in fp32 whatever the flag says.
+    # The claim did not apply: the steps computed in fp32 whatever the flag says.
     said = f"the command asks for {claim.dtype} (`{claim.said}`) but its steps ran with {ran}"
     evidence = {
         "claimed": claim.said,
@@ -287,6 +381,8 @@ def _judge_precision_claim(
         "autocast": autocast,
         "weight_elements": weights,
         "sampled_steps": sampled,
+        "trained_modules_under_autocast": [low_modules, trained_modules],
+        "traced_low_precision_share": computed,
     }
     existing = next((f for f in trace_findings if f.id == FP32_TRAINING_ID), None)
     fix = claim_not_applied_fix(claim.said, claim.dtype)
@@ -302,15 +398,34 @@ def _judge_precision_claim(
         saving=None,
         basis="none",
         detail=(
-            "The capture sampled autocast inside the model's forward at the timed and profiled "
-            "steps and read the dtypes of the optimizer's and the called modules' parameters. "
-            "A precision flag the script does not pass to its autocast (or to accelerate) "
-            "leaves the whole step in fp32."
+            "The capture sampled autocast at the trained modules' forward in the timed, probe "
+            "and profiled steps and read the dtypes of the optimizer's and the called modules' "
+            "parameters. A precision flag the script does not pass to its autocast (or to "
+            "accelerate) leaves the whole step in fp32."
         ),
         source=CAPTURE_PROBE,
     )
     finding.fix = fix
     probe.add_finding(finding)
+
+
+def _name_autocast_off(facts: Mapping[str, Any], trace_findings: Sequence[Finding]) -> None:
+    """An upcast the trace found, in a step that ran under autocast: name the trained modules
+    that ran with autocast turned off, which is where to look for the upcast."""
+    upcast = next((f for f in trace_findings if f.id == UPCAST_ID), None)
+    low, total, off = _trainable_autocast(facts)
+    if upcast is None or not low or low == total:
+        return
+    upcast.evidence = {
+        **upcast.evidence,
+        "autocast_off_in_trained_modules": {"modules": total - low, "of": total, "examples": off},
+    }
+    said = (
+        f"The capture saw autocast turned off in {total - low} of the {total} trained modules "
+        f"of a step, e.g. {', '.join(off[:3])}: the code around them disables it or casts to "
+        "fp32."
+    )
+    upcast.detail = f"{upcast.detail} {said}".strip()
 
 
 __all__ = [
