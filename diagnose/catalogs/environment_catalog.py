@@ -609,6 +609,7 @@ def cpu_few_cores_finding(*, usable: int, evidence: Mapping[str, Any]) -> Findin
     return CPU_FEW_CORES.build(
         f"A CPU run on {usable} cores: a real model's step takes minutes to hours here; these "
         "numbers are a smoke test",
-        fix="Measure on the GPU you train on (diagnose run --device cuda)",
+        fix="Measure on the GPU you train on: diagnose run --device cuda there, or diagnose "
+        "profile -- <your training command> on that machine",
         evidence=evidence,
     )
