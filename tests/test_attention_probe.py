@@ -362,12 +362,16 @@ def test_recorder_sees_path_shapes_switches_and_backward() -> None:
 
 
 def _tree_shape(events: list[Any]) -> Counter[tuple[Any, ...]]:
-    """Each event by what attribution reads of it, its parent by name (ids differ by reading)."""
+    """Each event by what attribution reads of it, its parent by name (ids differ by reading).
+
+    A view op's (``aten::as_strided``) parent is left out: on a fast machine it can start and
+    end at the same instant as an op next to it, and then either reading may call that one its
+    parent; attribution never reads a view's parent."""
     names = {e.id: e.name for e in events}
     return Counter(
         (
             e.name,
-            names.get(e.parent) if e.parent is not None else None,
+            names.get(e.parent) if e.parent is not None and e.name != "aten::as_strided" else None,
             e.sequence_nr,
             e.thread,
             e.fwd_thread,
