@@ -43,8 +43,10 @@ from diagnose.probes.attention_calls import Signature, sdpa_signature
 from diagnose.probes.attention_judging import comparisons_decided, faster_verdict
 
 #: Seconds the full-size measurement may take, pilot included. A comparison whose estimated
-#: MIN_ROUNDS rounds do not fit is not measured.
-FULL_SIZE_BUDGET_S = 20.0
+#: MIN_ROUNDS rounds do not fit is not measured. A GPU does a full-size round in milliseconds;
+#: a CPU fast enough to fit a larger budget still spends most of a default run on it (the math
+#: path alone takes seconds a call at SD1.5's 4096 tokens), for advice about a GPU it is not.
+FULL_SIZE_BUDGET_S = 5.0
 #: Rounds (one call of each backend) a full-size comparison takes at least.
 MIN_ROUNDS = 5
 MAX_ROUNDS = 20
