@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import math
 import os
 import threading
 import time
@@ -341,6 +342,25 @@ def quiet_window() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+#: Others must hold at least this many cores, steadily, before a CPU run gives theirs back.
+YIELD_CORES = 0.5
+
+
+def threads_for_load(load: HostLoad, threads: int) -> int:
+    """The torch threads a CPU measurement should use beside the load others put on its cores.
+
+    torch's CPU kernels split each op over all their threads and wait for the last: when other
+    processes hold a core, the thread that shares it finishes late and every op waits for it,
+    and a step on all the cores runs many times slower than on the cores left free. So the
+    threads are the cores others leave free, counting a core they hold at least half the time as
+    theirs; never fewer than one, never more than ``threads``.
+    """
+    if load.cpus <= 1 or threads <= 1 or load.others_cores < YIELD_CORES:
+        return threads
+    taken = math.floor(load.others_cores + YIELD_CORES)
+    return max(1, min(threads, load.cpus - taken))
+
+
 def describe(load: HostLoad) -> str:
     """One line for the reader: how busy the machine was and what it means for the numbers."""
     others = f"other processes took {load.others_cores:.1f} of {load.cpus} cores on average"
@@ -376,4 +396,5 @@ __all__ = [
     "psutil_reader",
     "quiet_window",
     "summarize",
+    "threads_for_load",
 ]

@@ -20,12 +20,13 @@ import torch
 
 from diagnose.capture import measure
 from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
+from diagnose.contention import LoadWindow, threads_for_load
 from diagnose.device import describe_device, select_device
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.inventory import collect_inventory
 from diagnose.output import RECORD_NAME, REPORT_NAME, TRACE_NAME
 from diagnose.probes import REGISTRY, Probe, ProbeContext, run_probes
-from diagnose.record import Finding, ProbeResult, RunRecord, new_record
+from diagnose.record import Finding, HostLoad, ProbeResult, RunRecord, new_record
 from diagnose.redact import redact_record
 from diagnose.telemetry import TelemetrySampler
 from diagnose.verdicts import settle
@@ -146,6 +147,25 @@ def redact_own_trace(trace_path: Path, record: RunRecord) -> Path | None:
     return trace_path
 
 
+def _fit_threads_to_load(load: HostLoad, record: RunRecord) -> None:
+    """Give other processes' cores back before the steps are timed (see threads_for_load); the
+    inventory keeps the threads torch would have used, which the environment rules judge."""
+    threads = torch.get_num_threads()
+    fitted = threads_for_load(load, threads)
+    if fitted == threads:
+        return
+    torch.set_num_threads(fitted)
+    # The device's threads are what the steps ran on (compare lists a change of them); the
+    # inventory's are what torch would have used, which the environment rules judge.
+    record.device.extra["torch_threads"] = fitted
+    record.notes.append(
+        f"Other processes held {load.others_cores:.1f} of the {load.cpus} cores before the "
+        f"steps: torch computed on {fitted} thread(s) instead of {threads}, since a thread "
+        "that shares a core with another process makes every op wait for it. The s/it is that "
+        "of the cores left free; rerun on an idle machine for the whole machine's."
+    )
+
+
 @contextlib.contextmanager
 def _stage(into: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
@@ -199,6 +219,9 @@ def execute_run(
     record = new_record("run")
     wall = record.wall_seconds
     wall["start-up"] = _seconds_since_process_start()
+    # On a CPU, the load others put on the cores decides how many threads the step may use; it
+    # is read while the inventory and the model are built, which costs nothing extra.
+    load = LoadWindow().open() if device_info.kind == "cpu" else None
     say("collecting the inventory")
     with _stage(wall, "inventory"):
         record.device = device_info
@@ -209,6 +232,8 @@ def execute_run(
     say("building the model")
     with _stage(wall, "build"):
         workload = build_workload(config, device)
+    if load is not None:
+        _fit_threads_to_load(load.close(), record)
     trace_path = out_dir / TRACE_NAME
     scratch = Path(tempfile.mkdtemp(prefix="diagnose-scratch-"))
     try:

@@ -125,6 +125,9 @@ def test_a_process_not_ours_is_measured_as_load_and_our_child_is_not() -> None:
     assert burned > 0.2, "the stranger did not run"
     assert planted.own_cores * planted.seconds <= spent + slack, (planted, spent)
     assert planted.others_cores * planted.seconds >= burned - slack, (planted, burned)
+    if planted.cpus > 1 and burned / planted.seconds >= 0.6:
+        # A stranger that held most of a core takes that core from a CPU run's threads.
+        assert contention.threads_for_load(planted, planted.cpus) < planted.cpus
     twin, burned, spent = _window_beside(2.0, ours=True)
     assert burned > 0.2, "our child did not run"
     assert twin.own_cores * twin.seconds >= spent + burned - slack, (twin, spent, burned)
@@ -259,3 +262,50 @@ def test_readings_milliseconds_apart_do_not_read_a_counter_tick_as_cores() -> No
     load = summarize(readings, 2, "test")
     assert not load.contended
     assert load.others_cores_high < 0.1
+
+
+@pytest.mark.parametrize(
+    ("own", "others", "cpus", "threads", "expected"),
+    [
+        (1.0, 1.0, 2, 2, 1),  # one busy process on two cores: one thread left
+        (1.9, 0.1, 2, 2, 2),  # a quiet machine keeps every thread
+        (1.5, 0.4, 2, 2, 2),  # under half a core taken: not worth a thread
+        (4.0, 3.0, 8, 8, 5),
+        (4.0, 3.0, 8, 4, 4),  # never more threads than torch had
+        (1.0, 7.9, 8, 8, 1),  # never fewer than one
+        (1.0, 1.0, 1, 1, 1),
+    ],
+)
+def test_a_cpu_run_gives_the_cores_others_hold_back(
+    own: float, others: float, cpus: int, threads: int, expected: int
+) -> None:
+    load = summarize(_readings(own=own, others=others, cpus=cpus), cpus, "test")
+    assert contention.threads_for_load(load, threads) == expected
+
+
+def test_a_busy_machine_runs_the_steps_on_the_free_cores_and_says_so() -> None:
+    import torch
+
+    from diagnose.record import new_record
+    from diagnose.run import _fit_threads_to_load
+
+    before = torch.get_num_threads()
+    record = new_record("run")
+    try:
+        torch.set_num_threads(2)
+        busy = summarize(_readings(own=1.0, others=1.0, cpus=2), 2, "test")
+        _fit_threads_to_load(busy, record)
+        assert torch.get_num_threads() == 1
+        assert record.device.extra["torch_threads"] == 1
+        assert any("1 thread(s) instead of 2" in note for note in record.notes)
+        quiet = summarize(_readings(own=1.9, others=0.0, cpus=2), 2, "test")
+        twin = new_record("run")
+        torch.set_num_threads(2)
+        _fit_threads_to_load(quiet, twin)
+        assert (
+            torch.get_num_threads() == 2
+            and not twin.notes
+            and "torch_threads" not in twin.device.extra
+        )
+    finally:
+        torch.set_num_threads(before)
