@@ -252,15 +252,27 @@ DDP = textwrap.dedent(
 def test_every_rank_of_a_torchrun_job_is_captured_and_the_straggler_named(tmp_path: Path) -> None:
     script = _script(tmp_path, DDP, "ddp.py")
     out = tmp_path / "out"
+    # --force into the folder of an earlier, four-rank profile: its ranks 2 and 3 and its single
+    # trace must not be read as this job's; a file of the user's there stays.
+    (out / "traces").mkdir(parents=True)
+    for stale in ("rank2.pt.trace.json.gz", "rank3-pid7.pt.trace.json.gz"):
+        (out / "traces" / stale).write_bytes(b"earlier")
+    (out / "traces" / "notes.txt").write_text("mine")
+    (out / "trace.json.gz").write_bytes(b"earlier")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    code = _profile(out, *torchrun, "--nproc_per_node", "2", str(script))
+    code = _profile(
+        out, *torchrun, "--nproc_per_node", "2", str(script), options=[*FAST, "--force"]
+    )
     assert code == 0
     record = _record(out)
     assert sorted(r["rank"] for r in record["ranks"]) == [0, 1]
     assert sorted(p.name for p in (out / "traces").iterdir()) == [
+        "notes.txt",
         "rank0.pt.trace.json.gz",
         "rank1.pt.trace.json.gz",
     ]
+    assert not (out / "trace.json.gz").exists()
+    (out / "traces" / "notes.txt").unlink()
     capture = next(p for p in record["probes"] if p["name"] == "capture")
     assert sorted(capture["data"]["ranks"]) == ["0", "1"]
     straggler = next(f for f in record["findings"] if f["id"] == "distributed.straggler")

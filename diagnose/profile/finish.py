@@ -4,6 +4,7 @@ the report written (as ``diagnose run`` writes them)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diagnose.output import TRACE_NAME
+from diagnose.profile.capture import TRACE_SUFFIX
 from diagnose.profile.launch import LaunchResult
 from diagnose.record import RunRecord
 
@@ -31,14 +33,19 @@ def _keep_traces(result: LaunchResult, out_dir: Path) -> tuple[LaunchResult, Pat
     if not traced:
         return result, None
     moved: dict[int, Path] = {}
+    folder = out_dir / RANK_TRACES_FOLDER
     if len(traced) == 1:
         target = out_dir / TRACE_NAME
         shutil.move(str(traced[0].trace_path), target)
         moved[traced[0].pid] = target
         where: Path | None = target
+        _remove_earlier_rank_traces(folder, keep=set())
     else:
-        folder = out_dir / RANK_TRACES_FOLDER
+        _remove_earlier_rank_traces(
+            folder, keep={c.trace_path.name for c in traced if c.trace_path is not None}
+        )
         folder.mkdir(exist_ok=True)
+        (out_dir / TRACE_NAME).unlink(missing_ok=True)
         for capture in traced:
             assert capture.trace_path is not None
             target = folder / capture.trace_path.name
@@ -50,6 +57,19 @@ def _keep_traces(result: LaunchResult, out_dir: Path) -> tuple[LaunchResult, Pat
     ]
     kept = dataclasses.replace(result, captures=captures)
     return kept, where
+
+
+def _remove_earlier_rank_traces(folder: Path, *, keep: set[str]) -> None:
+    """An earlier profile's rank traces (``--force`` into its folder) that this one does not
+    replace: left there, ``diagnose trace`` of the folder would read ranks this job never had.
+    Only files of the capture's own naming go; anything else in the folder stays."""
+    if not folder.is_dir():
+        return
+    for path in folder.glob(f"rank*{TRACE_SUFFIX}"):
+        if path.name not in keep and path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # only when that left it empty
 
 
 def _same_python(record: RunRecord) -> bool:
