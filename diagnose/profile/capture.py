@@ -125,6 +125,26 @@ def _qualified(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
+def _holds_any(module: Any, parameter_ids: frozenset[int]) -> bool:
+    """Whether ``module`` itself (not a submodule) holds one of the parameters."""
+    return any(id(p) in parameter_ids for p in getattr(module, "_parameters", {}).values())
+
+
+def _state_group(
+    groups: list[dict[str, Any]], state: Mapping[str, Any], counters: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """The group of ``groups`` with ``state``'s autocast (CUDA and CPU alike), made with
+    ``counters`` when there is none; None when ``groups`` is full."""
+    for group in groups:
+        if group["cuda"] == state["cuda"] and group["cpu"] == state["cpu"]:
+            return group
+    if len(groups) >= _MAX_KEYS:
+        return None
+    group = {**state, **counters}
+    groups.append(group)
+    return group
+
+
 def _module_names(called: dict[int, tuple[Any, Any]]) -> dict[int, str]:
     """Dotted names of the called modules, from the first called module that holds each (its
     class name first): ``UNet2DConditionModel.mid_block.attentions.0...``."""
@@ -595,10 +615,7 @@ class _Capture:
         encoder often runs first, outside the autocast, and accelerate enters its autocast inside
         the prepared model's forward, after that model's own pre-hook has run."""
         try:
-            trainable = self.trainable_ids
-            if trainable and not any(
-                id(p) in trainable for p in getattr(module, "_parameters", {}).values()
-            ):
+            if self.trainable_ids and not _holds_any(module, self.trainable_ids):
                 return
             self._remove_forward()
             if os.getpid() == self.pid and not self.off:
@@ -673,16 +690,11 @@ class _Capture:
             return groups
         names = _module_names(called)
         for key, (module, autocast) in called.items():
-            if not any(id(p) in trainable for p in getattr(module, "_parameters", {}).values()):
+            if not _holds_any(module, trainable):
                 continue
-            for group in groups:
-                if group["cuda"] == autocast["cuda"] and group["cpu"] == autocast["cpu"]:
-                    break
-            else:
-                if len(groups) >= _MAX_KEYS:
-                    continue
-                group = {**autocast, "modules": 0, "examples": []}
-                groups.append(group)
+            group = _state_group(groups, autocast, {"modules": 0, "examples": []})
+            if group is None:
+                continue
             group["modules"] += 1
             group["examples"].append(names.get(key) or _qualified(type(module)))
         for group in groups:
@@ -843,12 +855,9 @@ class _Capture:
 
         autocast_states: list[dict[str, Any]] = []
         for sample in self.autocast_samples:
-            for state in autocast_states:
-                if state["cuda"] == sample["cuda"] and state["cpu"] == sample["cpu"]:
-                    state["steps"] += 1
-                    break
-            else:
-                autocast_states.append({**sample, "steps": 1})
+            state = _state_group(autocast_states, sample, {"steps": 0})
+            if state is not None:
+                state["steps"] += 1
         dynamo_after = _dynamo_counters()
         loaders = [
             {key: value for key, value in entry.items() if not key.startswith("_")}

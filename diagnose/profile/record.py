@@ -195,15 +195,19 @@ def _mixed_precision(dtype: str | None) -> Precision:
     return "fp16" if dtype == "fp16" else "fp32"
 
 
+def _low_autocast(state: Mapping[str, Any]) -> tuple[str, ...]:
+    """The low-precision dtypes ("bf16"/"fp16") autocast was on with, on any device, in one
+    sampled state of the capture (``{"cuda": {...}, "cpu": {...}}``)."""
+    on = [state.get(device) for device in ("cuda", "cpu")]
+    dtypes = {_short_dtype(s.get("dtype")) for s in on if isinstance(s, dict) and s.get("enabled")}
+    return tuple(d for d in _LOW if d in dtypes)
+
+
 def low_precision_seen(facts: Mapping[str, Any]) -> dict[str, int]:
     """Sampled steps per low-precision autocast dtype ("bf16"/"fp16") on any device."""
     seen: dict[str, int] = {}
     for state in (facts.get("autocast") or {}).get("states") or []:
-        on = [state.get(device) for device in ("cuda", "cpu")]
-        dtypes = {
-            _short_dtype(s.get("dtype")) for s in on if isinstance(s, dict) and s.get("enabled")
-        }
-        for dtype in (d for d in _LOW if d in dtypes):
+        for dtype in _low_autocast(state):
             seen[dtype] = seen.get(dtype, 0) + int(state.get("steps") or 0)
     return seen
 
@@ -284,13 +288,10 @@ def capture_result(
 
 
 def _computed_share(trace_precision: Mapping[str, Any] | None) -> float | None:
-    """The share of the traced matmul/conv/attention calls that ran in bf16/fp16 (None: the
-    trace judged no call)."""
-    calls = (trace_precision or {}).get("calls_by_dtype_per_step") or {}
-    total = sum(float(v) for v in calls.values())
-    if not total:
-        return None
-    return sum(float(v) for d, v in calls.items() if d in _LOW) / total
+    """The precision rule's share of the traced matmul/conv/attention calls that ran in low
+    precision (None: the trace judged no call)."""
+    share = (trace_precision or {}).get("low_precision_share")
+    return float(share) if isinstance(share, (int, float)) else None
 
 
 def _trainable_autocast(facts: Mapping[str, Any]) -> tuple[int, int, list[str]]:
@@ -301,11 +302,7 @@ def _trainable_autocast(facts: Mapping[str, Any]) -> tuple[int, int, list[str]]:
     for group in (facts.get("autocast") or {}).get("trainable_modules") or []:
         count = int(group.get("modules") or 0)
         total += count
-        states = [group.get(device) for device in ("cuda", "cpu")]
-        if any(
-            isinstance(s, dict) and s.get("enabled") and _short_dtype(s.get("dtype")) in _LOW
-            for s in states
-        ):
+        if _low_autocast(group):
             low += count
         else:
             off.extend(str(e) for e in group.get("examples") or [])
