@@ -155,9 +155,7 @@ def _fit_threads_to_load(load: HostLoad, record: RunRecord) -> None:
     if fitted == threads:
         return
     torch.set_num_threads(fitted)
-    # The device's threads are what the steps ran on (compare lists a change of them); the
-    # inventory's are what torch would have used, which the environment rules judge.
-    record.device.extra["torch_threads"] = fitted
+    record.device.extra["torch_threads"] = fitted  # what the steps ran on; compare lists it
     record.notes.append(
         f"Other processes held {load.others_cores:.1f} of the {load.cpus} cores before the "
         f"steps: torch computed on {fitted} thread(s) instead of {threads}, since a thread "
@@ -222,18 +220,22 @@ def execute_run(
     # On a CPU, the load others put on the cores decides how many threads the step may use; it
     # is read while the inventory and the model are built, which costs nothing extra.
     load = LoadWindow().open() if device_info.kind == "cpu" else None
-    say("collecting the inventory")
-    with _stage(wall, "inventory"):
-        record.device = device_info
-        record.inventory = collect_inventory(device_info.kind, redact_paths=redact_paths)
-    record.command = config.command_line()
-    torch.manual_seed(config.seed)
+    try:
+        say("collecting the inventory")
+        with _stage(wall, "inventory"):
+            record.device = device_info
+            record.inventory = collect_inventory(device_info.kind, redact_paths=redact_paths)
+        record.command = config.command_line()
+        torch.manual_seed(config.seed)
 
-    say("building the model")
-    with _stage(wall, "build"):
-        workload = build_workload(config, device)
-    if load is not None:
-        _fit_threads_to_load(load.close(), record)
+        say("building the model")
+        with _stage(wall, "build"):
+            workload = build_workload(config, device)
+    finally:
+        # Closed on every path: an open window is the one every later comparison consults.
+        seen = load.close() if load is not None else None
+    if seen is not None:
+        _fit_threads_to_load(seen, record)
     trace_path = out_dir / TRACE_NAME
     scratch = Path(tempfile.mkdtemp(prefix="diagnose-scratch-"))
     try:
