@@ -50,6 +50,7 @@ from .headline import (
     describe_wall,
 )
 from .ranks import RanksView, build_ranks
+from .stacks import StacksView, build_stacks
 from .utilisation import UtilisationView, build_utilisation
 
 #: How each saving basis reads in the report.
@@ -581,6 +582,8 @@ class ReportView:
     wall_text: str = ""
     #: The step's FLOPs against the device's peak (None when no FLOPs were counted).
     utilisation: UtilisationView | None = None
+    #: The Python frames py-spy sampled (``diagnose profile`` only).
+    stacks: StacksView | None = None
 
 
 def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> ReportView:
@@ -616,6 +619,7 @@ def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> R
         ranks=build_ranks(record.ranks),
         wall_text=describe_wall(record.wall_seconds),
         utilisation=build_utilisation(record),
+        stacks=build_stacks(record),
     )
     return view
 

@@ -17,6 +17,18 @@ import pytest
 
 from diagnose.cli import main
 from diagnose.profile.claims import precision_claim
+from diagnose.sampling import find_py_spy
+
+needs_py_spy = pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
+
+
+def _may_read_other_processes() -> bool:
+    """Whether py-spy may read a DataLoader worker forked by the process that started it."""
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    import os
+
+    return os.geteuid() == 0 or not scope.exists() or scope.read_text().strip() == "0"
+
 
 # A loop that says --mixed_precision on its command line; --ignore-precision plants the fault
 # trainers have: the flag is parsed but never reaches the autocast.
@@ -26,16 +38,20 @@ TRAIN = textwrap.dedent(
     from torch.utils.data import DataLoader, Dataset
     torch.manual_seed(0)
     args = sys.argv[1:]
+    decode_s = float(args[args.index("--decode-ms") + 1]) / 1000 if "--decode-ms" in args else 0.004
 
     class Images(Dataset):
-        # --slow-loader plants a decode that costs more than the step, on the training thread.
+        # --slow-loader plants a decode that costs more than the step, on the training thread
+        # (CPU work, as decoding is: py-spy samples running threads).
         def __init__(self):
             self.x = torch.randn(256, 64)
         def __len__(self):
             return len(self.x)
         def __getitem__(self, i):
             if "--slow-loader" in args:
-                time.sleep(0.004)
+                end = time.perf_counter() + decode_s
+                while time.perf_counter() < end:
+                    pass
             return (self.x[i],)
 
     # Enough compute per step that an ordinary loader's own cost is a small share of it.
@@ -45,7 +61,8 @@ TRAIN = textwrap.dedent(
         torch.nn.Linear(512, 64),
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = DataLoader(Images(), batch_size=16, shuffle=True)
+    workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 0
+    data = DataLoader(Images(), batch_size=16, shuffle=True, num_workers=workers)
     asked = args[args.index("--mixed_precision") + 1] if "--mixed_precision" in args else "no"
     low = asked == "bf16" and "--ignore-precision" not in args
     step = 0
@@ -87,7 +104,9 @@ def ignored_flag(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     out = folder / "out"
     # Two independent faults: a flag that never reaches the autocast, and a slow loader.
     faults = ["--mixed_precision", "bf16", "--ignore-precision", "--slow-loader"]
-    code = _profile(out, sys.executable, str(script), *faults)
+    # Profiled steps enough for py-spy, which attaches while they run, to sample the loader.
+    options = [*FAST[:-1], "6"]
+    code = _profile(out, sys.executable, str(script), *faults, options=options)
     return code, out
 
 
@@ -96,7 +115,18 @@ def applied_flag(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     folder = tmp_path_factory.mktemp("applied")
     script = _script(folder)
     out = folder / "out"
-    code = _profile(out, sys.executable, str(script), "--mixed_precision", "bf16", "--exit", "3")
+    # Its steps are short: profiled steps enough for py-spy to attach while they run.
+    options = [*FAST[:-1], "12"]
+    code = _profile(
+        out,
+        sys.executable,
+        str(script),
+        "--mixed_precision",
+        "bf16",
+        "--exit",
+        "3",
+        options=options,
+    )
     return code, out
 
 
@@ -174,6 +204,55 @@ def test_the_slow_loader_is_found_and_its_twin_stays_quiet(
     capture = next(p for p in _record(ignored_flag[1])["probes"] if p["name"] == "capture")
     loaders = capture["data"]["ranks"]["0"]["dataloaders"]
     assert [(d["num_workers"], d["batch_size"]) for d in loaders] == [(0, 16)]
+
+
+def _capture_data(out: Path) -> dict[str, Any]:
+    record = _record(out)
+    return next(p for p in record["probes"] if p["name"] == "capture")["data"]  # type: ignore[no-any-return]
+
+
+@needs_py_spy
+def test_py_spy_names_the_slow_loading_code_and_not_in_the_twin(
+    ignored_flag: tuple[int, Path], applied_flag: tuple[int, Path]
+) -> None:
+    starved = next(
+        f for f in _record(ignored_flag[1])["findings"] if f["id"] == "dataloader.gpu_starved"
+    )
+    hot = starved["evidence"]["hot_frames"][0]
+    assert hot["function"] == "Images.__getitem__" and hot["file"] == "train.py"
+    assert hot["share"] > 0.5 and hot["by_role"] == {"main": hot["samples"]}
+    assert "Images.__getitem__ (train.py:" in starved["detail"]
+    # The twin's loader is cheap: the training step, not the loader, is what runs.
+    twin = _capture_data(applied_flag[1])["stacks"]
+    assert twin["all"]["samples"] > 0
+    assert twin["loading"]["samples"] < twin["all"]["samples"] / 4
+    # The samples of the capture's own hooks (the probe step) are left out.
+    functions = {f["file"] for f in twin["all"]["top_frames"]}
+    assert not any("diagnose/profile" in name for name in functions)
+
+
+@needs_py_spy
+@pytest.mark.skipif(not _may_read_other_processes(), reason="ptrace is restricted here")
+def test_py_spy_follows_the_dataloader_workers(tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    out = tmp_path / "out"
+    # py-spy finds the workers some tenths of a second after it attaches: a slow loader and
+    # profiled steps enough to outlast that.
+    slow = ["--slow-loader", "--decode-ms", "8", "--workers", "2"]
+    code = _profile(out, sys.executable, str(script), *slow, options=[*FAST[:-1], "12"])
+    assert code == 0
+    stacks = _capture_data(out)["stacks"]
+    assert stacks["loading"]["processes"].get("worker", 0) >= 1
+    top = stacks["loading"]["top_frames"][0]
+    assert top["function"] == "Images.__getitem__" and set(top["by_role"]) == {"worker"}
+
+
+def test_no_stacks_leaves_py_spy_out_and_says_so(tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    out = tmp_path / "out"
+    assert _profile(out, sys.executable, str(script), options=[*FAST, "--no-stacks"]) == 0
+    assert "not sampled" in _capture_data(out)["stacks"]["error"]
+    assert "Not sampled" in (out / "report.html").read_text()
 
 
 def test_the_training_result_is_unchanged(
@@ -275,6 +354,9 @@ def test_every_rank_of_a_torchrun_job_is_captured_and_the_straggler_named(tmp_pa
     (out / "traces" / "notes.txt").unlink()
     capture = next(p for p in record["probes"] if p["name"] == "capture")
     assert sorted(capture["data"]["ranks"]) == ["0", "1"]
+    if find_py_spy() is not None:  # each rank sampled itself
+        for rank in capture["data"]["ranks"].values():
+            assert rank["stacks"]["all"]["samples"] > 0, rank["stacks"]
     straggler = next(f for f in record["findings"] if f["id"] == "distributed.straggler")
     assert straggler["title"].startswith("Rank 1 is the straggler")
     # The folder of rank traces reads again on its own, as `diagnose trace` input.

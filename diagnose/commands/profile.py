@@ -79,6 +79,12 @@ class ProfileCommand:
             help="end the command once its steps are captured (default: it trains on to its end)",
         )
         parser.add_argument(
+            "--no-stacks",
+            action="store_true",
+            help="do not sample the Python stacks of the profiled steps with py-spy (sampled "
+            "when py-spy is installed)",
+        )
+        parser.add_argument(
             "--timeout",
             type=_positive_seconds,
             default=None,
@@ -107,11 +113,14 @@ class ProfileCommand:
                 "diagnose profile -- python train.py --config my.toml",
                 ExitCode.USAGE,
             )
+        from diagnose.sampling import find_py_spy
+
         options = CaptureOptions(
             skip_steps=args.skip_steps,
             timed_steps=args.steps,
             profiled_steps=args.profile_steps,
             stop_after=args.stop_after,
+            py_spy="" if args.no_stacks else (find_py_spy() or ""),
         )
         out_dir = args.out if args.out is not None else default_out_dir("profile")
         created = not out_dir.exists()

@@ -36,6 +36,8 @@ Files in the capture folder (``DIAGNOSE_PROFILE_DIR``):
 - ``rank<R>.capture.json`` (``rank<R>-pid<pid>`` when two processes claim rank R): created when
   the process's first step ends (``status: running``), replaced atomically by the facts.
 - ``rank<R>.pt.trace.json.gz``: the Kineto trace of the profiled steps.
+- ``rank<R>.pyspy.txt``: py-spy's stacks of the probe and profiled steps, when the parent named a
+  py-spy (``DIAGNOSE_PROFILE_PY_SPY``; see ``stack_sampler.py``, loaded from beside this file).
 
 Nothing here raises into the user's program: a failure is recorded in the facts' status
 (``error: …``) and disables the capture. ``KeyboardInterrupt`` and ``SystemExit`` are never
@@ -64,9 +66,13 @@ ENV_SKIP_STEPS = "DIAGNOSE_PROFILE_SKIP_STEPS"
 ENV_TIMED_STEPS = "DIAGNOSE_PROFILE_TIMED_STEPS"
 ENV_PROFILED_STEPS = "DIAGNOSE_PROFILE_PROFILED_STEPS"
 ENV_STOP_AFTER = "DIAGNOSE_PROFILE_STOP_AFTER"
+#: The py-spy executable that samples the profiled steps' Python stacks (unset: none).
+ENV_PY_SPY = "DIAGNOSE_PROFILE_PY_SPY"
 
 FACTS_SUFFIX = ".capture.json"
 TRACE_SUFFIX = ".pt.trace.json.gz"
+#: py-spy's collapsed stacks of the probe and profiled steps (``--format raw``).
+STACKS_SUFFIX = ".pyspy.txt"
 PROCESS_PREFIX = "process-"
 SCHEMA_VERSION = 1
 
@@ -90,6 +96,7 @@ class Settings:
     timed_steps: int = 10
     profiled_steps: int = 3
     stop_after: bool = False
+    py_spy: str = ""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings | None:
@@ -109,6 +116,7 @@ class Settings:
             timed_steps=count(ENV_TIMED_STEPS, cls.timed_steps),
             profiled_steps=count(ENV_PROFILED_STEPS, cls.profiled_steps),
             stop_after=environ.get(ENV_STOP_AFTER, "") in {"1", "true", "yes"},
+            py_spy=environ.get(ENV_PY_SPY, ""),
         )
 
 
@@ -342,6 +350,9 @@ class _Capture:
         self.profiler_active = False
         self.profiler_note: str | None = None
         self.trace_name: str | None = None
+        #: py-spy sampling this process during the probe and profiled steps, and what it left.
+        self.sampler: Any = None
+        self.stacks: dict[str, Any] | None = None
         self.pending: Callable[[], None] | None = None
         self.profile_function: Callable[[FrameType, str, object], None] | None = None
         self.error: str | None = None
@@ -572,7 +583,31 @@ class _Capture:
                 self.profiler = self._make_profiler(s.profiled_steps)
                 with _StderrFilter():
                     self.profiler.start()
+                # From the probe step on: py-spy needs a moment to attach, and the probe
+                # step's own frames (ours) are left out when the samples are read.
+                self._start_sampler()
         self._enter("probe", self.steps + 1)
+
+    def _start_sampler(self) -> None:
+        if not self.settings.py_spy or self.stem is None:
+            return
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stack_sampler.py")
+        spec = importlib.util.spec_from_file_location("_diagnose_profile_stack_sampler", path)
+        if spec is None or spec.loader is None:
+            self.stacks = {"error": f"cannot load {path}"}
+            return
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        output = os.path.join(self.settings.directory, self.stem + STACKS_SUFFIX)
+        self.sampler = module.StackSampler(self.settings.py_spy, output)
+        self.sampler.start()
+
+    def _stop_sampler(self) -> None:
+        sampler, self.sampler = self.sampler, None
+        if sampler is not None:
+            self.stacks = sampler.stop()
 
     def _make_profiler(self, active: int) -> Any:
         import torch
@@ -888,6 +923,7 @@ class _Capture:
             "profiled_step_s": list(self.profiled),
             "trace": self.trace_name,
             "profiler_note": self.profiler_note,
+            "stacks": self.stacks,
             "autocast": {
                 "sampled_steps": len(self.autocast_samples),
                 "states": autocast_states,
@@ -932,6 +968,7 @@ class _Capture:
         self.trace_name = name
 
     def _complete(self) -> None:
+        self._stop_sampler()
         self._stop_profiler()
         self._finish(STATUS_COMPLETE)
         if self.settings.stop_after:
@@ -958,6 +995,8 @@ class _Capture:
         try:
             self.pending = None
             with contextlib.suppress(Exception):
+                self._stop_sampler()
+            with contextlib.suppress(Exception):
                 self._stop_profiler()
             self._finish(f"error: {_one_line(exc)}")
         except Exception:
@@ -979,6 +1018,8 @@ class _Capture:
                     reason = f"the program raised {type(last).__name__}"
                 else:
                     reason = "the program ended"
+            with contextlib.suppress(Exception):
+                self._stop_sampler()
             with contextlib.suppress(Exception):
                 self._stop_profiler()
             self._finish(f"partial: {reason} {self._progress()}")
@@ -1112,12 +1153,14 @@ __all__ = [
     "ENV_CAPTURE",
     "ENV_DIR",
     "ENV_PROFILED_STEPS",
+    "ENV_PY_SPY",
     "ENV_SKIP_STEPS",
     "ENV_STOP_AFTER",
     "ENV_TIMED_STEPS",
     "FACTS_SUFFIX",
     "PROCESS_PREFIX",
     "SCHEMA_VERSION",
+    "STACKS_SUFFIX",
     "STATUS_COMPLETE",
     "STATUS_RUNNING",
     "TRACE_SUFFIX",

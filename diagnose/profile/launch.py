@@ -63,6 +63,9 @@ class CaptureOptions:
     profiled_steps: int = 3
     #: End each capturing process (exit code 0) once its capture is written.
     stop_after: bool = False
+    #: The py-spy executable each capturing process runs on itself during the probe and
+    #: profiled steps ("": no stack sampling).
+    py_spy: str = ""
 
     def __post_init__(self) -> None:
         for name in ("skip_steps", "timed_steps", "profiled_steps"):
@@ -154,6 +157,10 @@ def capture_environment(
     env[capture.ENV_TIMED_STEPS] = str(options.timed_steps)
     env[capture.ENV_PROFILED_STEPS] = str(options.profiled_steps)
     env[capture.ENV_STOP_AFTER] = "1" if options.stop_after else "0"
+    if options.py_spy:
+        env[capture.ENV_PY_SPY] = options.py_spy
+    else:
+        env.pop(capture.ENV_PY_SPY, None)
     return env
 
 

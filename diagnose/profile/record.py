@@ -24,7 +24,9 @@ from diagnose.config import Precision
 from diagnose.precision_policy import normalize_dtype
 from diagnose.profile.claims import PrecisionClaim, precision_claim
 from diagnose.profile.launch import LaunchResult, RankCapture
+from diagnose.profile.stacks import name_loading_frames, read_stacks
 from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, new_record
+from diagnose.sampling import INSTALL_HINT
 
 #: The ProbeResult that carries the capture's facts and its claimed-vs-actual checks.
 CAPTURE_PROBE = "capture"
@@ -267,9 +269,18 @@ def capture_result(
         "exit_code": result.exit_code,
         "seconds": result.seconds,
         "pacing_rank": pacing.rank,
-        "ranks": {_rank_key(c, result.captures): c.facts for c in result.captures},
+        "ranks": {_rank_key(c, result.captures): _with_stacks(c) for c in result.captures},
         "processes": len(result.processes),
     }
+    stacks = probe.data["ranks"][_rank_key(pacing, result.captures)].get("stacks")
+    if stacks is not None:
+        probe.data["stacks"] = stacks
+        name_loading_frames(list(trace_findings), stacks)
+    else:
+        probe.data["stacks"] = {
+            "error": f"not sampled: py-spy is not installed ({INSTALL_HINT}) or --no-stacks "
+            "was given"
+        }
     timed, profiled = len(pacing.timed_step_s), len(facts.get("profiled_step_s") or [])
     text = (
         f"rank {pacing.rank}: {timed} step(s) timed without the profiler and {profiled} "
@@ -285,6 +296,14 @@ def capture_result(
         probe.data["precision_claim"] = {"dtype": claim.dtype, "said": claim.said}
     _judge_precision_claim(probe, claim, facts, trace_findings, trace_precision)
     return probe
+
+
+def _with_stacks(capture: RankCapture) -> dict[str, Any]:
+    """The rank's facts, with py-spy's file read into ranked frames."""
+    facts = dict(capture.facts)
+    if facts.get("stacks") is not None:
+        facts["stacks"] = read_stacks(facts, capture.facts_path.parent)
+    return facts
 
 
 def _computed_share(trace_precision: Mapping[str, Any] | None) -> float | None:
