@@ -333,6 +333,7 @@ class _Capture:
         self.timed: list[float] = []
         self.profiled: list[float] = []
         self.timed_started_unix: float | None = None
+        self.timed_ended_unix: float | None = None
         self.autocast_samples: list[dict[str, dict[str, Any]]] = []
         self.root_autocast: list[dict[str, Any]] = []
         self.called: dict[int, tuple[Any, dict[str, dict[str, Any]]]] = {}
@@ -453,6 +454,8 @@ class _Capture:
         self.next_event = max(self.settings.skip_steps, 1)
         try:
             self.identity = self._identify()
+            # Before the claim, so that its first file tells the parent which GPU to watch.
+            self.device = self._describe_device(optimizer)
             self.stem = self._claim(int(self.identity["rank"]))
             self._install_sigterm()
         except Exception as exc:
@@ -573,6 +576,7 @@ class _Capture:
         }
 
     def _start_probe(self) -> None:
+        self.timed_ended_unix = time.time()
         s = self.settings
         if s.profiled_steps:
             import torch
@@ -788,18 +792,28 @@ class _Capture:
     def _describe_device(self, optimizer: Any) -> dict[str, Any]:
         import torch
 
-        kind = "unknown"
+        device: Any = None
         for group in optimizer.param_groups:
             for parameter in group["params"]:
-                kind = parameter.device.type
+                device = parameter.device
                 break
             break
+        kind = "unknown" if device is None else str(device.type)
         facts: dict[str, Any] = {"kind": kind, "type": kind}
         if kind == "cuda":
             if getattr(torch.version, "hip", None):
                 facts["kind"] = "rocm"
             with contextlib.suppress(Exception):
-                facts["name"] = torch.cuda.get_device_name(torch.cuda.current_device())
+                index = device.index
+                index = torch.cuda.current_device() if index is None else index
+                facts["index"] = int(index)
+                props = torch.cuda.get_device_properties(index)
+                facts["name"] = str(props.name)
+                # Which GPU the driver's telemetry must read (the parent matches it by bus).
+                for key in ("pci_domain_id", "pci_bus_id", "pci_device_id"):
+                    value = getattr(props, key, None)
+                    if isinstance(value, int):
+                        facts[key] = value
         return facts
 
     # -- DataLoaders ------------------------------------------------------------------------
@@ -919,6 +933,7 @@ class _Capture:
             "first_step_s": self.first_step_s,
             "process_started_unix": self.started_unix,
             "timed_started_unix": self.timed_started_unix,
+            "timed_ended_unix": self.timed_ended_unix,
             "timed_step_s": list(self.timed),
             "profiled_step_s": list(self.profiled),
             "trace": self.trace_name,

@@ -97,9 +97,12 @@ def _device_probes(record: RunRecord) -> None:
         record.device = device_info
     if _same_python(record):
         trace_fields = record.inventory.get("trace")
+        during_steps = (record.inventory.get("telemetry") or {}).get("during_steps")
         record.inventory = collect_inventory(device_info.kind)
         if trace_fields:
             record.inventory["trace"] = trace_fields
+        if during_steps:
+            record.inventory.setdefault("telemetry", {})["during_steps"] = during_steps
     else:
         record.notes.append(
             "The command ran another Python than diagnose: the package inventory is not its own "

@@ -38,6 +38,7 @@ from types import FrameType
 from typing import IO, Any
 
 from diagnose.profile import capture
+from diagnose.profile.device_telemetry import CommandTelemetry, DeviceWindow, SamplerFactory
 
 #: The folder put first on ``PYTHONPATH``; its ``sitecustomize.py`` is the bootstrap.
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
@@ -131,6 +132,8 @@ class LaunchResult:
     message: str | None
     seconds: float
     signals_forwarded: tuple[int, ...] = field(default=())
+    #: GPU telemetry sampled by this process while the ranks captured, by device ("cuda:0").
+    telemetry: dict[str, DeviceWindow] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -176,6 +179,7 @@ def launch_profiled(
     stdout: Stream = None,
     stderr: Stream = None,
     grace_s: float = 10.0,
+    telemetry_sampler: SamplerFactory | None = None,
 ) -> LaunchResult:
     """Run ``command`` with every Python process capturing itself into ``capture_dir``.
 
@@ -185,6 +189,8 @@ def launch_profiled(
     after another ``grace_s``) and ``timed_out`` is set. Signals this process receives meanwhile
     (SIGINT, SIGTERM, SIGHUP) are forwarded to the command, when called from the main thread.
     The streams default to ours. Raises ``OSError`` when the command cannot be started.
+    The GPUs the ranks train on are sampled meanwhile (``telemetry_sampler`` makes a sampler for
+    a device; default :class:`~diagnose.telemetry.TelemetrySampler`).
     """
     options = options or CaptureOptions()
     capture_dir = Path(capture_dir)
@@ -203,6 +209,7 @@ def launch_profiled(
         start_new_session=True,
     )
     timed_out = False
+    telemetry = CommandTelemetry(capture_dir, telemetry_sampler)
     try:
         with _forwarding(process, forwarded):
             deadline = None if timeout_s is None else started + timeout_s
@@ -212,6 +219,7 @@ def launch_profiled(
                     break
                 except subprocess.TimeoutExpired:
                     pass
+                telemetry.poll()
                 if deadline is None:
                     continue
                 if _any_rank(capture_dir):
@@ -226,6 +234,8 @@ def launch_profiled(
         if process.poll() is None:
             _stop(process, grace_s)
         raise
+    finally:
+        windows = telemetry.finish()
     captures = read_captures(capture_dir)
     processes = read_processes(capture_dir)
     message = None
@@ -245,6 +255,7 @@ def launch_profiled(
         message=message,
         seconds=time.monotonic() - started,
         signals_forwarded=tuple(forwarded),
+        telemetry=windows,
     )
 
 

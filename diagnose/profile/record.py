@@ -23,6 +23,7 @@ from diagnose.catalogs.precision_catalog import (
 from diagnose.config import Precision
 from diagnose.precision_policy import normalize_dtype
 from diagnose.profile.claims import PrecisionClaim, precision_claim
+from diagnose.profile.device_telemetry import rank_telemetry
 from diagnose.profile.launch import LaunchResult, RankCapture
 from diagnose.profile.stacks import name_loading_frames, read_stacks
 from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, new_record
@@ -70,6 +71,10 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
             result, pacing, trace_probe.findings if trace_probe else [], rules.get("precision")
         )
     )
+    # What the GPU did during the steps the s/it was timed in, read by the environment rules.
+    record.inventory.setdefault("telemetry", {})["during_steps"] = rank_telemetry(
+        pacing.facts, result.telemetry
+    ).to_dict()
     return record
 
 
@@ -269,10 +274,11 @@ def capture_result(
         "exit_code": result.exit_code,
         "seconds": result.seconds,
         "pacing_rank": pacing.rank,
-        "ranks": {_rank_key(c, result.captures): _with_stacks(c) for c in result.captures},
+        "ranks": {_rank_key(c, result.captures): _read_samples(c, result) for c in result.captures},
         "processes": len(result.processes),
     }
-    stacks = probe.data["ranks"][_rank_key(pacing, result.captures)].get("stacks")
+    pacing_facts = probe.data["ranks"][_rank_key(pacing, result.captures)]
+    stacks = pacing_facts.get("stacks")
     if stacks is not None:
         probe.data["stacks"] = stacks
         name_loading_frames(list(trace_findings), stacks)
@@ -298,11 +304,15 @@ def capture_result(
     return probe
 
 
-def _with_stacks(capture: RankCapture) -> dict[str, Any]:
-    """The rank's facts, with py-spy's file read into ranked frames."""
+def _read_samples(capture: RankCapture, result: LaunchResult) -> dict[str, Any]:
+    """The rank's facts, with py-spy's file read into ranked frames and its GPU's telemetry cut
+    to its timed steps."""
     facts = dict(capture.facts)
     if facts.get("stacks") is not None:
         facts["stacks"] = read_stacks(facts, capture.facts_path.parent)
+    telemetry = rank_telemetry(facts, result.telemetry).to_dict()
+    # The samples themselves only for the pacing rank, in the inventory (as a run has them).
+    facts["telemetry"] = {key: value for key, value in telemetry.items() if key != "samples"}
     return facts
 
 

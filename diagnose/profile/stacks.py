@@ -30,8 +30,20 @@ _OWN_CODE = ("diagnose/profile/",)
 _LOADER_FILES = ("torch/utils/data/",)
 
 
+def _is_own(frame: sampling.Frame) -> bool:
+    return any(own in frame.file.replace("\\", "/") for own in _OWN_CODE)
+
+
 def _ours(stack: sampling.Stack) -> bool:
-    return any(own in frame.file.replace("\\", "/") for frame in stack.frames for own in _OWN_CODE)
+    """A sample of the capture's own work: the innermost frame of non-library code is ours (a
+    forward hook of the probe step). Our frames nearer the root stay: the DataLoader ``__iter__``
+    wrapper is on the stack of every worker it forks, and of the training loop that iterates."""
+    for frame in reversed(stack.frames):
+        if _is_own(frame):
+            return True
+        if not frame.is_library:
+            return False
+    return False
 
 
 def _theirs(stack: sampling.Stack) -> bool:

@@ -78,6 +78,9 @@ class TelemetrySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
+        #: The wall-clock time of sample time 0 (to place samples against another process's
+        #: timestamps); 0 until sampling starts.
+        self.started_unix = 0.0
         self._allocator_before: dict[str, int] | None = None
         self._thread_error = ""
         self.summary: TelemetrySummary | None = None
@@ -92,6 +95,7 @@ class TelemetrySampler:
         if self._backend is None:
             return self
         self._started_at = self._clock()
+        self.started_unix = time.time()
         try:
             self._limits = self._backend.limits()
             self._take_sample()
