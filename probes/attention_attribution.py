@@ -295,7 +295,7 @@ def attribute(
             continue
         for op in tree.outermost(span.id, lambda ev: classify_op(ev.name) is not None):
             call = AttentionCall(index=len(added), module=name, processor=label, entry="op")
-            call.signature = _signature_from_op(op)
+            call.signature = signature_from_op(op)
             anchors[call.index] = op
             owner[op.id] = call.index
             for d in tree.descendants(op.id):
@@ -367,7 +367,7 @@ def _fill_path(call: AttentionCall, tree: _Tree, root: int, include_root: bool =
         call.signature = call.signature.with_dtype(dtype)
 
 
-def _signature_from_op(op: ProfEvent) -> Signature | None:
+def signature_from_op(op: ProfEvent) -> Signature | None:
     """Shapes of an attention op: torch's SDPA ops take (B, H, L, D), xFormers and flash-attn
     (B, L, H, D). Seen when the Python call was not (recomputation, other libraries)."""
     shapes = [s for s in op.input_shapes[:3] if isinstance(s, list)]

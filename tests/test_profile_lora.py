@@ -144,6 +144,32 @@ def test_the_planted_math_attention_is_found(faulty: dict[str, Any]) -> None:
     assert "math" in finding["title"]
 
 
+def test_the_math_path_saving_is_measured_here_and_agrees_with_its_verdict(
+    faulty: dict[str, Any],
+) -> None:
+    """Which backend wins on this CPU is the machine's to say; what the finding claims must
+    follow from what was measured, whichever way it went."""
+    finding = _finding(faulty, "attention.math_fallback")
+    assert finding is not None
+    measured = finding["evidence"]["measured_here"]
+    # The trace's own shape of the planted calls: the UNet's attention at its latent size.
+    assert measured["signature"].endswith("bfloat16 fwd+bwd")
+    (trial,) = [t for t in measured["ab"]["trials"] if t["backend"] == "math"]
+    assert trial["runs"] and trial["samples"] >= 3
+    outcomes = {v["outcome"] for v in measured["verdicts"].values()}
+    saving = finding["est_seconds_saved_per_it"]
+    if "faster" in outcomes:
+        assert saving > 0 and finding["saving_basis"] == "measured"
+        assert "measured" in finding["title"] and "faster with" in finding["title"]
+    elif outcomes == {"not_faster"}:
+        assert saving == 0 and finding["saving_basis"] == "measured"
+        assert "No fused backend was faster here" in finding["detail"]
+    else:
+        assert saving is None and "could not decide" in finding["detail"]
+    # Measured per step, not read off the profiled steps: no scaling is claimed for it.
+    assert "saving_scaled_by" not in finding["evidence"]
+
+
 def test_the_planted_upcast_is_found_and_placed(faulty: dict[str, Any]) -> None:
     finding = _finding(faulty, "precision.fp32_compute_in_low_precision_run")
     assert finding is not None

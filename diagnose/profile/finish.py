@@ -18,6 +18,8 @@ from diagnose.profile.launch import LaunchResult
 from diagnose.record import RunRecord
 
 if TYPE_CHECKING:
+    import torch
+
     from diagnose.run import RunOutputs
 
 #: Where the rank traces of a multi-process command go inside the output folder.
@@ -82,7 +84,7 @@ def _same_python(record: RunRecord) -> bool:
     return bool(executables) and all(os.path.realpath(e) == here for e in executables if e)
 
 
-def _device_probes(record: RunRecord) -> None:
+def _device_probes(record: RunRecord) -> tuple[torch.device, str]:
     """The environment doctor and the measured peak, on this machine's device (the command has
     ended: nothing of the user's runs on it any more)."""
     from diagnose.config import RunConfig
@@ -112,6 +114,29 @@ def _device_probes(record: RunRecord) -> None:
     ctx = ProbeContext(config=config, device=device, device_info=device_info, record=record)
     chosen = [p for p in REGISTRY if p.name in PROFILE_PROBES]
     record.probes.extend(run_probes(chosen, ctx))
+    return device, device_info.kind
+
+
+def _measure_attention(record: RunRecord, device: torch.device, kind: str) -> None:
+    """The trace's math-path estimate, measured here when this is the machine and the torch the
+    command trained with."""
+    from diagnose.catalogs.attention_catalog import MATH_ID
+    from diagnose.profile.attention_ab import measure_math_fallback
+
+    trace = next((p for p in record.probes if p.name == "trace"), None)
+    finding = next((f for f in trace.findings if f.id == MATH_ID), None) if trace else None
+    if finding is None:
+        return
+    if not _same_python(record) or record.device.kind != kind:
+        finding.detail += (
+            " Not measured on this machine: the command ran another Python or device than "
+            "diagnose, whose kernels may differ."
+        )
+        return
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    measure_math_fallback(record, device, sync)
 
 
 def finish_profile(result: LaunchResult, out_dir: Path, *, redact_paths: bool) -> RunOutputs:
@@ -123,7 +148,8 @@ def finish_profile(result: LaunchResult, out_dir: Path, *, redact_paths: bool) -
     record = profile_record(result)
     if traces is not None:
         record.trace_path = traces.name
-    _device_probes(record)
+    device, kind = _device_probes(record)
+    _measure_attention(record, device, kind)
     if redact_paths and traces is not None:
         for trace in [traces] if traces.is_file() else sorted(traces.iterdir()):
             redact_own_trace(trace, record)

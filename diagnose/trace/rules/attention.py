@@ -279,6 +279,9 @@ def _math_finding(ctx: TraceContext, stat: PathStat) -> Finding:
             "input_shapes": [s for s, _ in stat.shapes.most_common(3) if s],
             "input_types": dtypes,
             "device": ctx.device.info.name,
+            # Kept for a re-judgement of the saving (diagnose profile measures it).
+            "why": why,
+            "runs_in": where.strip(),
             **components.evidence(ctx, shares),
         },
         saving=saving,
