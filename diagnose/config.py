@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.quantized_base import BASE_KINDS, QUANTIZED_KINDS
 
 Precision = Literal["fp32", "fp16", "bf16-mixed", "bf16-full"]
 OptimizerName = Literal["adamw", "adamw8bit", "adafactor"]
@@ -54,6 +55,11 @@ class RunConfig:
     device: str = "auto"
     precision: Precision = "bf16-mixed"
     optimizer: OptimizerName = "adamw"
+    #: How the frozen denoiser's linear layers are stored (diagnose.quantized_base): None = in
+    #: the precision's weight dtype; nf4/fp4/int8 (bitsandbytes) or fp8 store them quantized.
+    base: str | None = None
+    #: The same for the text encoder(s); None = as ``base``.
+    text_encoder_base: str | None = None
     batch: int = 1
     #: Resolution buckets in pixels (square). Steps cycle through them. None = preset default.
     resolution: list[int] | None = None
@@ -103,6 +109,18 @@ class RunConfig:
             raise bad(
                 f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"
             )
+        for name in ("base", "text_encoder_base"):
+            value = getattr(self, name)
+            if value is not None and value not in BASE_KINDS:
+                raise bad(
+                    f"unknown --{name.replace('_', '-')} {value!r}; choose one of "
+                    f"{', '.join(BASE_KINDS)}"
+                )
+        if self.nproc > 1 and self.strategy == "fsdp" and self.base in QUANTIZED_KINDS:
+            raise bad(
+                f"--base {self.base} with --strategy fsdp: FSDP shards the base's parameters, "
+                "which a quantized layer keeps packed; use --strategy ddp"
+            )
         if self.attention not in ATTENTIONS:
             raise bad(
                 f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}"
@@ -144,6 +162,8 @@ class RunConfig:
             "device": "--device",
             "precision": "--precision",
             "optimizer": "--optimizer",
+            "base": "--base",
+            "text_encoder_base": "--text-encoder-base",
             "batch": "--batch",
             "resolution": "--resolution",
             "rank": "--rank",

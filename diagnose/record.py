@@ -44,6 +44,7 @@ Category = Literal[
     "memory",
     "compute",
     "distributed",
+    "quantization",
 ]
 ProbeStatus = Literal["ok", "skipped", "error"]
 #: The answer to one question a probe or a trace rule asked: a finding (time is lost here), ok

@@ -234,6 +234,7 @@ def execute_run(
     finally:
         # Closed on every path: an open window is the one every later comparison consults.
         seen = load.close() if load is not None else None
+    threads_before = torch.get_num_threads()
     if seen is not None:
         _fit_threads_to_load(seen, record)
     trace_path = out_dir / TRACE_NAME
@@ -298,6 +299,8 @@ def execute_run(
     finally:
         workload.close()
         shutil.rmtree(scratch, ignore_errors=True)
+        # The process's thread count is the caller's again (diagnose run as a library call).
+        torch.set_num_threads(threads_before)
 
     saved_trace = measurement.trace_path
     if redact_paths and saved_trace is not None:

@@ -324,10 +324,12 @@ def _model_phrase(record: RunRecord) -> str:
     size = model.size or record.config.get("size") or ""
     if size and size != "full":
         name += f" ({size})"
+    base = record.config.get("base")
+    on = f" on a {base} base" if isinstance(base, str) and base else ""
     rank = record.config.get("rank")
     if is_number(rank):
-        return f"{name} LoRA rank {format_value(rank)}"
-    return name
+        return f"{name} LoRA rank {format_value(rank)}{on}"
+    return name + on
 
 
 def _resolution_phrase(resolution: Any) -> str:

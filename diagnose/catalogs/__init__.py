@@ -75,6 +75,7 @@ CONCERN_MODULES: tuple[str, ...] = (
     "diagnose.catalogs.environment_catalog",
     "diagnose.catalogs.triton_catalog",
     "diagnose.catalogs.distributed_catalog",
+    "diagnose.catalogs.quantization_catalog",
 )
 
 

@@ -21,6 +21,7 @@ from diagnose.config import (
     RunConfig,
 )
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.quantized_base import BASE_KINDS
 
 
 def _str_list(text: str) -> list[str]:
@@ -55,6 +56,18 @@ class RunCommand:
         )
         train.add_argument("--precision", choices=PRECISIONS, default=d.precision)
         train.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+        train.add_argument(
+            "--base",
+            choices=BASE_KINDS,
+            help="how the frozen denoiser's linear layers are stored: bf16/fp16/fp32, "
+            "nf4/fp4/int8 (bitsandbytes) or fp8 (float8, upcast per layer) (default: the "
+            "precision's dtype)",
+        )
+        train.add_argument(
+            "--text-encoder-base",
+            choices=BASE_KINDS,
+            help="the same for the text encoder(s) (default: as --base)",
+        )
         train.add_argument("--batch", type=int, default=d.batch)
         train.add_argument(
             "--resolution",
@@ -168,6 +181,8 @@ class RunCommand:
             device=args.device,
             precision=args.precision,
             optimizer=args.optimizer,
+            base=args.base,
+            text_encoder_base=args.text_encoder_base,
             batch=args.batch,
             resolution=args.resolution,
             rank=args.rank,

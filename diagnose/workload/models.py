@@ -373,7 +373,7 @@ def build_components(
     return components
 
 
-def _cast(module: torch.nn.Module, dtype: torch.dtype, buffers: bool = True) -> None:
+def cast_frozen(module: torch.nn.Module, dtype: torch.dtype, buffers: bool = True) -> None:
     """Cast floating weights to ``dtype`` as ``from_pretrained(torch_dtype=...)`` leaves them.
 
     diffusers casts the whole model, buffers included (``buffers=True``); transformers keeps
@@ -401,13 +401,13 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype, buffers: bool = True) -> 
 def _freeze(components: Components, policy: PrecisionPolicy) -> None:
     """Frozen, in their dtypes; the denoiser in train mode (dropout, as a trainer has it)."""
     components.denoiser.requires_grad_(False)
-    _cast(components.denoiser, policy.weight_dtype)
+    cast_frozen(components.denoiser, policy.weight_dtype)
     components.denoiser.train()
     components.vae.requires_grad_(False)
     components.vae.eval()
     for encoder in components.text_encoders:
         encoder.requires_grad_(False)
-        _cast(encoder, policy.weight_dtype, buffers=False)
+        cast_frozen(encoder, policy.weight_dtype, buffers=False)
         encoder.eval()
 
 
@@ -800,6 +800,7 @@ __all__ = [
     "TokenBatch",
     "apply_lora",
     "build_components",
+    "cast_frozen",
     "construct_on",
     "count_parameters",
     "describe_preset",

@@ -45,6 +45,7 @@ from diagnose.workload.models import (
     TokenBatch,
     apply_lora,
     build_components,
+    cast_frozen,
     load_components,
     model_config,
     model_info,
@@ -52,6 +53,7 @@ from diagnose.workload.models import (
     trainable_parameters,
 )
 from diagnose.workload.presets import load_preset
+from diagnose.workload.quantize import FLOAT_BASES, quantize_linears
 
 #: Per-sample conditioning: name -> tensor with a leading batch dim, or a list of per-sample
 #: tensors (Z-Image's captions keep their own lengths).
@@ -799,6 +801,26 @@ class WorkloadSnapshot:
             workload.noise_generator.set_state(self.generator_state)
 
 
+def store_bases(
+    components: Components, config: RunConfig, policy: PrecisionPolicy, device: torch.device
+) -> None:
+    """The frozen denoiser and text encoders stored as ``--base``/``--text-encoder-base`` say
+    (quantized, or cast to another float dtype than the precision's)."""
+    compute = policy.autocast_dtype or policy.weight_dtype
+    parts = [(components.denoiser, config.base, False)] + [
+        (encoder, config.text_encoder_base or config.base, True)
+        for encoder in components.text_encoders
+    ]
+    for module, kind, encoder in parts:
+        if kind is None:
+            continue
+        dtype = FLOAT_BASES.get(kind)
+        if dtype is not None:
+            cast_frozen(module, dtype, buffers=not encoder)
+        else:
+            quantize_linears(module, kind, compute, device)  # type: ignore[arg-type]
+
+
 def build_workload(config: RunConfig, device: torch.device) -> Workload:
     """Models, LoRA adapter, optimizer, data and caches for ``config`` on ``device``.
 
@@ -825,6 +847,7 @@ def build_workload(config: RunConfig, device: torch.device) -> Workload:
     if config.attention == "xformers":
         use_xformers(components.denoiser)
 
+    store_bases(components, config, policy, device)
     targets = config.target_modules or list(components.lora_target_modules)
     lora_modules = apply_lora(
         components.denoiser, config.rank, config.alpha, targets, policy.lora_dtype

@@ -22,6 +22,7 @@ def _registry() -> list[tuple[str, Rule]]:
         launch,
         optimizer,
         precision,
+        quantization,
         roofline,
     )
 
@@ -31,6 +32,7 @@ def _registry() -> list[tuple[str, Rule]]:
         ("attention", attention.check),
         ("optimizer", optimizer.check),
         ("launch", launch.check),
+        ("quantization", quantization.check),
         ("roofline", roofline.check),
     ]
 

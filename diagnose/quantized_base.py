@@ -1,0 +1,123 @@
+"""What the project knows about quantized and low-precision frozen bases: the storage kinds, what
+each costs in memory, how each shows in a profiler trace, and what the trainers call it.
+
+A LoRA trainer keeps the base model frozen, so it may store the base's linear layers in fewer
+bits than it computes in: bitsandbytes 4-bit (NF4, FP4) or 8-bit (LLM.int8) layers, or float8
+storage upcast layer by layer (kohya's ``--fp8_base``). The weights are then expanded back to the
+compute dtype on every forward and, for the gradient of the input, every backward. The run builds
+such a base (``--base``), and the trace rule (:mod:`diagnose.trace.rules.quantization`) measures
+that expansion in any trace.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+BaseKind = Literal["bf16", "fp16", "fp32", "nf4", "fp4", "int8", "fp8"]
+BASE_KINDS: tuple[BaseKind, ...] = ("bf16", "fp16", "fp32", "nf4", "fp4", "int8", "fp8")
+#: The kinds that store the base in fewer bits than any compute dtype.
+QUANTIZED_KINDS: tuple[BaseKind, ...] = ("nf4", "fp4", "int8", "fp8")
+#: The kinds bitsandbytes stores.
+BNB_KINDS: tuple[BaseKind, ...] = ("nf4", "fp4", "int8")
+
+
+@dataclass(frozen=True)
+class StorageKind:
+    kind: BaseKind
+    #: Bytes a stored weight takes, its quantization constants included (4-bit: one absmax per
+    #: 64-weight block, itself quantized per 256 blocks).
+    bytes_per_weight: float
+    label: str
+    #: How the trainers spell it.
+    trainers: str
+    #: The documented bound on the relative L2 error of a forward through stored layers against
+    #: the unquantized one (two linear layers with a GELU, nn.Linear's initialisation; measured
+    #: about half of it: NF4 0.13, FP4 0.16, int8 0.006, fp8 0.04).
+    relative_error_bound: float = 0.0
+
+
+KINDS: dict[BaseKind, StorageKind] = {
+    "fp32": StorageKind("fp32", 4.0, "fp32", "the default of every trainer without a dtype"),
+    "bf16": StorageKind(
+        "bf16", 2.0, "bf16", "OneTrainer weight dtype BFLOAT_16; kohya --full_bf16 base"
+    ),
+    "fp16": StorageKind("fp16", 2.0, "fp16", "OneTrainer weight dtype FLOAT_16"),
+    "fp8": StorageKind(
+        "fp8",
+        1.0,
+        "float8 (e4m3) storage, upcast per layer",
+        "kohya/sd-scripts --fp8_base; OneTrainer weight dtype FLOAT_8; ai-toolkit quantize "
+        "with qfloat8",
+        relative_error_bound=0.08,
+    ),
+    "int8": StorageKind(
+        "int8",
+        1.0,  # and one fp32 scale per output row
+        "bitsandbytes LLM.int8 (Linear8bitLt)",
+        "OneTrainer weight dtype INT_8; diffusers BitsAndBytesConfig(load_in_8bit=True)",
+        relative_error_bound=0.02,
+    ),
+    "nf4": StorageKind(
+        "nf4",
+        0.5 + 1.0 / 64 + 4.0 / (64 * 256),
+        "bitsandbytes NF4 (Linear4bit)",
+        "OneTrainer weight dtype NFLOAT_4; ai-toolkit quantize; diffusers "
+        "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')",
+        relative_error_bound=0.25,
+    ),
+    "fp4": StorageKind(
+        "fp4",
+        0.5 + 1.0 / 64 + 4.0 / (64 * 256),
+        "bitsandbytes FP4 (Linear4bit)",
+        "diffusers BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='fp4')",
+        relative_error_bound=0.3,
+    ),
+}
+
+#: Host ops that expand a stored weight to the compute dtype, by library. bitsandbytes registers
+#: its kernels as torch ops (``bitsandbytes::dequantize_4bit`` …) since 0.45; the int8 path
+#: dequantizes its int32 accumulator (``int8_mm_dequant``) and quantizes activations on the fly.
+#: fp8 *compute* (``aten::_scaled_mm``, torchao's float8 training) is not a stored base and is
+#: left out.
+DEQUANT_OPS = re.compile(
+    r"^bitsandbytes::(dequantize\w*|gemm_4bit|gemv_4bit|int8_\w+|quantize\w*)$"
+    # bitsandbytes' autograd functions (the int8 CPU path expands inside them, unnamed).
+    r"|^(autograd::engine::evaluate_function: )?MatMul(8bit\w*|4Bit)(Backward)?$"
+)
+#: Device kernels of the same work (CUDA and HIP builds of bitsandbytes, torchao's float8).
+DEQUANT_KERNELS = re.compile(
+    r"kDequantize\w*|kQuantize\w*|kgemm_4bit\w*|gemv_4bit\w*|kInt8VectorQuant\w*"
+    r"|kdequant_mm_int32\w*|int8_mm_dequant\w*|dequantize_blockwise\w*",
+    re.I,
+)
+#: The fp8-storage upcast: a copy from a float8 tensor (``aten::_to_copy``/``aten::to``), read
+#: off the op's input dtype.
+FP8_DTYPES = frozenset({"c10::Float8_e4m3fn", "c10::Float8_e5m2", "c10::Float8_e4m3fnuz"})
+UPCAST_OPS = frozenset({"aten::to", "aten::_to_copy", "aten::copy_"})
+
+
+def storage(kind: str) -> StorageKind:
+    return KINDS[kind]  # type: ignore[index]
+
+
+def default_base(weight_dtype_name: str) -> BaseKind:
+    """The base a precision stores its frozen weights in when no ``--base`` is given."""
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[weight_dtype_name]  # type: ignore[return-value]
+
+
+__all__ = [
+    "BASE_KINDS",
+    "BNB_KINDS",
+    "DEQUANT_KERNELS",
+    "DEQUANT_OPS",
+    "FP8_DTYPES",
+    "KINDS",
+    "QUANTIZED_KINDS",
+    "UPCAST_OPS",
+    "BaseKind",
+    "StorageKind",
+    "default_base",
+    "storage",
+]
