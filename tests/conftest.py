@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +111,20 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
         yield workload, record
     finally:
         workload.close()
+
+
+def profile_steps(step: Callable[[], object], path: Path, active: int = 3) -> Path:
+    """A real CPU profiler trace of ``active`` calls of ``step`` (after one warm-up call), one
+    ``ProfilerStep#N`` each, as a training loop under a schedule writes it."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        schedule=schedule(wait=0, warmup=1, active=active),
+        record_shapes=True,
+        on_trace_ready=lambda done: done.export_chrome_trace(str(path)),
+    ) as prof:
+        for _ in range(active + 1):
+            step()
+            prof.step()
+    return path

@@ -13,27 +13,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from diagnose.catalogs.attention_catalog import MATH_ID
 from diagnose.profile.attention_ab import math_signature
 from diagnose.trace import analysis_to_record, analyze_trace
+from tests.conftest import profile_steps
 
 
 @pytest.fixture(scope="module")
 def math_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real profiler trace of three training steps whose attention ran on the math path."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    path = tmp_path_factory.mktemp("math") / "trace.json"
     q = torch.randn(2, 4, 128, 32, dtype=torch.bfloat16, requires_grad=True)
     kv = torch.randn(2, 4, 96, 32, dtype=torch.bfloat16)
-    with profile(
-        activities=[ProfilerActivity.CPU],
-        schedule=schedule(wait=0, warmup=1, active=3),
-        record_shapes=True,
-        on_trace_ready=lambda done: done.export_chrome_trace(str(path)),
-    ) as prof:
-        for _ in range(4):
-            with sdpa_kernel([SDPBackend.MATH]):
-                F.scaled_dot_product_attention(q, kv, kv).float().sum().backward()
-            prof.step()
-    return path
+
+    def step() -> None:
+        with sdpa_kernel([SDPBackend.MATH]):
+            F.scaled_dot_product_attention(q, kv, kv).float().sum().backward()
+
+    return profile_steps(step, tmp_path_factory.mktemp("math") / "trace.json")
 
 
 def test_the_math_calls_signature_is_read_back_from_the_findings_evidence(

@@ -20,6 +20,7 @@ from diagnose.errors import DiagnoseError
 from diagnose.quantized_base import KINDS
 from diagnose.trace import analysis_to_record, analyze_trace
 from diagnose.workload.quantize import Float8StorageLinear, quantize_linears
+from tests.conftest import profile_steps
 
 pytest.importorskip("bitsandbytes")
 CPU = torch.device("cpu")
@@ -62,27 +63,20 @@ def test_the_float_kinds_leave_the_linears_to_the_precision_cast() -> None:
 def _lora_trace(folder: Path, kind: str | None) -> Path:
     """A real profiler trace of LoRA training steps on a frozen base stored as ``kind``."""
     from peft import LoraConfig, get_peft_model
-    from torch.profiler import ProfilerActivity, profile, schedule
 
     base = _frozen_mlp()
     if kind is not None:
         quantize_linears(base, kind, torch.float32, CPU)  # type: ignore[arg-type]
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["0", "2"]))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    path = folder / f"{kind or 'fp32'}.json"
     x = torch.randn(16, 256)
-    with profile(
-        activities=[ProfilerActivity.CPU],
-        schedule=schedule(wait=0, warmup=1, active=3),
-        record_shapes=True,
-        on_trace_ready=lambda done: done.export_chrome_trace(str(path)),
-    ) as prof:
-        for _ in range(4):
-            model(x).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            prof.step()
-    return path
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return profile_steps(step, folder / f"{kind or 'fp32'}.json")
 
 
 def _quantization_check(path: Path) -> tuple[dict[str, object] | None, dict[str, object]]:
