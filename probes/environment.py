@@ -158,6 +158,7 @@ def full_size_memory(config: Any) -> FullSizeMemory | None:
     import torch
 
     from diagnose.workload.models import (
+        build_denoiser,
         build_text_encoder,
         build_vae,
         construct_on,
@@ -165,26 +166,39 @@ def full_size_memory(config: Any) -> FullSizeMemory | None:
         describe_preset,
     )
     from diagnose.workload.presets import load_preset
+    from diagnose.workload.quantize import stored_bytes
 
+    weight = 4 if config.precision == "fp32" else 2
+    base = getattr(config, "base", None)
+    encoder_base = getattr(config, "text_encoder_base", None) or base
     try:
         info = describe_preset(preset, "full", config.rank, config.target_modules)
         spec = load_preset(preset, "full")
         with construct_on(torch.device("meta"), torch.float32):
-            others = count_parameters(build_vae(spec)) + sum(
-                count_parameters(build_text_encoder(e)) for e in spec.text_encoders
+            vae = count_parameters(build_vae(spec))
+            encoders = [build_text_encoder(e) for e in spec.text_encoders]
+            frozen = (
+                stored_bytes(build_denoiser(spec), base, weight)
+                + sum(stored_bytes(e, encoder_base, weight) for e in encoders)
+                + vae * weight
             )
+            others = vae + sum(count_parameters(e) for e in encoders)
     except Exception:  # the full-size numbers only refine the verdict; without them it stands
         return None
-    weight = 4 if config.precision == "fp32" else 2
     lora = 2 if config.precision == "bf16-full" else 4
     state = _OPTIMIZER_STATE_BYTES.get(config.optimizer, 8)
+    stored = (
+        f" (the denoiser stored as {base}, the text encoders as {encoder_base})"
+        if base or encoder_base
+        else f" at {weight} bytes"
+    )
     return FullSizeMemory(
         preset=preset,
-        frozen_bytes=(info.parameters + others) * weight,
+        frozen_bytes=frozen,
         trainable_bytes=info.trainable_parameters * (2 * lora + state),
         basis=(
             f"{preset} at full size built on the meta device: {info.parameters + others:,} "
-            f"frozen parameters at {weight} bytes, {info.trainable_parameters:,} LoRA "
+            f"frozen parameters{stored}, {info.trainable_parameters:,} LoRA "
             f"parameters at {lora} bytes plus their gradient and {state} bytes of "
             f"{config.optimizer} state"
         ),

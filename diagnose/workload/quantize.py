@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from diagnose.errors import DiagnoseError, ExitCode
-from diagnose.quantized_base import BNB_KINDS, BaseKind
+from diagnose.quantized_base import BNB_KINDS, BaseKind, storage
 
 #: The unquantized kinds: the frozen weights cast to that dtype.
 FLOAT_BASES: dict[str, torch.dtype] = {
@@ -102,4 +102,21 @@ def quantize_linears(
     return replaced
 
 
-__all__ = ["FLOAT_BASES", "Float8StorageLinear", "quantize_linears"]
+def stored_bytes(module: torch.nn.Module, kind: str | None, precision_bytes: int) -> int:
+    """Bytes ``module``'s frozen parameters take stored as ``kind`` (None: the precision's
+    ``precision_bytes`` each), counted from its shapes (a meta-device model will do): a float kind
+    casts every parameter; a quantized one stores the linear layers' weights in its own bytes
+    (:data:`diagnose.quantized_base.KINDS`) and keeps the rest in the precision's dtype."""
+    if kind in FLOAT_BASES:
+        size = torch.empty((), dtype=FLOAT_BASES[kind], device="meta").element_size()
+        return sum(p.numel() for p in module.parameters()) * size
+    per_weight = storage(kind).bytes_per_weight if kind is not None else float(precision_bytes)
+    total = 0.0
+    for sub in module.modules():
+        for name, parameter in sub.named_parameters(recurse=False):
+            linear_weight = type(sub) is torch.nn.Linear and name == "weight"
+            total += parameter.numel() * (per_weight if linear_weight else precision_bytes)
+    return round(total)
+
+
+__all__ = ["FLOAT_BASES", "Float8StorageLinear", "quantize_linears", "stored_bytes"]
