@@ -58,8 +58,8 @@ def dequant_cost(
         else ""
     )
     return DEQUANT_COST.build(
-        f"The base is stored as {storage}: its quantized layers take {pct(share)} of the step "
-        f"({ms(seconds)}/step in {calls:.0f} calls{expansion})",
+        f"The base is stored as {storage}: its quantized layers take {pct(share)} of each "
+        f"profiled step ({ms(seconds)}/step in {calls:.0f} calls{expansion})",
         fix=FIX,
         evidence=evidence,
         saving=saving,

@@ -138,7 +138,7 @@ def check(ctx: TraceContext) -> ProbeResult:
         result.add_ok(
             FINDING_ID,
             f"quantization: the base is stored as {storage}; its quantized layers take "
-            f"{pct(share)} of the step ({ms(seconds)}/step)",
+            f"{pct(share)} of each profiled step ({ms(seconds)}/step)",
         )
         result.data["quantization"] = evidence
         return result
