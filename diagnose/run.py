@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -55,6 +56,36 @@ def resolve_config(config: RunConfig, device_kind: str, memory_bytes: int | None
         if resolved.size is None:
             resolved.size = "tiny" if device_kind == "cpu" else "full"
     return resolved
+
+
+def fit_before_running(config: RunConfig, device_kind: str, memory_bytes: int | None) -> str:
+    """One line when a full-size model cannot fit the GPU before any activation (its weights as
+    ``--base`` stores them, LoRA, gradients, optimizer state), else ''. Said before the model is
+    built: building it would only end in an out-of-memory error or a spill."""
+    if device_kind not in ("cuda", "rocm") or not memory_bytes or config.size != "full":
+        return ""
+    if config.preset is None or config.model_dir is not None:
+        return ""
+    from diagnose.probes.environment import preset_memory
+
+    full = preset_memory(config, config.preset)
+    if full is None or full.static_bytes <= memory_bytes:
+        return ""
+    gib = 2**30
+    said = (
+        f"{config.preset} at full size needs {full.static_bytes / gib:.2f} GiB before any "
+        f"activation ({full.basis}), more than the GPU's {memory_bytes / gib:.2f} GiB: expect an "
+        "out-of-memory error or a spill into system memory"
+    )
+    # The least lossy stored base that would fit, in the order trainers reach for them.
+    order = ("fp8", "nf4")
+    tried = order[order.index(config.base) + 1 :] if config.base in order else order
+    for kind in tried:
+        stored = preset_memory(dataclasses.replace(config, base=kind), config.preset)
+        if stored is not None and stored.static_bytes <= memory_bytes:
+            needs = f"{stored.static_bytes / gib:.2f} GiB"
+            return f"{said}; stored as {kind} it needs {needs}: --base {kind}"
+    return f"{said}; no stored base makes it fit"
 
 
 def refuse_full_size_on_cpu(config: RunConfig, device_kind: str, force: bool) -> None:
@@ -201,6 +232,9 @@ def execute_run(
     device_info = describe_device(device)
     config = resolve_config(config, device_info.kind, device_info.memory_bytes)
     refuse_full_size_on_cpu(config, device_info.kind, force)
+    will_not_fit = fit_before_running(config, device_info.kind, device_info.memory_bytes)
+    if will_not_fit:
+        print(f"diagnose: {will_not_fit}", file=sys.stderr, flush=True)
     if config.nproc > 1:
         from diagnose.distributed.run_ranks import execute_distributed
 
@@ -215,6 +249,8 @@ def execute_run(
         )
 
     record = new_record("run")
+    if will_not_fit:
+        record.notes.append(f"Said before running: {will_not_fit}.")
     wall = record.wall_seconds
     wall["start-up"] = _seconds_since_process_start()
     # On a CPU, the load others put on the cores decides how many threads the step may use; it

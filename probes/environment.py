@@ -153,8 +153,12 @@ def full_size_memory(config: Any) -> FullSizeMemory | None:
     """The real model's memory before activations, for a run that trained a shrunk stand-in
     (None otherwise, or when the full-size preset cannot be built on the meta device)."""
     preset = shrunk_preset(config)
-    if preset is None:
-        return None
+    return None if preset is None else preset_memory(config, preset)
+
+
+def preset_memory(config: Any, preset: str) -> FullSizeMemory | None:
+    """``preset``'s memory at full size before activations, as ``config`` stores and trains it
+    (None when it cannot be built on the meta device)."""
     import torch
 
     from diagnose.workload.models import (

@@ -244,3 +244,24 @@ def test_the_real_models_memory_counts_the_stored_base() -> None:
     # convolutions in bf16, so it lands between a quarter of bf16 and bf16.
     assert plain / 4 < nf4 < plain < fp32
     assert frozen(base="nf4", text_encoder_base="bf16") > nf4
+
+
+def test_a_full_size_model_that_cannot_fit_is_said_before_running() -> None:
+    """SD1.5 at full size (its real shapes on the meta device) against a GPU of 1.6 GiB: in bf16
+    its weights, LoRA and AdamW state need about 2.0 GiB, stored as fp8 1.7, as NF4 1.5 (its
+    convolutions and VAE stay bf16)."""
+    from diagnose.run import fit_before_running
+
+    gpu = int(1.6 * 2**30)
+    said = fit_before_running(RunConfig(preset="sd15", size="full"), "cuda", gpu)
+    assert said.startswith("sd15 at full size needs 2.03 GiB") and "GPU's 1.60 GiB" in said
+    assert said.endswith("stored as nf4 it needs 1.54 GiB: --base nf4")
+    assert fit_before_running(RunConfig(preset="sd15", size="full", base="nf4"), "cuda", gpu) == ""
+    fp8 = fit_before_running(RunConfig(preset="sd15", size="full", base="fp8"), "cuda", gpu)
+    assert "needs 1.70 GiB" in fp8 and fp8.endswith("--base nf4")
+    tight = fit_before_running(RunConfig(preset="sd15", size="full"), "cuda", 2**30)
+    assert tight.endswith("no stored base makes it fit")
+    # Nothing to say on a CPU, for a tiny model, or without a known memory size.
+    assert fit_before_running(RunConfig(preset="sd15", size="full"), "cpu", gpu) == ""
+    assert fit_before_running(RunConfig(preset="sd15", size="tiny"), "cuda", gpu) == ""
+    assert fit_before_running(RunConfig(preset="sd15", size="full"), "cuda", None) == ""
