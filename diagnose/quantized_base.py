@@ -23,57 +23,34 @@ QUANTIZED_KINDS: tuple[BaseKind, ...] = ("nf4", "fp4", "int8", "fp8")
 BNB_KINDS: tuple[BaseKind, ...] = ("nf4", "fp4", "int8")
 
 
+#: Bytes a 4-bit weight takes with its quantization constants: one absmax per 64-weight block,
+#: itself quantized to a byte with one fp32 scale per 256 blocks.
+_FOUR_BIT_BYTES = 0.5 + 1.0 / 64 + 4.0 / (64 * 256)
+
+
 @dataclass(frozen=True)
 class StorageKind:
     kind: BaseKind
-    #: Bytes a stored weight takes, its quantization constants included (4-bit: one absmax per
-    #: 64-weight block, itself quantized per 256 blocks).
+    #: Bytes a stored weight takes, its quantization constants included.
     bytes_per_weight: float
-    label: str
-    #: How the trainers spell it.
-    trainers: str
     #: The documented bound on the relative L2 error of a forward through stored layers against
     #: the unquantized one (two linear layers with a GELU, nn.Linear's initialisation; measured
     #: about half of it: NF4 0.13, FP4 0.16, int8 0.006, fp8 0.04).
     relative_error_bound: float = 0.0
 
 
+#: What each kind is called in the trainers (kohya --fp8_base, OneTrainer's weight dtypes,
+#: ai-toolkit's quantize, diffusers' BitsAndBytesConfig) is the catalog's to say: see
+#: diagnose.catalogs.quantization_catalog.FIX.
 KINDS: dict[BaseKind, StorageKind] = {
-    "fp32": StorageKind("fp32", 4.0, "fp32", "the default of every trainer without a dtype"),
-    "bf16": StorageKind(
-        "bf16", 2.0, "bf16", "OneTrainer weight dtype BFLOAT_16; kohya --full_bf16 base"
-    ),
-    "fp16": StorageKind("fp16", 2.0, "fp16", "OneTrainer weight dtype FLOAT_16"),
-    "fp8": StorageKind(
-        "fp8",
-        1.0,
-        "float8 (e4m3) storage, upcast per layer",
-        "kohya/sd-scripts --fp8_base; OneTrainer weight dtype FLOAT_8; ai-toolkit quantize "
-        "with qfloat8",
-        relative_error_bound=0.08,
-    ),
-    "int8": StorageKind(
-        "int8",
-        1.0,  # and one fp32 scale per output row
-        "bitsandbytes LLM.int8 (Linear8bitLt)",
-        "OneTrainer weight dtype INT_8; diffusers BitsAndBytesConfig(load_in_8bit=True)",
-        relative_error_bound=0.02,
-    ),
-    "nf4": StorageKind(
-        "nf4",
-        0.5 + 1.0 / 64 + 4.0 / (64 * 256),
-        "bitsandbytes NF4 (Linear4bit)",
-        "OneTrainer weight dtype NFLOAT_4; ai-toolkit quantize; diffusers "
-        "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')",
-        relative_error_bound=0.25,
-    ),
-    "fp4": StorageKind(
-        "fp4",
-        0.5 + 1.0 / 64 + 4.0 / (64 * 256),
-        "bitsandbytes FP4 (Linear4bit)",
-        "diffusers BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='fp4')",
-        relative_error_bound=0.3,
-    ),
+    "fp32": StorageKind("fp32", 4.0),
+    "bf16": StorageKind("bf16", 2.0),
+    "fp16": StorageKind("fp16", 2.0),
+    "fp8": StorageKind("fp8", 1.0, relative_error_bound=0.08),
+    # and one fp32 scale per output row
+    "int8": StorageKind("int8", 1.0, relative_error_bound=0.02),
+    "nf4": StorageKind("nf4", _FOUR_BIT_BYTES, relative_error_bound=0.25),
+    "fp4": StorageKind("fp4", _FOUR_BIT_BYTES, relative_error_bound=0.3),
 }
 
 #: Host ops that expand a stored weight to the compute dtype, by library. bitsandbytes registers
@@ -102,11 +79,6 @@ def storage(kind: str) -> StorageKind:
     return KINDS[kind]  # type: ignore[index]
 
 
-def default_base(weight_dtype_name: str) -> BaseKind:
-    """The base a precision stores its frozen weights in when no ``--base`` is given."""
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[weight_dtype_name]  # type: ignore[return-value]
-
-
 __all__ = [
     "BASE_KINDS",
     "BNB_KINDS",
@@ -118,6 +90,5 @@ __all__ = [
     "UPCAST_OPS",
     "BaseKind",
     "StorageKind",
-    "default_base",
     "storage",
 ]

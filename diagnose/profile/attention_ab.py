@@ -22,7 +22,7 @@ from diagnose import stats
 from diagnose.attention_paths import classify_op
 from diagnose.catalogs import attention_catalog as ac
 from diagnose.probes.attention_attribution import ProfEvent, signature_from_op
-from diagnose.probes.attention_bench import SDPA_BACKENDS
+from diagnose.probes.attention_bench import SDPA_BACKENDS, SignatureTrials
 from diagnose.probes.attention_calls import Signature
 from diagnose.probes.attention_full_size import RealShapes, judge_at_full_size
 from diagnose.record import Finding, RunRecord
@@ -69,9 +69,11 @@ def _is_sdpa(name: str) -> bool:
 
 
 def measure_math_fallback(
-    record: RunRecord, device: torch.device, sync: Callable[[], None]
+    record: RunRecord, device: torch.device, sync: Callable[[], None], *, not_here: str = ""
 ) -> None:
-    """Replace the trace's estimated math-path saving by one measured here (see the module)."""
+    """Replace the trace's estimated math-path saving by one measured here (see the module).
+    ``not_here``: why this machine cannot measure the command's kernels (another Python or
+    device); the finding then says so and keeps its estimate."""
     trace = next((p for p in record.probes if p.name == "trace"), None)
     if trace is None:
         return
@@ -79,6 +81,9 @@ def measure_math_fallback(
     if at is None:
         return
     finding = trace.findings[at]
+    if not_here:
+        _not_measured(finding, not_here)
+        return
     signature = math_signature(finding.evidence, training=True)
     if signature is None:
         _not_measured(finding, "the trace's shapes of the math calls could not be read back")
@@ -101,7 +106,7 @@ def _not_measured(finding: Finding, why: str) -> None:
 def _measured(
     finding: Finding,
     signature: Signature,
-    trials: Any,
+    trials: SignatureTrials,
     verdicts: Mapping[str, stats.ABVerdict],
 ) -> Finding:
     # The saving is measured per step, not read off the profiled steps: no scaling applies.
@@ -112,6 +117,7 @@ def _measured(
     }
     calls = float(evidence.get("calls_per_step") or 0.0)
     math = trials.trial("math")
+    assert math is not None  # judge_at_full_size measured it
     faster = {b: v for b, v in verdicts.items() if v.outcome == "faster"}
     best = min(
         (t for t in trials.trials if t.backend in faster and t.samples),

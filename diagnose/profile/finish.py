@@ -120,23 +120,20 @@ def _device_probes(record: RunRecord) -> tuple[torch.device, str]:
 def _measure_attention(record: RunRecord, device: torch.device, kind: str) -> None:
     """The trace's math-path estimate, measured here when this is the machine and the torch the
     command trained with."""
-    from diagnose.catalogs.attention_catalog import MATH_ID
-    from diagnose.profile.attention_ab import measure_math_fallback
-
-    trace = next((p for p in record.probes if p.name == "trace"), None)
-    finding = next((f for f in trace.findings if f.id == MATH_ID), None) if trace else None
-    if finding is None:
-        return
-    if not _same_python(record) or record.device.kind != kind:
-        finding.detail += (
-            " Not measured on this machine: the command ran another Python or device than "
-            "diagnose, whose kernels may differ."
-        )
-        return
     import torch
 
+    from diagnose.profile.attention_ab import measure_math_fallback
+
+    here = _same_python(record) and record.device.kind == kind
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    measure_math_fallback(record, device, sync)
+    measure_math_fallback(
+        record,
+        device,
+        sync,
+        not_here=""
+        if here
+        else ("the command ran another Python or device than diagnose, whose kernels may differ"),
+    )
 
 
 def finish_profile(result: LaunchResult, out_dir: Path, *, redact_paths: bool) -> RunOutputs:

@@ -108,8 +108,8 @@ def stored_bytes(module: torch.nn.Module, kind: str | None, precision_bytes: int
     casts every parameter; a quantized one stores the linear layers' weights in its own bytes
     (:data:`diagnose.quantized_base.KINDS`) and keeps the rest in the precision's dtype."""
     if kind in FLOAT_BASES:
-        size = torch.empty((), dtype=FLOAT_BASES[kind], device="meta").element_size()
-        return sum(p.numel() for p in module.parameters()) * size
+        weights = sum(p.numel() for p in module.parameters())
+        return round(weights * storage(kind).bytes_per_weight)
     per_weight = storage(kind).bytes_per_weight if kind is not None else float(precision_bytes)
     total = 0.0
     for sub in module.modules():
