@@ -154,6 +154,13 @@ def test_the_math_path_saving_is_measured_here_and_agrees_with_its_verdict(
     measured = finding["evidence"]["measured_here"]
     # The trace's own shape of the planted calls: the UNet's attention at its latent size.
     assert measured["signature"].endswith("bfloat16 fwd+bwd")
+    if "not_measured" in measured:
+        # A machine too slow for the budget (bf16 emulated in software) says so and keeps the
+        # trace's estimate, with the reason on the page.
+        assert "over the" in measured["not_measured"], measured["not_measured"]
+        assert "Not measured on this machine" in finding["detail"]
+        assert finding["saving_basis"] != "measured"
+        return
     (trial,) = [t for t in measured["ab"]["trials"] if t["backend"] == "math"]
     assert trial["runs"] and trial["samples"] >= 3
     outcomes = {v["outcome"] for v in measured["verdicts"].values()}

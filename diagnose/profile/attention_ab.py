@@ -88,6 +88,7 @@ def measure_math_fallback(
     if signature is None:
         _not_measured(finding, "the trace's shapes of the math calls could not be read back")
         return
+    finding.evidence = {**finding.evidence, "measured_here": {"signature": signature.label()}}
     shapes = RealShapes(
         preset="the trace", resolution=0, batch=signature.batch, signatures=(signature,)
     )
@@ -99,7 +100,9 @@ def measure_math_fallback(
 
 
 def _not_measured(finding: Finding, why: str) -> None:
-    finding.evidence = {**finding.evidence, "measured_here": {"not_measured": why}}
+    # What was to be measured (the math call's signature) stays with the reason it was not.
+    said = finding.evidence.get("measured_here") or {}
+    finding.evidence = {**finding.evidence, "measured_here": {**said, "not_measured": why}}
     finding.detail = f"{finding.detail} Not measured on this machine: {why}.".strip()
 
 
