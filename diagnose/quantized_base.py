@@ -33,9 +33,11 @@ class StorageKind:
     kind: BaseKind
     #: Bytes a stored weight takes, its quantization constants included.
     bytes_per_weight: float
-    #: The documented bound on the relative L2 error of a forward through stored layers against
-    #: the unquantized one (two linear layers with a GELU, nn.Linear's initialisation; measured
-    #: about half of it: NF4 0.13, FP4 0.16, int8 0.006, fp8 0.04).
+    #: The documented bound on the relative L2 error of a whole model's output (a denoiser's
+    #: prediction, a text encoder's conditioning) with its linear layers stored as this kind,
+    #: against the same model unquantized. Rounding errors grow with depth: on the tiny presets'
+    #: denoisers and encoders at most about half of it was measured (NF4 0.23, FP4 0.29, int8
+    #: 0.015, fp8 0.075); a kernel that reads the stored weights wrong is off by about 1.
     relative_error_bound: float = 0.0
 
 
@@ -46,11 +48,11 @@ KINDS: dict[BaseKind, StorageKind] = {
     "fp32": StorageKind("fp32", 4.0),
     "bf16": StorageKind("bf16", 2.0),
     "fp16": StorageKind("fp16", 2.0),
-    "fp8": StorageKind("fp8", 1.0, relative_error_bound=0.08),
+    "fp8": StorageKind("fp8", 1.0, relative_error_bound=0.15),
     # and one fp32 scale per output row
-    "int8": StorageKind("int8", 1.0, relative_error_bound=0.02),
-    "nf4": StorageKind("nf4", _FOUR_BIT_BYTES, relative_error_bound=0.25),
-    "fp4": StorageKind("fp4", _FOUR_BIT_BYTES, relative_error_bound=0.3),
+    "int8": StorageKind("int8", 1.0, relative_error_bound=0.05),
+    "nf4": StorageKind("nf4", _FOUR_BIT_BYTES, relative_error_bound=0.5),
+    "fp4": StorageKind("fp4", _FOUR_BIT_BYTES, relative_error_bound=0.5),
 }
 
 #: Host ops that expand a stored weight to the compute dtype, by library. bitsandbytes registers

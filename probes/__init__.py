@@ -12,6 +12,7 @@ from diagnose.probes.dataloader import DataLoaderProbe
 from diagnose.probes.environment import EnvironmentProbe
 from diagnose.probes.optimizer import OptimizerProbe
 from diagnose.probes.precision import PrecisionProbe
+from diagnose.probes.quantization import QuantizationProbe
 from diagnose.probes.roofline import RooflineProbe
 from diagnose.probes.triton_probe import TritonProbe
 
@@ -22,6 +23,7 @@ REGISTRY: tuple[Probe, ...] = (
     AttentionProbe(),
     DataLoaderProbe(),
     OptimizerProbe(),
+    QuantizationProbe(),
     RooflineProbe(),
     # In a run, only on a GPU: a CPU training step runs no Triton kernel, so the interpreter's
     # verdict would not explain the measured s/it (`diagnose triton` runs it on demand).

@@ -144,8 +144,13 @@ def test_a_run_on_an_nf4_base_trains_and_says_so(tmp_path: Path) -> None:
     assert code == 0
     record = json.loads((out / "record.json").read_text())
     assert record["config"]["base"] == "nf4"
-    checks = [c for p in record["probes"] for c in p["checks"] if c["id"] == DEQUANT_COST.id]
-    assert checks and "4-bit" in checks[0]["text"]
+    # One answer: the quantization probe's A/B (which of its outcomes is the machine's to say),
+    # with what the trace rule read off the profiled steps kept beside it.
+    (check,) = [c for p in record["probes"] for c in p["checks"] if c["id"] == DEQUANT_COST.id]
+    assert check["source"] == "quantization" and "NF4" in check["text"]
+    said = [f for f in record["findings"] if f["id"] == DEQUANT_COST.id]
+    if said:
+        assert "4-bit" in " ".join(said[0]["evidence"]["trace_profiled_steps_said"])
     assert "on a nf4 base" in (out / "report.html").read_text()
 
 

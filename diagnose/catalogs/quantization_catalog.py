@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from diagnose.catalogs import FindingSpec, in_trainers, tiny_model_only
+from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding
 from diagnose.trace.rules import ms, pct
 
@@ -17,14 +17,28 @@ DEQUANT_COST = FindingSpec(
     "quantization",
     "the frozen base is stored quantized (NF4/FP4/INT8 or fp8) and expanding its weights back "
     "to the compute dtype takes a real share of every step",
-    ("trace",),
-    phases=("forward", "backward"),
+    ("probe", "trace"),
+    # The text encoders' layers expand in the encode phase when their captions are not cached.
+    phases=("encode", "forward", "backward"),
+    probe_answer_stands=True,
     at_full_size=tiny_model_only(
         "expanding a weight costs the same per weight at any image size, while the matmuls grow "
         "with the tokens: at the real resolution the expansion is a smaller share of the step"
     ),
 )
-SPECS = (DEQUANT_COST,)
+NUMERICS = FindingSpec(
+    "quantization.numerics",
+    "quantization",
+    "the quantized base's output strays from the unquantized base's by more than its storage "
+    "kind's documented bound: the stored layers compute something else, not just less exactly",
+    ("probe",),
+    severity_without_saving="critical",
+    at_full_size=carries_over(
+        "a broken quantized kernel or a wrong compute dtype is a property of the code path and "
+        "the library build, whatever the model's size"
+    ),
+)
+SPECS = (DEQUANT_COST, NUMERICS)
 
 #: Below this share of the step the expansion is reported as fine, not as a finding.
 MIN_SHARE = 0.05
@@ -80,4 +94,82 @@ def dequant_cost(
     )
 
 
-__all__ = ["DEQUANT_COST", "FIX", "MIN_SHARE", "SPECS", "dequant_cost"]
+def measured_cost(
+    *,
+    storage: str,
+    unquantized: str,
+    stored_step: float,
+    unquantized_step: float,
+    ratio: str,
+    saving: float,
+    sure: float,
+    trace_share: float | None,
+    memory: str,
+    evidence: Mapping[str, Any],
+    source: str,
+) -> Finding:
+    """The A/B's answer: the same step with the base unquantized measured faster."""
+    share = (
+        f"; its quantized layers take {pct(trace_share)} of each profiled step"
+        if trace_share is not None
+        else ""
+    )
+    return DEQUANT_COST.build(
+        f"The base stored as {storage} makes each step slower than the same base in "
+        f"{unquantized}: {ms(stored_step)} against {ms(unquantized_step)} measured{share}",
+        fix=FIX,
+        evidence=evidence,
+        saving=saving,
+        sure_saving=sure,
+        basis="measured",
+        detail=(
+            f"The same training step ran with the base stored as {storage} and as {unquantized} "
+            f"(the same weights, the same batches), interleaved: the {unquantized} base took "
+            f"{ratio}. Every forward expands each quantized weight back to the compute dtype, "
+            "and every backward does again for the input's gradient. " + memory
+        ).strip(),
+        source=source,
+    )
+
+
+def numerics_off(
+    *,
+    storage: str,
+    unquantized: str,
+    error: float,
+    bound: float,
+    evidence: Mapping[str, Any],
+    source: str,
+) -> Finding:
+    return NUMERICS.build(
+        f"The {storage} base's output is {error:.3g} off the {unquantized} base's (relative "
+        f"L2), beyond the {bound:.2g} its storage kind explains",
+        fix=NUMERICS_FIX,
+        evidence=evidence,
+        detail=(
+            "The same denoiser with the same weights and inputs, its base stored quantized and "
+            "not: rounding to the stored kind explains an error up to the bound, more means the "
+            "quantized layers compute something else (a bitsandbytes build without a working "
+            "kernel for this device, a compute dtype the layers do not use)."
+        ),
+        source=source,
+    )
+
+
+NUMERICS_FIX = (
+    "Check the bitsandbytes build on this device (python -m bitsandbytes) and update it; until "
+    "the quantized base agrees, store it as bf16 or fp8"
+)
+
+
+__all__ = [
+    "DEQUANT_COST",
+    "FIX",
+    "MIN_SHARE",
+    "NUMERICS",
+    "NUMERICS_FIX",
+    "SPECS",
+    "dequant_cost",
+    "measured_cost",
+    "numerics_off",
+]

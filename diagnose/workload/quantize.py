@@ -25,11 +25,57 @@ FLOAT_BASES: dict[str, torch.dtype] = {
 
 
 class Float8StorageLinear(torch.nn.Linear):
-    """A linear layer whose frozen weight is stored in float8 (e4m3) and upcast per call."""
+    """A linear layer whose frozen weight is stored in float8 (e4m3) and upcast per call.
+
+    ``weight`` reads as the upcast weight: library code asks a layer's weight for the dtype to
+    cast its input to (T5's feed-forward, diffusers' timestep embeddings), and must get the
+    compute dtype, not float8. The stored parameter is what ``parameters()`` and the state dict
+    hold."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype
+    ) -> None:
+        # Set first: nn.Linear's initialisation reads the weight.
+        object.__setattr__(self, "compute_dtype", compute_dtype)
+        super().__init__(in_features, out_features, bias=bias, device="meta")
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        stored = self.__dict__.get("_parameters", {}).get("weight")
+        if stored is None:  # before nn.Linear registers it (hasattr must say no)
+            raise AttributeError("weight")
+        return stored.to(self.compute_dtype)  # type: ignore[no-any-return]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        stored = self._parameters["weight"]
+        assert stored is not None
         bias = None if self.bias is None else self.bias.to(input.dtype)
-        return F.linear(input, self.weight.to(input.dtype), bias)
+        return F.linear(input, stored.to(input.dtype), bias)
+
+
+def _kept_names(module: torch.nn.Module) -> frozenset[str]:
+    """Names of submodules the model's library keeps out of quantization (transformers'
+    ``_keep_in_fp32_modules``, e.g. T5's ``wo``, whose input is cast to its weight's dtype)."""
+    names: set[str] = set()
+    for sub in module.modules():
+        names.update(getattr(sub, "_keep_in_fp32_modules", None) or ())
+    return frozenset(names)
+
+
+def stored_linears(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """The linear layers a quantized base stores quantized, as (parent, name, layer): every
+    plain ``nn.Linear`` but those the library keeps in full precision, as bitsandbytes loading
+    through transformers or diffusers leaves them."""
+    kept = _kept_names(module)
+    found = []
+    for qualified, parent in module.named_modules():
+        path = set(qualified.split(".")) if qualified else set()
+        if path & kept:
+            continue
+        for name, child in parent.named_children():
+            if type(child) is torch.nn.Linear and name not in kept:
+                found.append((parent, name, child))
+    return found
 
 
 def _bnb() -> object:
@@ -50,9 +96,11 @@ def _replacement(
     bias = None if layer.bias is None else layer.bias.data
     if kind == "fp8":
         stored = Float8StorageLinear(
-            layer.in_features, layer.out_features, bias=bias is not None, device="meta"
+            layer.in_features, layer.out_features, bias is not None, compute_dtype
         )
-        stored.weight = torch.nn.Parameter(weight.to(torch.float8_e4m3fn), requires_grad=False)
+        stored._parameters["weight"] = torch.nn.Parameter(
+            weight.to(torch.float8_e4m3fn), requires_grad=False
+        )
         if bias is not None:
             stored.bias = torch.nn.Parameter(bias.to(compute_dtype), requires_grad=False)
         return stored
@@ -93,13 +141,10 @@ def quantize_linears(
     how many were replaced (0 for the unquantized kinds, which the precision casts)."""
     if kind not in (*BNB_KINDS, "fp8"):
         return 0
-    replaced = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, _replacement(child, kind, compute_dtype, device))
-                replaced += 1
-    return replaced
+    layers = stored_linears(module)
+    for parent, name, child in layers:
+        setattr(parent, name, _replacement(child, kind, compute_dtype, device))
+    return len(layers)
 
 
 def stored_bytes(module: torch.nn.Module, kind: str | None, precision_bytes: int) -> int:
@@ -110,13 +155,18 @@ def stored_bytes(module: torch.nn.Module, kind: str | None, precision_bytes: int
     if kind in FLOAT_BASES:
         weights = sum(p.numel() for p in module.parameters())
         return round(weights * storage(kind).bytes_per_weight)
-    per_weight = storage(kind).bytes_per_weight if kind is not None else float(precision_bytes)
-    total = 0.0
-    for sub in module.modules():
-        for name, parameter in sub.named_parameters(recurse=False):
-            linear_weight = type(sub) is torch.nn.Linear and name == "weight"
-            total += parameter.numel() * (per_weight if linear_weight else precision_bytes)
+    total = float(sum(p.numel() for p in module.parameters()) * precision_bytes)
+    if kind is not None:
+        per_weight = storage(kind).bytes_per_weight
+        for _, _, layer in stored_linears(module):
+            total -= layer.weight.numel() * (precision_bytes - per_weight)
     return round(total)
 
 
-__all__ = ["FLOAT_BASES", "Float8StorageLinear", "quantize_linears", "stored_bytes"]
+__all__ = [
+    "FLOAT_BASES",
+    "Float8StorageLinear",
+    "quantize_linears",
+    "stored_bytes",
+    "stored_linears",
+]

@@ -428,7 +428,7 @@ def merge_conditioning(parts: Sequence[Conditioning], lists: frozenset[str]) -> 
     return merged
 
 
-def _conditioning_to(cond: Conditioning, device: torch.device, dtype: torch.dtype) -> Conditioning:
+def conditioning_to(cond: Conditioning, device: torch.device, dtype: torch.dtype) -> Conditioning:
     moved: Conditioning = {}
     for key, value in cond.items():
         if isinstance(value, list):
@@ -623,7 +623,7 @@ class Workload:
     @torch.no_grad()
     def encode_text(self, captions: Sequence[str]) -> Conditioning:
         cond = self.family.encode_text(self.components, captions, self.device)
-        return _conditioning_to(cond, self.device, self.policy.weight_dtype)
+        return conditioning_to(cond, self.device, self.policy.weight_dtype)
 
     def prepare_caches(self) -> None:
         """Encode one epoch of latents and/or caption embeddings into memory before timing.
@@ -644,7 +644,7 @@ class Workload:
                 if todo:
                     cond = self.encode_text(todo)
                     self._text_list_keys = _list_keys(cond)
-                    cpu = _conditioning_to(cond, torch.device("cpu"), self.policy.weight_dtype)
+                    cpu = conditioning_to(cond, torch.device("cpu"), self.policy.weight_dtype)
                     for caption, part in zip(todo, split_conditioning(cpu), strict=True):
                         self._text_cache[caption] = part
         if self.config.cache_latents:
@@ -657,6 +657,13 @@ class Workload:
                 seed=self.config.seed,
                 decode=False,
             )
+
+    def share_caches(self, other: Workload) -> None:
+        """Use ``other``'s cached latents and caption embeddings: a twin built to compare
+        against ``other`` then steps on the same inputs without encoding them again."""
+        self._latent_cache = other._latent_cache
+        self._text_cache = other._text_cache
+        self._text_list_keys = other._text_list_keys
 
     def _cached_latents(self, batch: ImageBatch) -> torch.Tensor | None:
         if not self.config.cache_latents:
@@ -693,7 +700,7 @@ class Workload:
             else:
                 latents = cached_latents.to(device, non_blocking=True)
             if cached_text is not None:
-                cond = _conditioning_to(cached_text, device, policy.weight_dtype)
+                cond = conditioning_to(cached_text, device, policy.weight_dtype)
 
         if latents is None or cond is None:
             with timer.phase("encode"):
@@ -880,6 +887,7 @@ __all__ = [
     "WorkloadSnapshot",
     "build_optimizer",
     "build_workload",
+    "conditioning_to",
     "merge_conditioning",
     "split_conditioning",
 ]

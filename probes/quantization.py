@@ -1,0 +1,409 @@
+"""The quantized base measured against the unquantized one: the same LoRA training step with the
+frozen base stored as ``--base`` says and stored in the compute dtype, built from the same
+weights, timed interleaved on the same batches; the two bases' outputs on the same inputs; the
+memory each holds, measured, against the prediction the full-size numbers come from.
+
+The trace rule (:mod:`diagnose.trace.rules.quantization`) reads the share of the profiled steps
+the quantized layers take; this probe's A/B says what storing the base unquantized would save,
+and its answer stands over the rule's (the catalog says so). The unquantized twin is only built
+when it fits beside the run on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from diagnose import quantized_base as qb
+from diagnose.catalogs import quantization_catalog as catalog
+from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.record import Finding, ProbeResult, RunRecord
+from diagnose.stats import ab_verdict, sure_saving
+from diagnose.timing import PhaseTimer, device_synchronizer
+from diagnose.trace.rules import ms
+from diagnose.verdicts import step_seconds
+
+SOURCE = "quantization"
+#: Interleaved rounds (one step of each base): at least MIN_ROUNDS, then until the A/B is
+#: decided, the budget is spent or MAX_ROUNDS are done.
+MIN_ROUNDS = 5
+MAX_ROUNDS = 30
+BUDGET_S = 30.0
+#: The twin is built only when the device has this much more free memory than it needs.
+FREE_MEMORY_MARGIN = 1.15
+GIB = 2**30
+
+_DTYPE_KINDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def stored_kinds(config: Any) -> dict[str, str]:
+    """The quantized storage of each frozen part the run stores quantized (denoiser, text
+    encoders)."""
+    kinds = {"denoiser": config.base, "text encoders": config.text_encoder_base or config.base}
+    return {part: kind for part, kind in kinds.items() if kind in qb.QUANTIZED_KINDS}
+
+
+def held_bytes(modules: Iterable[torch.nn.Module]) -> int:
+    """Bytes the frozen parameters and the buffers of ``modules`` hold, measured from the tensors
+    themselves (each storage once), with bitsandbytes' quantization constants (a 4-bit weight's
+    absmax and code, an int8 weight's row scales), which live on the weight, not as parameters."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+
+    def add(tensor: torch.Tensor) -> None:
+        nonlocal total
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+
+    def add_state(state: object, depth: int = 0) -> None:
+        if state is None or depth > 2:
+            return
+        for value in vars(state).values():
+            if isinstance(value, torch.Tensor):
+                add(value)
+            elif hasattr(value, "absmax"):  # a nested quantization state
+                add_state(value, depth + 1)
+
+    for module in modules:
+        for parameter in module.parameters():
+            if parameter.requires_grad:
+                continue
+            add(parameter)
+            add_state(getattr(parameter, "quant_state", None))
+            scales = getattr(parameter, "SCB", None)
+            if isinstance(scales, torch.Tensor):
+                add(scales)
+        for buffer in module.buffers():
+            add(buffer)
+    return total
+
+
+def relative_error(reference: torch.Tensor, other: torch.Tensor) -> float:
+    reference, other = reference.detach().float(), other.detach().float()
+    norm = float(torch.linalg.vector_norm(reference))
+    return float(torch.linalg.vector_norm(other - reference)) / norm if norm else 0.0
+
+
+def _frozen_modules(workload: Any) -> list[torch.nn.Module]:
+    return [workload.denoiser, *workload.text_encoders, workload.vae]
+
+
+def _free_device_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+    except Exception:
+        return None
+    return int(free)
+
+
+@torch.no_grad()
+def compare_outputs(stored: Any, unquantized: Any) -> dict[str, float]:
+    """Relative L2 error of the stored base's outputs against the unquantized one's, on the
+    same inputs: the text encoders' conditioning (when they are stored quantized) and the
+    denoiser's prediction given the unquantized conditioning (so its error is its own)."""
+    batch = next(stored.batches())
+    latents = unquantized.encode_latents(batch.pixels.to(unquantized.device))
+    cond = unquantized.encode_text(batch.captions)
+    errors: dict[str, float] = {}
+    if stored.config.text_encoder_base or stored.config.base:
+        stored_cond = stored.encode_text(batch.captions)
+        pairs = [
+            (a, b)
+            for key in cond
+            for a, b in zip(tree_leaves(cond[key]), tree_leaves(stored_cond[key]), strict=False)
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
+        ]
+        if pairs:
+            errors["text encoders"] = max(relative_error(a, b) for a, b in pairs)
+    generator = torch.Generator(device=unquantized.device)
+    predictions = []
+    for workload in (unquantized, stored):
+        generator.manual_seed(0)
+        with workload.attention, workload._autocast():
+            noised = workload.family.add_noise(workload.components, latents, generator)
+            predictions.append(
+                workload.family.predict(workload.components, noised.noisy, noised.timesteps, cond)
+            )
+    errors["denoiser"] = relative_error(predictions[0], predictions[1])
+    return errors
+
+
+def interleaved_steps(
+    stored: Any, unquantized: Any, *, budget_s: float = BUDGET_S
+) -> tuple[list[float], list[float]]:
+    """Seconds of training steps of each workload on the same batches, alternating which goes
+    first each round; stops once the A/B is decided after MIN_ROUNDS, or at the budget."""
+    sync = device_synchronizer(stored.device)
+    batches = [next(stored.batches()) for _ in range(2)]
+    timer = PhaseTimer(sync)
+    for workload in (stored, unquantized):  # warm-up: first calls, allocator, caches
+        workload.step(batches[0], timer)
+    times: dict[int, list[float]] = {0: [], 1: []}
+    arms = (stored, unquantized)
+    began = time.perf_counter()
+    for round_index in range(MAX_ROUNDS):
+        batch = batches[round_index % len(batches)]
+        order = (0, 1) if round_index % 2 == 0 else (1, 0)
+        for arm in order:
+            sync()
+            start = time.perf_counter()
+            arms[arm].step(batch, timer)
+            sync()
+            times[arm].append(time.perf_counter() - start)
+        if round_index + 1 < MIN_ROUNDS:
+            continue
+        verdict = ab_verdict(times[0], times[1], min_relative=catalog.MIN_SHARE)
+        if verdict.decided or time.perf_counter() - began > budget_s:
+            break
+    return times[0], times[1]
+
+
+def _trace_finding(record: RunRecord) -> Finding | None:
+    trace = next((p for p in record.probes if p.name == "trace"), None)
+    if trace is None:
+        return None
+    return next((f for f in trace.findings if f.id == catalog.DEQUANT_COST.id), None)
+
+
+def _trace_share(record: RunRecord) -> float | None:
+    """The share of the profiled steps the trace rule gave the quantized layers, if it read it."""
+    traced = _trace_finding(record)
+    trace = next((p for p in record.probes if p.name == "trace"), None)
+    evidence = traced.evidence if traced is not None else (trace.data if trace else {})
+    if traced is None:
+        evidence = evidence.get("quantization") or {}
+    share = evidence.get("share_of_step") if isinstance(evidence, Mapping) else None
+    return float(share) if isinstance(share, (int, float)) else None
+
+
+class QuantizationProbe:
+    """The quantized base against the unquantized one: step time, outputs and memory."""
+
+    name = "quantization"
+    description = (
+        "the quantized base (--base nf4/fp4/int8/fp8) against the same base unquantized: "
+        "training-step A/B, output error and memory"
+    )
+    requires_packages: tuple[str, ...] = ()
+    device_kinds: tuple[str, ...] = ()
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        kinds = stored_kinds(ctx.config)
+        if not kinds:
+            raise ProbeSkipped("the frozen base is not stored quantized (see --base)")
+        if ctx.workload is None:
+            raise ProbeSkipped("no training step was built (trace mode)")
+        from diagnose.probes.environment import preset_memory
+        from diagnose.workload.step import build_workload
+
+        stored = ctx.workload
+        unquantized_kind = _DTYPE_KINDS.get(stored.policy.weight_dtype, "bf16")
+        twin_config = dataclasses.replace(ctx.config, base=None, text_encoder_base=None, workers=0)
+        storage = " and ".join(dict.fromkeys(kinds.values())).upper()
+        result = ProbeResult()
+        result.data = {"stored": kinds, "unquantized": unquantized_kind}
+        memory = self._predicted_memory(ctx, twin_config, preset_memory)
+        result.data["memory"] = memory
+        held_stored = held_bytes(_frozen_modules(stored))
+        free = _free_device_bytes(ctx.device)
+        twin_needs = memory.get("unquantized_bytes")
+        if free is not None and twin_needs and twin_needs * FREE_MEMORY_MARGIN > free:
+            result.add_not_judged(
+                catalog.DEQUANT_COST.id,
+                f"quantization: the {unquantized_kind} base was not measured: it needs "
+                f"{twin_needs / GIB:.2f} GiB beside this run, and the device has "
+                f"{free / GIB:.2f} GiB free",
+            )
+            return result
+        ctx.progress(f"quantization: building the {unquantized_kind} base to compare")
+        snapshot = stored.snapshot()
+        twin = build_workload(twin_config, ctx.device)
+        try:
+            twin.share_caches(stored)
+            held_twin = held_bytes(_frozen_modules(twin))
+            result.data["memory"].update(
+                stored_held_bytes=held_stored, unquantized_held_bytes=held_twin
+            )
+            ctx.progress("quantization: comparing the two bases' outputs")
+            errors = compare_outputs(stored, twin)
+            result.data["relative_error"] = errors
+            self._judge_numerics(result, kinds, unquantized_kind, errors)
+            ctx.progress("quantization: timing steps of both bases, interleaved")
+            stored_times, twin_times = interleaved_steps(stored, twin)
+        finally:
+            twin.close()
+            del twin
+            gc.collect()
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+            snapshot.restore()
+        self._judge_speed(
+            ctx.record, result, storage, unquantized_kind, stored_times, twin_times, memory
+        )
+        return result
+
+    @staticmethod
+    def _predicted_memory(
+        ctx: ProbeContext, twin_config: Any, preset_memory: Any
+    ) -> dict[str, Any]:
+        """Static bytes (weights, LoRA, gradients, optimizer state) of this run's model and of
+        the real one, with the base stored and unquantized, from their parameter counts."""
+        config = ctx.config
+        memory: dict[str, Any] = {}
+        if config.preset is None or config.model_dir is not None:
+            return memory
+        size = config.size or "tiny"
+        for label, cfg in (("stored", config), ("unquantized", twin_config)):
+            here = preset_memory(cfg, config.preset, size=size)
+            if here is not None:
+                memory[f"{label}_bytes"] = here.static_bytes
+                memory[f"{label}_frozen_bytes"] = here.frozen_bytes
+            if size != "full":
+                full = preset_memory(cfg, config.preset)
+                if full is not None:
+                    memory[f"{label}_full_size_bytes"] = full.static_bytes
+        return memory
+
+    @staticmethod
+    def _judge_numerics(
+        result: ProbeResult, kinds: Mapping[str, str], unquantized: str, errors: Mapping[str, float]
+    ) -> None:
+        worst: tuple[float, float, str, str] | None = None
+        for part, error in errors.items():
+            kind = kinds.get(part)
+            if kind is None:
+                continue
+            bound = qb.storage(kind).relative_error_bound
+            if worst is None or error / bound > worst[0] / worst[1]:
+                worst = (error, bound, part, kind)
+        if worst is None:
+            return
+        error, bound, part, kind = worst
+        said = ", ".join(f"{p} {e:.3g}" for p, e in errors.items())
+        if error <= bound:
+            result.add_ok(
+                catalog.NUMERICS.id,
+                f"quantization: the {kind} base's outputs are within its bound of the "
+                f"{unquantized} base's (relative L2: {said}; bound {bound:.2g})",
+            )
+            return
+        result.add_finding(
+            catalog.numerics_off(
+                storage=f"{kind} {part}",
+                unquantized=unquantized,
+                error=error,
+                bound=bound,
+                evidence={"relative_error": dict(errors), "bound": bound, "kind": kind},
+                source=SOURCE,
+            )
+        )
+
+    @staticmethod
+    def _judge_speed(
+        record: RunRecord,
+        result: ProbeResult,
+        storage: str,
+        unquantized: str,
+        stored_times: list[float],
+        twin_times: list[float],
+        memory: Mapping[str, Any],
+    ) -> None:
+        verdict = ab_verdict(stored_times, twin_times, min_relative=catalog.MIN_SHARE)
+        stored_step = statistics.median(stored_times)
+        twin_step = statistics.median(twin_times)
+        ab = {
+            "stored_step_seconds": stored_times,
+            "unquantized_step_seconds": twin_times,
+            "outcome": verdict.outcome,
+            "ratio": verdict.text(),
+        }
+        result.data["ab"] = ab
+        said = (
+            f"a {unquantized} base took {verdict.text()} of the {storage} base's step "
+            f"({ms(twin_step)} against {ms(stored_step)})"
+        )
+        if verdict.outcome == "inconclusive":
+            # The trace rule's reading of the profiled steps stands, and says the A/B could
+            # not decide; without one, the question stays open.
+            traced = _trace_finding(record)
+            if traced is not None:
+                traced.evidence = {**traced.evidence, "measured_here": ab}
+                traced.detail = f"{traced.detail} An A/B could not decide here: {said}.".strip()
+            else:
+                result.add_not_judged(
+                    catalog.DEQUANT_COST.id, f"quantization: the A/B could not decide: {said}"
+                )
+            return
+        if verdict.outcome == "not_faster":
+            result.add_ok(
+                catalog.DEQUANT_COST.id,
+                f"quantization: the {storage} base costs no real share of the step: {said}",
+            )
+            return
+        headline = step_seconds(record) or stored_step
+        # The A/B's difference as a share of its own step, applied to the headline's step.
+        scale = headline / stored_step if stored_step > 0 else 0.0
+        saving = max(0.0, stored_step - twin_step) * scale
+        sure = sure_saving(twin_times, stored_times) * scale
+        result.add_finding(
+            catalog.measured_cost(
+                storage=storage,
+                unquantized=unquantized,
+                stored_step=stored_step,
+                unquantized_step=twin_step,
+                ratio=verdict.text(),
+                saving=saving,
+                sure=sure,
+                trace_share=_trace_share(record),
+                memory=_memory_text(storage, unquantized, memory),
+                evidence={"ab": ab, "memory": dict(memory)},
+                source=SOURCE,
+            )
+        )
+
+
+def _memory_text(storage: str, unquantized: str, memory: Mapping[str, Any]) -> str:
+    """What the quantized base buys in memory, measured here and predicted at full size."""
+    parts = []
+    held_stored = memory.get("stored_held_bytes")
+    held_twin = memory.get("unquantized_held_bytes")
+    if held_stored and held_twin:
+        parts.append(
+            f"Here the frozen weights held {_gib(held_stored)} as {storage} against "
+            f"{_gib(held_twin)} as {unquantized}."
+        )
+    full_stored = memory.get("stored_full_size_bytes")
+    full_twin = memory.get("unquantized_full_size_bytes")
+    if full_stored and full_twin:
+        parts.append(
+            f"At full size the model needs {_gib(full_stored)} before activations as "
+            f"{storage} against {_gib(full_twin)} as {unquantized}: keep the quantized base "
+            "only where the unquantized one does not fit."
+        )
+    return " ".join(parts)
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.2f} GiB" if value >= GIB / 10 else f"{value / 2**20:.1f} MiB"
+
+
+__all__ = [
+    "QuantizationProbe",
+    "compare_outputs",
+    "held_bytes",
+    "interleaved_steps",
+    "relative_error",
+    "stored_kinds",
+]

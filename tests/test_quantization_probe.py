@@ -1,0 +1,172 @@
+"""The quantization probe: the same LoRA step on a quantized base and on the unquantized one,
+timed interleaved; their outputs; the memory each holds against its prediction.
+
+Real bitsandbytes 4-bit layers (its CPU build) under a real peft LoRA on the tiny SD1.5. The
+compute dtype is fp32: on a CPU without bf16 units a bf16 step is emulated many times slower,
+and the base's storage, not the compute dtype, is under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diagnose.catalogs.quantization_catalog import DEQUANT_COST, NUMERICS
+from diagnose.config import RunConfig
+from diagnose.probes.base import ProbeContext, run_probe
+from diagnose.probes.environment import preset_memory
+from diagnose.probes.quantization import QuantizationProbe, compare_outputs, held_bytes
+from diagnose.quantized_base import KINDS
+from diagnose.record import DeviceInfo, ProbeResult, RunRecord, new_record
+from diagnose.workload import Workload, build_workload
+from diagnose.workload.data import generate_images
+
+pytest.importorskip("bitsandbytes")
+CPU = torch.device("cpu")
+
+
+def _config(folder: Path, **changes: Any) -> RunConfig:
+    config = RunConfig(
+        preset="sd15",
+        size="tiny",
+        precision="fp32",
+        resolution=[64],
+        data_dir=str(folder),
+        workers=0,
+        steps=2,
+        warmup=1,
+    )
+    return dataclasses.replace(config, **changes)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("images")
+    generate_images(folder, count=3, seed=1, size=(96, 80))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def nf4(images: Path) -> Iterator[Workload]:
+    workload = build_workload(_config(images, base="nf4"), CPU)
+    try:
+        yield workload
+    finally:
+        workload.close()
+
+
+def _probe(workload: Workload, record: RunRecord | None = None) -> ProbeResult:
+    ctx = ProbeContext(
+        config=workload.config,
+        device=CPU,
+        device_info=DeviceInfo(kind="cpu"),
+        record=record or new_record("run"),
+        workload=workload,
+    )
+    return run_probe(QuantizationProbe(), ctx)
+
+
+def _lora_state(workload: Workload) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in workload.lora_parameters()]
+
+
+def test_a_quantized_base_costs_a_measured_share_of_the_step(nf4: Workload) -> None:
+    before = _lora_state(nf4)
+    result = _probe(nf4)
+    assert result.status == "ok", result.reason or result.traceback
+    (finding,) = [f for f in result.findings if f.id == DEQUANT_COST.id]
+    ab = result.data["ab"]
+    # bitsandbytes expands every 4-bit weight on every call: the fp32 base is surely faster.
+    assert ab["outcome"] == "faster", ab
+    stored = sorted(ab["stored_step_seconds"])[len(ab["stored_step_seconds"]) // 2]
+    assert finding.saving_basis == "measured"
+    assert finding.est_seconds_saved_per_it is not None
+    assert 0 < finding.est_seconds_saved_per_it < stored
+    assert 0 <= (finding.sure_seconds_saved_per_it or 0) <= finding.est_seconds_saved_per_it
+    assert "NF4" in finding.title and "fp32" in finding.title
+    # The probe's extra steps leave the run's LoRA weights as they were.
+    after = _lora_state(nf4)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_the_outputs_agree_within_the_documented_bound(nf4: Workload) -> None:
+    result = _probe(nf4)
+    errors = result.data["relative_error"]
+    assert set(errors) == {"denoiser", "text encoders"}
+    # Rounding to 4 bits moves the outputs, but only as far as the kind's bound.
+    assert all(0 < e < KINDS["nf4"].relative_error_bound for e in errors.values()), errors
+    outcomes = {c.id: c.outcome for c in result.checks}
+    assert outcomes[NUMERICS.id] == "ok"
+
+
+def test_a_broken_quantized_kernel_is_a_critical_finding(images: Path) -> None:
+    """Planted: the stored 4-bit codes overwritten, as a build whose kernel reads them wrong
+    would compute; the quantized base then computes something else, not just less exactly."""
+    workload = build_workload(_config(images, base="nf4"), CPU)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for module in workload.denoiser.modules():
+            if type(module).__name__ == "Linear4bit":
+                data = module.weight.data
+                data.copy_(torch.randint(0, 256, data.shape, generator=generator).to(data.dtype))
+        result = _probe(workload)
+    finally:
+        workload.close()
+    (finding,) = [f for f in result.findings if f.id == NUMERICS.id]
+    assert finding.severity == "critical"
+    assert result.data["relative_error"]["denoiser"] > KINDS["nf4"].relative_error_bound
+    assert "denoiser" in finding.title
+
+
+def test_an_unquantized_base_is_not_probed(images: Path) -> None:
+    """The clean twin: the base stored in the compute dtype has nothing to expand."""
+    for base in (None, "fp32"):
+        workload = build_workload(_config(images, base=base), CPU)
+        try:
+            result = _probe(workload)
+        finally:
+            workload.close()
+        assert result.status == "skipped"
+        assert "not stored quantized" in result.reason
+        assert not result.findings
+
+
+@pytest.mark.parametrize("base", ["nf4", "int8", "fp8", None])
+def test_the_memory_prediction_matches_the_weights_held(images: Path, base: str | None) -> None:
+    """The full-size memory comes from parameter counts; at tiny size the same counting must
+    match the bytes the built base really holds (quantization constants included)."""
+    config = _config(images, base=base)
+    workload = build_workload(config, CPU)
+    try:
+        held = held_bytes([workload.denoiser, *workload.text_encoders, workload.vae])
+    finally:
+        workload.close()
+    predicted = preset_memory(config, "sd15", size="tiny")
+    assert predicted is not None
+    assert abs(predicted.frozen_bytes - held) / held < 0.05, (predicted.frozen_bytes, held)
+
+
+def test_the_t5_and_fp8_bases_of_a_flow_model_compute_what_they_store(images: Path) -> None:
+    """Regressions the probe found: T5 casts its feed-forward input to ``wo``'s weight dtype (a
+    4-bit weight's is uint8, so ``wo`` stays unquantized, as transformers leaves it), and
+    diffusers casts timestep embeddings to a linear layer's weight dtype (an fp8-stored weight
+    reads as the compute dtype)."""
+    config = _config(images, preset="flux", resolution=None)
+    reference = build_workload(config, CPU)
+    try:
+        for kind in ("nf4", "fp8"):
+            stored = build_workload(dataclasses.replace(config, base=kind), CPU)
+            try:
+                errors = compare_outputs(stored, reference)
+            finally:
+                stored.close()
+            assert set(errors) == {"denoiser", "text encoders"}
+            bound = KINDS[kind].relative_error_bound  # type: ignore[index]
+            assert all(0 < e < bound for e in errors.values()), (kind, errors)
+    finally:
+        reference.close()
