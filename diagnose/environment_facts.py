@@ -29,10 +29,21 @@ class FullSizeMemory:
     trainable_bytes: int
     #: How the numbers were obtained (parameter counts, bytes per parameter).
     basis: str = ""
+    #: The peak of one step's activations, temporaries and gradients beyond the weights, without
+    #: and with gradient checkpointing (diagnose.workload.memory); None when not counted.
+    activation_bytes: int | None = None
+    checkpointed_activation_bytes: int | None = None
+    #: Where they were counted ("1024 px, batch 1"), or why they could not be.
+    activations_at: str = ""
 
     @property
     def static_bytes(self) -> int:
         return self.frozen_bytes + self.trainable_bytes
+
+    def peak_bytes(self, checkpointing: bool) -> int | None:
+        """Weights and state plus the step's activations at their peak (None: not counted)."""
+        step = self.checkpointed_activation_bytes if checkpointing else self.activation_bytes
+        return None if step is None else self.static_bytes + step
 
 
 @dataclass

@@ -23,6 +23,7 @@ from diagnose.capture import measure
 from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.contention import LoadWindow, threads_for_load
 from diagnose.device import describe_device, select_device
+from diagnose.environment_facts import FullSizeMemory
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.inventory import collect_inventory
 from diagnose.output import RECORD_NAME, REPORT_NAME, TRACE_NAME
@@ -68,10 +69,12 @@ def fit_before_running(config: RunConfig, device_kind: str, memory_bytes: int | 
         return ""
     from diagnose.probes.environment import preset_memory
 
-    full = preset_memory(config, config.preset)
-    if full is None or full.static_bytes <= memory_bytes:
+    full = preset_memory(config, config.preset, activations=True)
+    if full is None:
         return ""
     gib = 2**30
+    if full.static_bytes <= memory_bytes:
+        return _activations_will_not_fit(config, full, memory_bytes)
     said = (
         f"{config.preset} at full size needs {full.static_bytes / gib:.2f} GiB before any "
         f"activation ({full.basis}), more than the GPU's {memory_bytes / gib:.2f} GiB: expect an "
@@ -86,6 +89,25 @@ def fit_before_running(config: RunConfig, device_kind: str, memory_bytes: int | 
             needs = f"{stored.static_bytes / gib:.2f} GiB"
             return f"{said}; stored as {kind} it needs {needs}: --base {kind}"
     return f"{said}; no stored base makes it fit"
+
+
+def _activations_will_not_fit(config: RunConfig, full: FullSizeMemory, memory_bytes: int) -> str:
+    """One line when the weights fit but one step's peak (counted on the meta device) does not,
+    with whether gradient checkpointing would make it fit; else ''."""
+    peak = full.peak_bytes(checkpointing=config.grad_checkpointing)
+    if peak is None or peak <= memory_bytes:
+        return ""
+    gib = 2**30
+    said = (
+        f"{config.preset} at full size peaks at about {peak / gib:.2f} GiB in one step at "
+        f"{full.activations_at} (weights and state {full.static_bytes / gib:.2f} GiB, the rest "
+        f"activations), more than the GPU's {memory_bytes / gib:.2f} GiB"
+    )
+    checkpointed = full.peak_bytes(checkpointing=True)
+    if not config.grad_checkpointing and checkpointed is not None and checkpointed <= memory_bytes:
+        gib_checkpointed = f"{checkpointed / gib:.2f} GiB"
+        return f"{said}; with gradient checkpointing about {gib_checkpointed}: --grad-checkpointing"
+    return f"{said}: expect an out-of-memory error or a spill; lower the batch or resolution"
 
 
 def refuse_full_size_on_cpu(config: RunConfig, device_kind: str, force: bool) -> None:

@@ -153,14 +153,18 @@ def full_size_memory(config: Any) -> FullSizeMemory | None:
     """The real model's memory before activations, for a run that trained a shrunk stand-in
     (None otherwise, or when the full-size preset cannot be built on the meta device)."""
     preset = shrunk_preset(config)
-    return None if preset is None else preset_memory(config, preset)
+    return None if preset is None else preset_memory(config, preset, activations=True)
 
 
-def preset_memory(config: Any, preset: str) -> FullSizeMemory | None:
-    """``preset``'s memory at full size before activations, as ``config`` stores and trains it
-    (None when it cannot be built on the meta device)."""
+def preset_memory(
+    config: Any, preset: str, size: str = "full", *, activations: bool = False
+) -> FullSizeMemory | None:
+    """``preset``'s memory at ``size`` before activations, as ``config`` stores and trains it
+    (None when it cannot be built on the meta device); with ``activations``, also one step's
+    peak beyond the weights, without and with gradient checkpointing (seconds of counting)."""
     import torch
 
+    from diagnose.workload.memory import step_memory
     from diagnose.workload.models import (
         build_denoiser,
         build_text_encoder,
@@ -176,8 +180,8 @@ def preset_memory(config: Any, preset: str) -> FullSizeMemory | None:
     base = getattr(config, "base", None)
     encoder_base = getattr(config, "text_encoder_base", None) or base
     try:
-        info = describe_preset(preset, "full", config.rank, config.target_modules)
-        spec = load_preset(preset, "full")
+        info = describe_preset(preset, size, config.rank, config.target_modules)
+        spec = load_preset(preset, size)
         with construct_on(torch.device("meta"), torch.float32):
             vae = count_parameters(build_vae(spec))
             encoders = [build_text_encoder(e) for e in spec.text_encoders]
@@ -196,8 +200,12 @@ def preset_memory(config: Any, preset: str) -> FullSizeMemory | None:
         if base or encoder_base
         else f" at {weight} bytes"
     )
+    step = step_memory(config, preset, size) if activations else None
     return FullSizeMemory(
         preset=preset,
+        activation_bytes=step.peak_bytes if step else None,
+        checkpointed_activation_bytes=step.checkpointed_peak_bytes if step else None,
+        activations_at=(step.error or step.at) if step else "",
         frozen_bytes=frozen,
         trainable_bytes=info.trainable_parameters * (2 * lora + state),
         basis=(

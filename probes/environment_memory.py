@@ -109,6 +109,25 @@ def rule_vram_spill(facts: EnvironmentFacts) -> ProbeResult:
     return result
 
 
+def _activations_said(full: FullSizeMemory, total: int | None) -> str:
+    """What one full-size step's activations add, counted on the meta device, and whether the
+    peak fits with and without gradient checkpointing."""
+    plain = full.peak_bytes(checkpointing=False)
+    checkpointed = full.peak_bytes(checkpointing=True)
+    if plain is None or checkpointed is None:
+        why = f" ({full.activations_at})" if full.activations_at else ""
+        return f"its activations could not be counted{why}, so whether they fit is not said"
+    said = (
+        f"one step at {full.activations_at} peaks at about {gib(plain)} "
+        f"({gib(checkpointed)} with gradient checkpointing)"
+    )
+    if total is None or plain <= total:
+        return f"{said}: it fits"
+    if checkpointed <= total:
+        return f"{said}: it fits only with gradient checkpointing (--grad-checkpointing)"
+    return f"{said}: it does not fit even with gradient checkpointing"
+
+
 def _vram_at_full_size(
     facts: EnvironmentFacts, full: FullSizeMemory, total: int | None, reserved: int | None
 ) -> ProbeResult:
@@ -129,7 +148,7 @@ def _vram_at_full_size(
             f"VRAM spill: {base}, more than it has: a full-size run spills or runs out of memory"
         )
     else:
-        spill = f"VRAM spill: {base}; whether the activations fit is measured only at full size"
+        spill = f"VRAM spill: {base}; {_activations_said(full, total)}"
     result.add_not_judged(cat.VRAM_SPILL.id, spill)
     result.add_not_judged(
         cat.VRAM_NEAR_CAPACITY.id,

@@ -535,13 +535,24 @@ def _on_meta_with_lora(
             vae=build_vae(spec),
             text_encoders=[build_text_encoder(e) for e in spec.text_encoders],
             text_roles=[e.role for e in spec.text_encoders],
-            tokenizers=[],
+            tokenizers=[
+                HashTokenizer(e.role, int(e.config.get("vocab_size", 1000)), e.max_length)
+                for e in spec.text_encoders
+            ],
             scheduler=None,
             resolutions=spec.resolutions,
             lora_target_modules=spec.lora_target_modules,
             denoiser_parameters=base_parameters,
         )
     return components, lora_modules
+
+
+def meta_components(
+    preset: str, size: str, rank: int = 16, target_modules: Sequence[str] | None = None
+) -> Components:
+    """A preset's components on the meta device, its denoiser frozen and wrapped in LoRA, with
+    tokenizers: what can run a step's shapes without memory."""
+    return _on_meta_with_lora(preset, size, rank, target_modules)[0]
 
 
 def describe_preset(
@@ -806,6 +817,7 @@ __all__ = [
     "describe_preset",
     "format_count",
     "load_components",
+    "meta_components",
     "model_info",
     "precision_policy",
     "save_model_folder",
