@@ -149,11 +149,12 @@ def gather_facts(ctx: ProbeContext) -> EnvironmentFacts:
 _OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "adafactor": 4}
 
 
-def full_size_memory(config: Any) -> FullSizeMemory | None:
-    """The real model's memory before activations, for a run that trained a shrunk stand-in
-    (None otherwise, or when the full-size preset cannot be built on the meta device)."""
+def full_size_memory(config: Any, *, activations: bool = True) -> FullSizeMemory | None:
+    """The real model's memory, for a run that trained a shrunk stand-in (None otherwise, or
+    when the full-size preset cannot be built on the meta device); with ``activations``, one
+    step's peak too (see :func:`preset_memory`)."""
     preset = shrunk_preset(config)
-    return None if preset is None else preset_memory(config, preset, activations=True)
+    return None if preset is None else preset_memory(config, preset, activations=activations)
 
 
 def preset_memory(

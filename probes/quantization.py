@@ -170,6 +170,20 @@ def interleaved_steps(
     return times[0], times[1]
 
 
+def _no_answer(
+    record: RunRecord, result: ProbeResult, said: str, ab: Mapping[str, Any] | None = None
+) -> None:
+    """The probe has no answer of its own: the trace rule's reading of the profiled steps
+    stands and says why the A/B did not answer; without one, the question stays open."""
+    traced = _trace_finding(record)
+    if traced is None:
+        result.add_not_judged(catalog.DEQUANT_COST.id, f"quantization: {said}")
+        return
+    if ab is not None:
+        traced.evidence = {**traced.evidence, "measured_here": dict(ab)}
+    traced.detail = f"{traced.detail} Not measured against the unquantized base: {said}.".strip()
+
+
 def _trace_finding(record: RunRecord) -> Finding | None:
     trace = next((p for p in record.probes if p.name == "trace"), None)
     if trace is None:
@@ -220,13 +234,18 @@ class QuantizationProbe:
         free = _free_device_bytes(ctx.device)
         twin_needs = memory.get("unquantized_bytes")
         if free is not None and twin_needs and twin_needs * FREE_MEMORY_MARGIN > free:
-            result.add_not_judged(
-                catalog.DEQUANT_COST.id,
-                f"quantization: the {unquantized_kind} base was not measured: it needs "
+            _no_answer(
+                ctx.record,
+                result,
+                f"the {unquantized_kind} base was not measured: it needs "
                 f"{twin_needs / GIB:.2f} GiB beside this run, and the device has "
                 f"{free / GIB:.2f} GiB free",
             )
             return result
+        # Rounds of both bases' steps, at the headline's s/it: over the budget, the outputs are
+        # still compared but the steps are not timed.
+        headline = step_seconds(ctx.record)
+        timed = headline is None or 2 * MIN_ROUNDS * headline <= BUDGET_S
         ctx.progress(f"quantization: building the {unquantized_kind} base to compare")
         snapshot = stored.snapshot()
         twin = build_workload(twin_config, ctx.device)
@@ -240,8 +259,9 @@ class QuantizationProbe:
             errors = compare_outputs(stored, twin)
             result.data["relative_error"] = errors
             self._judge_numerics(result, kinds, unquantized_kind, errors)
-            ctx.progress("quantization: timing steps of both bases, interleaved")
-            stored_times, twin_times = interleaved_steps(stored, twin)
+            if timed:
+                ctx.progress("quantization: timing steps of both bases, interleaved")
+                stored_times, twin_times = interleaved_steps(stored, twin)
         finally:
             twin.close()
             del twin
@@ -249,6 +269,16 @@ class QuantizationProbe:
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
             snapshot.restore()
+        if not timed:
+            assert headline is not None
+            _no_answer(
+                ctx.record,
+                result,
+                f"the steps were not timed against the {unquantized_kind} base: "
+                f"{MIN_ROUNDS} rounds of both at {ms(headline)}/it take about "
+                f"{2 * MIN_ROUNDS * headline:.0f} s, over the {BUDGET_S:.0f} s this A/B may take",
+            )
+            return result
         self._judge_speed(
             ctx.record, result, storage, unquantized_kind, stored_times, twin_times, memory
         )
@@ -335,16 +365,7 @@ class QuantizationProbe:
             f"({ms(twin_step)} against {ms(stored_step)})"
         )
         if verdict.outcome == "inconclusive":
-            # The trace rule's reading of the profiled steps stands, and says the A/B could
-            # not decide; without one, the question stays open.
-            traced = _trace_finding(record)
-            if traced is not None:
-                traced.evidence = {**traced.evidence, "measured_here": ab}
-                traced.detail = f"{traced.detail} An A/B could not decide here: {said}.".strip()
-            else:
-                result.add_not_judged(
-                    catalog.DEQUANT_COST.id, f"quantization: the A/B could not decide: {said}"
-                )
+            _no_answer(record, result, f"the A/B could not decide: {said}", ab)
             return
         if verdict.outcome == "not_faster":
             result.add_ok(

@@ -20,7 +20,15 @@ from diagnose.record import RunRecord
 from diagnose.run import execute_run, resolve_config
 from tests.conftest import ok_lines, unjudged_lines
 
-PROBES = ("environment", "precision", "attention", "dataloader", "optimizer", "triton")
+PROBES = (
+    "environment",
+    "precision",
+    "attention",
+    "dataloader",
+    "optimizer",
+    "quantization",
+    "triton",
+)
 #: Two timed steps per rank, one profiled, 64 px, fp32 (a CPU without bf16 units emulates bf16
 #: many times slower): a record with every part, fast on 2 cores.
 SHORT = [

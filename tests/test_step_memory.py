@@ -47,19 +47,19 @@ def _measured_peak(config: RunConfig, folder: Path) -> int:
 def test_the_counted_peak_matches_the_allocators_within_a_fifth(
     tmp_path: Path, checkpointing: bool
 ) -> None:
-    generate_images(tmp_path / "images", count=2, seed=1, size=(320, 320))
+    generate_images(tmp_path / "images", count=2, seed=1, size=(160, 160))
     config = RunConfig(
         preset="sd15",
         size="tiny",
         precision="fp32",
-        resolution=[256],
+        resolution=[128],
         batch=2,
         data_dir=str(tmp_path / "images"),
         workers=0,
         grad_checkpointing=checkpointing,
     )
     counted = step_memory(config, "sd15", "tiny")
-    assert not counted.error and counted.at == "256 px, batch 2"
+    assert not counted.error and counted.at == "128 px, batch 2"
     predicted = counted.checkpointed_peak_bytes if checkpointing else counted.peak_bytes
     assert predicted is not None
     measured = _measured_peak(config, tmp_path)
