@@ -295,15 +295,17 @@ class QuantizationProbe:
         if config.preset is None or config.model_dir is not None:
             return memory
         size = config.size or "tiny"
-        for label, cfg in (("stored", config), ("unquantized", twin_config)):
+        fp8 = dataclasses.replace(twin_config, base="fp8", text_encoder_base="fp8")
+        for label, cfg in (("stored", config), ("unquantized", twin_config), ("fp8", fp8)):
             here = preset_memory(cfg, config.preset, size=size)
-            if here is not None:
+            if here is not None and label != "fp8":
                 memory[f"{label}_bytes"] = here.static_bytes
                 memory[f"{label}_frozen_bytes"] = here.frozen_bytes
-            if size != "full":
-                full = preset_memory(cfg, config.preset)
-                if full is not None:
-                    memory[f"{label}_full_size_bytes"] = full.static_bytes
+            full = here if size == "full" else preset_memory(cfg, config.preset)
+            if full is not None:
+                memory[f"{label}_full_size_bytes"] = full.static_bytes
+        if ctx.device_info.kind in ("cuda", "rocm") and ctx.device_info.memory_bytes:
+            memory["device_bytes"] = ctx.device_info.memory_bytes
         return memory
 
     @staticmethod
@@ -407,12 +409,30 @@ def _memory_text(storage: str, unquantized: str, memory: Mapping[str, Any]) -> s
         )
     full_stored = memory.get("stored_full_size_bytes")
     full_twin = memory.get("unquantized_full_size_bytes")
-    if full_stored and full_twin:
+    full_fp8 = memory.get("fp8_full_size_bytes")
+    if not (full_stored and full_twin):
+        return " ".join(parts)
+    parts.append(
+        f"At full size the model needs {_gib(full_stored)} before activations as {storage} "
+        f"against {_gib(full_twin)} as {unquantized}"
+        + (f" and {_gib(full_fp8)} as fp8" if full_fp8 and storage != "FP8" else "")
+        + "."
+    )
+    device = memory.get("device_bytes")
+    if not device:
+        parts.append("Keep the quantized base only where the unquantized one does not fit.")
+    elif full_twin <= device:
         parts.append(
-            f"At full size the model needs {_gib(full_stored)} before activations as "
-            f"{storage} against {_gib(full_twin)} as {unquantized}: keep the quantized base "
-            "only where the unquantized one does not fit."
+            f"On this GPU's {_gib(device)} the {unquantized} base fits before activations: "
+            "store the base unquantized."
         )
+    elif full_fp8 and full_fp8 <= device and storage != "FP8":
+        parts.append(
+            f"The {unquantized} base does not fit this GPU's {_gib(device)}, fp8 storage does: "
+            "it expands with a plain cast, cheaper than a 4-bit table lookup."
+        )
+    else:
+        parts.append(f"On this GPU's {_gib(device)} only the quantized base fits.")
     return " ".join(parts)
 
 

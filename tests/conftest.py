@@ -9,33 +9,6 @@ from typing import Any
 
 import pytest
 
-#: Test files that train for real in their fixtures or subprocesses (tens of seconds to minutes
-#: of one core each), longest first. They are collected first: with one worker per core
-#: (pytest-xdist, a file per worker) the long files start early and the workers end together,
-#: instead of one worker finishing a long file alone at the end.
-LONGEST_FIRST = (
-    "test_sweep.py",
-    "test_profile_lora.py",
-    "test_consistency.py",
-    "test_run_distributed.py",
-    "test_profile_command.py",
-    "test_quantized_base.py",
-    "test_cli.py",
-    "test_quantization_probe.py",
-    "test_profile_capture.py",
-    "test_trace_ranks.py",
-    "test_dataloader_probe.py",
-    "test_step_memory.py",
-    "test_optimizer_probe.py",
-    "test_signals.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
-
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO_ROOT.parent / "shared" / "gpu-traces"
 FIXTURES = REPO_ROOT / "fixtures"

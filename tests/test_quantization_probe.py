@@ -203,3 +203,25 @@ def test_steps_too_slow_for_the_budget_are_not_timed_but_still_compared(nf4: Wor
     outcome, text = outcomes[DEQUANT_COST.id]
     assert outcome == "not_judged" and "over the" in text
     assert not result.findings
+
+
+def test_the_advice_follows_what_fits_the_gpu() -> None:
+    """bf16 when it fits, fp8 when only it fits, the quantized base when nothing else does."""
+    from diagnose.probes.quantization import _memory_text
+
+    gib = 2**30
+    memory = {
+        "stored_full_size_bytes": 7 * gib,
+        "unquantized_full_size_bytes": 16 * gib,
+        "fp8_full_size_bytes": 10 * gib,
+    }
+    said = {
+        size: _memory_text("NF4", "bf16", {**memory, "device_bytes": size * gib})
+        for size in (24, 12, 8)
+    }
+    assert "the bf16 base fits" in said[24] and "store the base unquantized" in said[24]
+    assert "fp8 storage does" in said[12]
+    assert "only the quantized base fits" in said[8]
+    assert "7.00 GiB" in said[8] and "16.00 GiB" in said[8] and "10.00 GiB as fp8" in said[8]
+    # Without a GPU's size (a CPU run) the rule is said, not applied.
+    assert "only where the unquantized one does not fit" in _memory_text("NF4", "bf16", memory)
