@@ -177,7 +177,12 @@ def _no_answer(
     stands and says why the A/B did not answer; without one, the question stays open."""
     traced = _trace_finding(record)
     if traced is None:
-        result.add_not_judged(catalog.DEQUANT_COST.id, f"quantization: {said}")
+        trace = next((p for p in record.probes if p.name == "trace"), None)
+        read = [c for c in trace.checks if c.id == catalog.DEQUANT_COST.id] if trace else []
+        if read:  # the rule read a share too small to be a finding: that answer stands
+            read[0].text = f"{read[0].text}; not measured against the unquantized base: {said}"
+        else:
+            result.add_not_judged(catalog.DEQUANT_COST.id, f"quantization: {said}")
         return
     if ab is not None:
         traced.evidence = {**traced.evidence, "measured_here": dict(ab)}
@@ -275,7 +280,7 @@ class QuantizationProbe:
                 ctx.record,
                 result,
                 f"the steps were not timed against the {unquantized_kind} base: "
-                f"{MIN_ROUNDS} rounds of both at {ms(headline)}/it take about "
+                f"{MIN_ROUNDS} rounds of both at {headline:.3g} s/it take about "
                 f"{2 * MIN_ROUNDS * headline:.0f} s, over the {BUDGET_S:.0f} s this A/B may take",
             )
             return result

@@ -225,3 +225,17 @@ def test_the_advice_follows_what_fits_the_gpu() -> None:
     assert "7.00 GiB" in said[8] and "16.00 GiB" in said[8] and "10.00 GiB as fp8" in said[8]
     # Without a GPU's size (a CPU run) the rule is said, not applied.
     assert "only where the unquantized one does not fit" in _memory_text("NF4", "bf16", memory)
+
+
+def test_without_an_a_b_the_trace_rules_reading_stands_and_says_why(nf4: Workload) -> None:
+    """A share the trace rule read as too small to be a finding is still an answer: a probe
+    that could not time its A/B adds the reason to it instead of setting it aside."""
+    record = _slow_record()
+    trace = ProbeResult(name="trace")
+    trace.add_ok(DEQUANT_COST.id, "quantization: its quantized layers take 3% of each step")
+    record.probes = [trace]
+    result = _probe(nf4, record)
+    assert not [c for c in result.checks if c.id == DEQUANT_COST.id]
+    (read,) = trace.checks
+    assert read.text.startswith("quantization: its quantized layers take 3%")
+    assert "not measured against the unquantized base" in read.text and "over the" in read.text
