@@ -67,14 +67,15 @@ def fit_before_running(config: RunConfig, device_kind: str, memory_bytes: int | 
         return ""
     if config.preset is None or config.model_dir is not None:
         return ""
-    from diagnose.probes.environment import preset_memory
+    from diagnose.probes.environment import preset_memory, with_activations
 
-    full = preset_memory(config, config.preset, activations=True)
+    full = preset_memory(config, config.preset)
     if full is None:
         return ""
     gib = 2**30
     if full.static_bytes <= memory_bytes:
-        return _activations_will_not_fit(config, full, memory_bytes)
+        # Only then are the activations worth counting (seconds on the meta device).
+        return _activations_will_not_fit(config, with_activations(full, config), memory_bytes)
     said = (
         f"{config.preset} at full size needs {full.static_bytes / gib:.2f} GiB before any "
         f"activation ({full.basis}), more than the GPU's {memory_bytes / gib:.2f} GiB: expect an "

@@ -149,14 +149,7 @@ class _SdpaShapes(TorchFunctionMode):
 def real_attention_shapes(preset: str, batch: int, dtype: str) -> RealShapes:
     """Every attention call of the full-size ``preset``'s denoiser at its own (largest)
     resolution and ``batch``, q/k/v in ``dtype``: built and called on the meta device."""
-    from diagnose.workload.models import (
-        Components,
-        HashTokenizer,
-        build_denoiser,
-        build_text_encoder,
-        build_vae,
-        construct_on,
-    )
+    from diagnose.workload.models import meta_components
     from diagnose.workload.presets import load_preset
     from diagnose.workload.step import FAMILIES
 
@@ -164,24 +157,7 @@ def real_attention_shapes(preset: str, batch: int, dtype: str) -> RealShapes:
     resolution = max(spec.resolutions)
     meta = torch.device("meta")
     try:
-        with construct_on(meta, torch.float32):
-            components = Components(
-                family=spec.family,
-                preset=spec.name,
-                size="full",
-                source="config (meta device)",
-                denoiser=build_denoiser(spec),
-                vae=build_vae(spec),
-                text_encoders=[build_text_encoder(e) for e in spec.text_encoders],
-                text_roles=[e.role for e in spec.text_encoders],
-                tokenizers=[
-                    HashTokenizer(e.role, int(e.config.get("vocab_size", 1000)), e.max_length)
-                    for e in spec.text_encoders
-                ],
-                scheduler=None,
-                resolutions=spec.resolutions,
-                lora_target_modules=spec.lora_target_modules,
-            )
+        components = meta_components(preset, "full", lora=False)
         family = FAMILIES[spec.family]
         latent = resolution // components.vae_scale_factor
         with torch.no_grad():

@@ -15,6 +15,7 @@ costs milliseconds. Whether bf16 is native on the device is the precision probe'
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from collections.abc import Mapping, Sequence
@@ -165,7 +166,6 @@ def preset_memory(
     peak beyond the weights, without and with gradient checkpointing (seconds of counting)."""
     import torch
 
-    from diagnose.workload.memory import step_memory
     from diagnose.workload.models import (
         build_denoiser,
         build_text_encoder,
@@ -201,12 +201,8 @@ def preset_memory(
         if base or encoder_base
         else f" at {weight} bytes"
     )
-    step = step_memory(config, preset, size) if activations else None
-    return FullSizeMemory(
+    memory = FullSizeMemory(
         preset=preset,
-        activation_bytes=step.peak_bytes if step else None,
-        checkpointed_activation_bytes=step.checkpointed_peak_bytes if step else None,
-        activations_at=(step.error or step.at) if step else "",
         frozen_bytes=frozen,
         trainable_bytes=info.trainable_parameters * (2 * lora + state),
         basis=(
@@ -215,6 +211,21 @@ def preset_memory(
             f"parameters at {lora} bytes plus their gradient and {state} bytes of "
             f"{config.optimizer} state"
         ),
+    )
+    return with_activations(memory, config, size) if activations else memory
+
+
+def with_activations(memory: FullSizeMemory, config: Any, size: str = "full") -> FullSizeMemory:
+    """``memory`` with one step's peak beyond the weights, without and with gradient
+    checkpointing (:func:`diagnose.workload.memory.step_memory`: seconds of counting)."""
+    from diagnose.workload.memory import step_memory
+
+    step = step_memory(config, memory.preset, size)
+    return dataclasses.replace(
+        memory,
+        activation_bytes=step.peak_bytes,
+        checkpointed_activation_bytes=step.checkpointed_peak_bytes,
+        activations_at=step.error or step.at,
     )
 
 
@@ -256,4 +267,5 @@ __all__ = [
     "hipblaslt_supported",
     "hsa_override_target",
     "telemetry_from_record",
+    "with_activations",
 ]

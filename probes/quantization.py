@@ -23,12 +23,14 @@ from torch.utils._pytree import tree_leaves
 
 from diagnose import quantized_base as qb
 from diagnose.catalogs import quantization_catalog as catalog
+from diagnose.environment_facts import GIB
 from diagnose.probes.base import ProbeContext, ProbeSkipped
 from diagnose.record import Finding, ProbeResult, RunRecord
 from diagnose.stats import ab_verdict, sure_saving
 from diagnose.timing import PhaseTimer, device_synchronizer
 from diagnose.trace.rules import ms
 from diagnose.verdicts import step_seconds
+from diagnose.workload.quantize import FLOAT_BASES
 
 SOURCE = "quantization"
 #: Interleaved rounds (one step of each base): at least MIN_ROUNDS, then until the A/B is
@@ -38,9 +40,9 @@ MAX_ROUNDS = 30
 BUDGET_S = 30.0
 #: The twin is built only when the device has this much more free memory than it needs.
 FREE_MEMORY_MARGIN = 1.15
-GIB = 2**30
 
-_DTYPE_KINDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+#: The unquantized kind of each compute dtype (the precision's weight dtype names the twin).
+_DTYPE_KINDS = {dtype: kind for kind, dtype in FLOAT_BASES.items()}
 
 
 def stored_kinds(config: Any) -> dict[str, str]:
@@ -117,7 +119,7 @@ def compare_outputs(stored: Any, unquantized: Any) -> dict[str, float]:
     latents = unquantized.encode_latents(batch.pixels.to(unquantized.device))
     cond = unquantized.encode_text(batch.captions)
     errors: dict[str, float] = {}
-    if stored.config.text_encoder_base or stored.config.base:
+    if "text encoders" in stored_kinds(stored.config):
         stored_cond = stored.encode_text(batch.captions)
         pairs = [
             (a, b)
@@ -224,7 +226,6 @@ class QuantizationProbe:
             raise ProbeSkipped("the frozen base is not stored quantized (see --base)")
         if ctx.workload is None:
             raise ProbeSkipped("no training step was built (trace mode)")
-        from diagnose.probes.environment import preset_memory
         from diagnose.workload.step import build_workload
 
         stored = ctx.workload
@@ -233,7 +234,7 @@ class QuantizationProbe:
         storage = " and ".join(dict.fromkeys(kinds.values())).upper()
         result = ProbeResult()
         result.data = {"stored": kinds, "unquantized": unquantized_kind}
-        memory = self._predicted_memory(ctx, twin_config, preset_memory)
+        memory = self._predicted_memory(ctx, twin_config)
         result.data["memory"] = memory
         held_stored = held_bytes(_frozen_modules(stored))
         free = _free_device_bytes(ctx.device)
@@ -290,11 +291,11 @@ class QuantizationProbe:
         return result
 
     @staticmethod
-    def _predicted_memory(
-        ctx: ProbeContext, twin_config: Any, preset_memory: Any
-    ) -> dict[str, Any]:
+    def _predicted_memory(ctx: ProbeContext, twin_config: Any) -> dict[str, Any]:
         """Static bytes (weights, LoRA, gradients, optimizer state) of this run's model and of
         the real one, with the base stored and unquantized, from their parameter counts."""
+        from diagnose.probes.environment import preset_memory
+
         config = ctx.config
         memory: dict[str, Any] = {}
         if config.preset is None or config.model_dir is not None:

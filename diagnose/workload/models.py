@@ -519,13 +519,19 @@ def _lora_denoiser_on_meta(
 
 
 def _on_meta_with_lora(
-    preset: str, size: str, rank: int, target_modules: Sequence[str] | None
+    preset: str, size: str, rank: int, target_modules: Sequence[str] | None, lora: bool = True
 ) -> tuple[Components, int]:
     """A preset's components built on the meta device (no memory used), its denoiser wrapped in
-    LoRA; and the number of wrapped modules."""
+    LoRA unless ``lora`` is false; and the number of wrapped modules."""
     spec = load_preset(preset, size)
     with construct_on(torch.device("meta"), torch.float32):
-        denoiser, base_parameters, lora_modules = _lora_denoiser_on_meta(spec, rank, target_modules)
+        if lora:
+            denoiser, base_parameters, lora_modules = _lora_denoiser_on_meta(
+                spec, rank, target_modules
+            )
+        else:
+            denoiser = build_denoiser(spec)
+            base_parameters, lora_modules = count_parameters(denoiser), 0
         components = Components(
             family=spec.family,
             preset=spec.name,
@@ -548,11 +554,16 @@ def _on_meta_with_lora(
 
 
 def meta_components(
-    preset: str, size: str, rank: int = 16, target_modules: Sequence[str] | None = None
+    preset: str,
+    size: str,
+    rank: int = 16,
+    target_modules: Sequence[str] | None = None,
+    *,
+    lora: bool = True,
 ) -> Components:
-    """A preset's components on the meta device, its denoiser frozen and wrapped in LoRA, with
-    tokenizers: what can run a step's shapes without memory."""
-    return _on_meta_with_lora(preset, size, rank, target_modules)[0]
+    """A preset's components on the meta device, its denoiser frozen and wrapped in LoRA (unless
+    ``lora`` is false), with tokenizers: what can run a step's shapes without memory."""
+    return _on_meta_with_lora(preset, size, rank, target_modules, lora)[0]
 
 
 def describe_preset(
