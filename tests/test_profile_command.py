@@ -39,6 +39,9 @@ TRAIN = textwrap.dedent(
     torch.manual_seed(0)
     args = sys.argv[1:]
     decode_s = float(args[args.index("--decode-ms") + 1]) / 1000 if "--decode-ms" in args else 0.004
+    # --work-ms: CPU time the step itself spends, so a window of steps outlasts py-spy's attach
+    # however fast this machine runs the small model.
+    work_s = float(args[args.index("--work-ms") + 1]) / 1000 if "--work-ms" in args else 0.0
 
     class Images(Dataset):
         # --slow-loader plants a decode that costs more than the step, on the training thread
@@ -71,6 +74,9 @@ TRAIN = textwrap.dedent(
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
                 loss = model(x).float().pow(2).mean()
             loss.backward()
+            busy_until = time.perf_counter() + work_s
+            while time.perf_counter() < busy_until:
+                pass
             opt.step()
             opt.zero_grad()
             step += 1
@@ -115,7 +121,8 @@ def applied_flag(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     folder = tmp_path_factory.mktemp("applied")
     script = _script(folder)
     out = folder / "out"
-    # Its steps are short: profiled steps enough for py-spy to attach while they run.
+    # Its steps would be short on a fast machine: each spends some CPU time of its own, so that
+    # the profiled window outlasts py-spy's attach, which a count of steps alone cannot promise.
     options = [*FAST[:-1], "12"]
     code = _profile(
         out,
@@ -123,6 +130,8 @@ def applied_flag(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
         str(script),
         "--mixed_precision",
         "bf16",
+        "--work-ms",
+        "40",
         "--exit",
         "3",
         options=options,
