@@ -31,6 +31,7 @@ from diagnose.bf16_hardware import (
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.quiet import capture_output
 from diagnose.record import DeviceInfo
+from diagnose.telemetry.parsing import format_pci_bus_id
 
 # --- selecting ----------------------------------------------------------------------------------
 
@@ -264,13 +265,6 @@ def is_integrated_gpu(info: DeviceInfo) -> bool | None:
     if info.kind == "rocm" and info.arch:
         return info.arch.lower() in AMD_APU_TARGETS
     return None
-
-
-def format_pci_bus_id(domain: int | None, bus: int | None, device: int | None) -> str:
-    """The PCI address ("0000:03:00.0") from the numbers torch reports; function 0 is the GPU."""
-    if bus is None or device is None:
-        return ""
-    return f"{domain or 0:04x}:{bus:02x}:{device:02x}.0"
 
 
 def gpu_info(props: GpuProperties, *, driver: str = "") -> DeviceInfo:

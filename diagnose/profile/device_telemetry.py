@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diagnose.device import format_pci_bus_id
 from diagnose.profile.capture import FACTS_SUFFIX, STATUS_RUNNING
 from diagnose.record import DeviceInfo
 from diagnose.telemetry import TelemetrySampler, TelemetrySummary
+from diagnose.telemetry.parsing import format_pci_bus_id
 from diagnose.telemetry.readings import unavailable
 from diagnose.telemetry.summary import summarize
 

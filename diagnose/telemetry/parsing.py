@@ -9,6 +9,15 @@ from typing import Any
 
 from diagnose.telemetry.readings import DeviceLimits, TelemetrySample
 
+
+def format_pci_bus_id(domain: int | None, bus: int | None, device: int | None) -> str:
+    """The PCI address ("0000:03:00.0") from the numbers torch or a telemetry library reports;
+    function 0 is the GPU."""
+    if bus is None or device is None:
+        return ""
+    return f"{domain or 0:04x}:{bus:02x}:{device:02x}.0"
+
+
 # --- pure parsing: NVML ---------------------------------------------------------------------------
 
 #: NVML's clocks event (throttle) reason bits (nvml.h, nvmlClocksEventReason*).
