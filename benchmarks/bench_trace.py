@@ -1,20 +1,25 @@
-"""Benchmark the trace analysis against a plain orjson parse and HTA's trace loading.
+"""Benchmark `diagnose trace` against the parse floor and HTA's trace loading.
 
-    python benchmarks/bench_trace.py                 # largest real trace + a ~200 MB synthetic one
+    python benchmarks/bench_trace.py                 # real traces, a 62 MB gzip class, 200 MB
     python benchmarks/bench_trace.py --gigabyte      # also a ~1 GB synthetic trace
     python benchmarks/bench_trace.py --hta-python /path/to/venv/bin/python
     python benchmarks/bench_trace.py --gzip-bomb 4096  # only: peak memory refusing 4 GB bombs
 
-Every measurement runs in a fresh subprocess, so peak memory (VmHWM) is that operation's
-alone; "wall" times the operation only (imports excluded), "peak" is the process's peak resident
-memory including the interpreter and imports ("base" in the JSON, the resident memory after
-imports, is printed in the notes).
+Every measurement is a whole command in a fresh process, timed from outside (interpreter start
+and imports included, as a user waits for it), and runs interleaved with the others, median of
+``--repeat``:
+
+- ``floor``: gunzip + ``orjson.loads`` of the whole file in one thread, nothing else: the
+  single-threaded parse floor (``floor gc off``: the same with Python's cyclic GC paused);
+- ``diagnose``: ``diagnose trace FILE --out DIR``, report and record written; its peak counts the
+  second process that reads along with it (the sum of both peaks: shared pages count twice, so
+  this is an upper bound);
+- ``hta``: ``hta.trace_analysis.TraceAnalysis`` loading the file (HolisticTraceAnalysis, when
+  this Python or ``--hta-python`` can import it).
 
 Synthetic traces repeat the profiled steps of a real trace, shifted in time, with correlation and
-External ids offset so links stay unique: the same phenomena, many more events.
-
-HolisticTraceAnalysis (``pip install HolisticTraceAnalysis``) is measured when it can be imported
-by this Python or by the one given with ``--hta-python``; otherwise the table says so.
+External ids offset so links stay unique: the same phenomena, many more events. The 62 MB class
+is the size of the traces people attach to tickets, gzipped as torch writes them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,11 +39,9 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "gpu-traces"
-METHODS = ("orjson", "orjson_nogc", "analyze", "hta")
+METHODS = ("floor", "floor_nogc", "diagnose", "hta")
 _NO_HTA = "HTA not importable (pip install HolisticTraceAnalysis failed or not done)"
 _ID_KEYS = ("External id", "external id", "correlation", "Record function id", "Python id")
 
@@ -59,6 +63,8 @@ def _uncompressed_size(path: Path) -> int:
 
 def build_synthetic(source: Path, target_bytes: int, out: Path) -> Path:
     """Write ``out`` (plain JSON) by repeating ``source``'s events, shifted, until big enough."""
+    import orjson  # here, not at the top: HTA's Python measures without it
+
     opener = gzip.open if source.suffix == ".gz" else open
     with opener(source, "rb") as stream:
         doc = orjson.loads(stream.read())
@@ -158,42 +164,57 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def _measure(method: str, path: Path) -> dict[str, Any]:
-    if method == "analyze":
-        from diagnose.trace import analyze_trace
-    elif method == "bomb":
-        from diagnose.errors import DiagnoseError
-        from diagnose.trace.reader import read_trace
-    elif method == "hta":
-        from hta.trace_analysis import TraceAnalysis
-    base = _rss_now()
-    started = time.perf_counter()
+    """One measurement, in this (fresh) process: what it read, and its peak memory."""
     extra: dict[str, Any] = {}
-    if method in ("orjson", "orjson_nogc"):
-        import gc
+    if method in ("floor", "floor_nogc"):
+        if method == "floor_nogc":
+            import gc
 
-        if method == "orjson_nogc":
             gc.disable()
+        import orjson
+
         data = orjson.loads(_read_bytes(path))
         extra["events"] = len(data["traceEvents"])
     elif method == "bomb":
+        from diagnose.errors import DiagnoseError
+        from diagnose.trace.reader import read_trace
+
         try:
             read_trace(path)
             extra["refused"] = ""
         except DiagnoseError as exc:
             extra["refused"] = exc.message.split(": ", 1)[-1]
-    elif method == "analyze":
-        analysis = analyze_trace(path)
-        extra["findings"] = sorted(f.id for f in analysis.findings)
-        extra["steps"] = len(analysis.steps)
+    elif method == "diagnose":
+        import contextlib
+        import io
+
+        from diagnose.cli import main
+
+        out = Path(tempfile.mkdtemp(prefix="bench_trace_out_"))
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                code = main(["trace", str(path), "--out", str(out / "o")])
+            record = json.loads((out / "o" / "record.json").read_text())
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        extra["exit"] = code
+        extra["findings"] = sorted(f["id"] for f in record.get("findings", []))
+        probe = next((p for p in record.get("probes", []) if p.get("name") == "trace"), {})
+        extra["read_processes"] = (
+            (probe.get("data") or {}).get("metadata", {}).get("read_processes")
+        )
     elif method == "hta":
+        from hta.trace_analysis import TraceAnalysis
+
         folder = Path(tempfile.mkdtemp(prefix="hta_bench_"))
         try:
             os.symlink(path, folder / path.name)
             TraceAnalysis(trace_dir=str(folder))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-    wall = time.perf_counter() - started
-    return {"wall": wall, "peak": _peak_rss(), "base": base, **extra}
+    # A process this one waited for (the trace's second reader) counts with its own peak.
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"peak": _peak_rss() + children, "children_peak": children, **extra}
 
 
 def _peak_rss() -> int:
@@ -218,18 +239,21 @@ def _rss_now() -> int:
 
 
 def run_measurement(python: str, method: str, path: Path, timeout: float) -> dict[str, Any]:
+    """Run one measurement in a fresh process; ``wall`` is the whole process, timed here."""
     cmd = [python, str(Path(__file__).resolve()), "--measure", method, str(path)]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    started = time.perf_counter()
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - started
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
         return {"error": last[:120]}
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {"wall": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
 def hta_python(explicit: str | None) -> str | None:
@@ -258,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "bench_trace")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument(
-        "--repeat", type=int, default=3, help="runs per measurement (best kept; 1 above 512 MB)"
+        "--repeat", type=int, default=3, help="runs per measurement (median; 1 above 512 MB)"
     )
     parser.add_argument("--skip", nargs="*", default=[], choices=METHODS)
     parser.add_argument(
@@ -282,87 +306,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no real traces under {SHARED}", file=sys.stderr)
         return 1
     args.workdir.mkdir(parents=True, exist_ok=True)
-    files: list[tuple[str, Path]] = [(f"real: {source.name}", source)]
-    sizes = [args.size_mb] + ([1024] if args.gigabyte else [])
-    for size in sizes:
-        out = args.workdir / f"synthetic_{size}mb.json"
-        if not out.exists():
-            print(f"building {out} ...", file=sys.stderr)
-            build_synthetic(source, size << 20, out)
-        files.append((f"synthetic {size} MB (x{source.stem.split('.')[0]})", out))
-
+    files = trace_set(source, args.workdir, args.size_mb, gigabyte=args.gigabyte)
     hta = hta_python(args.hta_python)
-    rows: list[list[str]] = []
-    for label, path in files:
-        size = _uncompressed_size(path)
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
-        # Methods alternate within each repeat, so a busy moment of the machine hits all alike.
-        for _ in range(1 if size > 512 << 20 else args.repeat):
-            for method in METHODS:
-                if method in args.skip:
-                    runs[method].append({"error": "skipped"})
-                    continue
-                if method == "hta" and hta is None:
-                    runs[method].append({"error": _NO_HTA})
-                    continue
-                python = hta if method == "hta" and hta else sys.executable
-                print(f"{label}: {method} ...", file=sys.stderr)
-                runs[method].append(run_measurement(python, method, path, args.timeout))
-        results: dict[str, dict[str, Any]] = {}
-        for method, tries in runs.items():
-            ok = [r for r in tries if "error" not in r]
-            # The fastest run is the least disturbed by the machine; keep its peak with it.
-            results[method] = min(ok, key=lambda r: r["wall"]) if ok else tries[0]
-        base = results["orjson"].get("wall")
-        base_nogc = results["orjson_nogc"].get("wall")
-        for method in METHODS:
-            r = results[method]
-            if "error" in r:
-                rows.append([label, _mb(size), method, "-", "-", "-", "-", r["error"]])
-                continue
-            ratio = f"{r['wall'] / base:.2f}x" if base else "-"
-            ratio_nogc = f"{r['wall'] / base_nogc:.2f}x" if base_nogc else "-"
-            note = f"base {_mb(r['base'])}"
-            if method == "analyze":
-                found = ", ".join(r.get("findings", [])) or "no findings"
-                note += f"; {r.get('steps')} steps; {found}"
-            elif method.startswith("orjson"):
-                note += f"; {r.get('events'):,} events"
-            rows.append(
-                [
-                    label,
-                    _mb(size),
-                    method,
-                    f"{r['wall']:.2f} s",
-                    ratio,
-                    ratio_nogc,
-                    _mb(r["peak"]),
-                    note,
-                ]
-            )
-        analyze, hta_r = results["analyze"], results["hta"]
-        if "wall" in analyze and "wall" in hta_r:
-            rows.append(
-                [
-                    label,
-                    "",
-                    "analyze vs HTA",
-                    f"{hta_r['wall'] / analyze['wall']:.1f}x faster",
-                    "",
-                    "",
-                    f"{analyze['peak'] / hta_r['peak']:.2f}x HTA's",
-                    "",
-                ]
-            )
-
+    print(
+        f"{args.repeat} interleaved runs each (1 above 512 MB); medians. Wall: the whole command, "
+        f"interpreter start included. {_NO_HTA if hta is None else 'HTA: ' + hta}",
+        file=sys.stderr,
+    )
+    rows = [measure_file(label, path, hta, args) for label, path in files]
     header = [
         "trace",
         "size",
-        "method",
-        "wall",
-        "vs orjson",
-        "vs orjson gc off",
-        "peak RSS",
+        "floor",
+        "floor gc off",
+        "diagnose",
+        "vs floor",
+        "vs floor gc off",
+        "HTA",
+        "HTA / diagnose",
+        "peak diagnose",
+        "peak HTA",
+        "peak / HTA's",
         "notes",
     ]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -371,6 +335,85 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
     return 0
+
+
+def trace_set(
+    source: Path, workdir: Path, size_mb: int, *, gigabyte: bool
+) -> list[tuple[str, Path]]:
+    """The real traces over 10 MB, the 62 MB gzip class, and the synthetic sizes asked for."""
+    files = [
+        (f"real: {p.name}", p)
+        for p in sorted(SHARED.glob("*/*.json*"))
+        if p.stat().st_size > 1 << 20
+    ]
+    ticket = workdir / "class_62mb.json.gz"
+    if not ticket.exists():
+        # The trace whose steps are most like a training job's: the DDP one when present.
+        seed = next(iter(sorted(SHARED.glob("*/*ddp*.json.gz"))), source)
+        print(f"building {ticket} from {seed.name} ...", file=sys.stderr)
+        plain = build_synthetic(seed, 62 << 20, workdir / "class_62mb.json")
+        with plain.open("rb") as raw, gzip.open(ticket, "wb", compresslevel=6) as packed:
+            shutil.copyfileobj(raw, packed, 1 << 24)
+        plain.unlink()
+    files.append(("62 MB class (gzip)", ticket))
+    for size in [size_mb] + ([1024] if gigabyte else []):
+        out = workdir / f"synthetic_{size}mb.json"
+        if not out.exists():
+            print(f"building {out} ...", file=sys.stderr)
+            build_synthetic(source, size << 20, out)
+        files.append((f"synthetic {size} MB (x{source.stem.split('.')[0]})", out))
+    return files
+
+
+def measure_file(label: str, path: Path, hta: str | None, args: argparse.Namespace) -> list[str]:
+    size = _uncompressed_size(path)
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+    # Methods alternate within each repeat, so a busy moment of the machine hits all alike.
+    for _ in range(1 if size > 512 << 20 else args.repeat):
+        for method in METHODS:
+            if method in args.skip:
+                runs[method].append({"error": "skipped"})
+            elif method == "hta" and hta is None:
+                runs[method].append({"error": "no HTA"})
+            else:
+                python = hta if method == "hta" and hta else sys.executable
+                print(f"{label}: {method} ...", file=sys.stderr)
+                runs[method].append(run_measurement(python, method, path, args.timeout))
+    wall: dict[str, float | None] = {}
+    peak: dict[str, float | None] = {}
+    notes: list[str] = []
+    for method, tries in runs.items():
+        ok = [r for r in tries if "error" not in r]
+        wall[method] = statistics.median(r["wall"] for r in ok) if ok else None
+        peak[method] = statistics.median(r["peak"] for r in ok) if ok else None
+        if not ok and tries[0]["error"] not in ("skipped", "no HTA"):
+            notes.append(f"{method}: {tries[0]['error']}")
+        if method == "diagnose" and ok:
+            processes = sorted({r.get("read_processes") for r in ok}, key=str)
+            notes.append(f"read by {'/'.join(map(str, processes))} process(es)")
+            notes.append(", ".join(ok[0].get("findings", [])) or "no findings")
+
+    def seconds(value: float | None) -> str:
+        return f"{value:.2f} s" if value is not None else "-"
+
+    def ratio(a: float | None, b: float | None, unit: str = "x") -> str:
+        return f"{a / b:.2f}{unit}" if a is not None and b else "-"
+
+    return [
+        label,
+        _mb(size),
+        seconds(wall["floor"]),
+        seconds(wall["floor_nogc"]),
+        seconds(wall["diagnose"]),
+        ratio(wall["diagnose"], wall["floor"]),
+        ratio(wall["diagnose"], wall["floor_nogc"]),
+        seconds(wall["hta"]),
+        ratio(wall["hta"], wall["diagnose"]),
+        _mb(peak["diagnose"]) if peak["diagnose"] else "-",
+        _mb(peak["hta"]) if peak["hta"] else "-",
+        ratio(peak["diagnose"], peak["hta"]),
+        "; ".join(notes),
+    ]
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from diagnose.trace.columns import MEMCPY, MEMSET
 from diagnose.trace.intervals import complement, intersect, subtract, union, window
 from diagnose.trace.kernels import KERNEL_CLASSES, classify_kernel
-from diagnose.trace.reader import MEMCPY, MEMSET
 
 NAMES = {
     # GEMM: cuBLAS / cuBLASLt / CUTLASS / Tensile / hipBLASLt / CK

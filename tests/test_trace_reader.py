@@ -18,11 +18,10 @@ import pytest
 from diagnose.cli import main
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.trace import stream
+from diagnose.trace.columns import KERNEL, MEMCPY
 from diagnose.trace.reader import (
     CHUNK_BYTES,
     EXCLUDED_PREFIX,
-    KERNEL,
-    MEMCPY,
     NEGATIVE_DURATION,
     NEGATIVE_TIMESTAMP,
     NON_FINITE,

@@ -85,10 +85,10 @@ def trace_files(paths: Sequence[Path]) -> list[Path]:
     return unique
 
 
-def _analyze_one(path: Path) -> TraceAnalysis | str:
+def _analyze_one(path: Path, parallel: bool | None = None) -> TraceAnalysis | str:
     """Worker: analyse one trace; an unusable one comes back as its one-line error."""
     try:
-        return analyze_trace(path)
+        return analyze_trace(path, parallel=parallel)
     except DiagnoseError as exc:
         return exc.message
     except Exception as exc:  # one broken rank must not hide the others
@@ -105,7 +105,8 @@ def analyze_files(paths: Sequence[Path], *, jobs: int | None = None) -> list[tup
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        results = list(pool.map(_analyze_one, paths))
+        # The files share the cores already: each is read by its worker alone.
+        results = list(pool.map(_analyze_one, paths, [False] * len(paths)))
     return list(zip(paths, results, strict=True))
 
 

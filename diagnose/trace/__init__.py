@@ -123,13 +123,17 @@ class TraceAnalysis:
     world_size: int | None = None
 
 
-def analyze_trace(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> TraceAnalysis:
-    """Read and analyse a trace file. Raises DiagnoseError(BAD_INPUT) on unusable input."""
+def analyze_trace(
+    path: Path, *, chunk_bytes: int = CHUNK_BYTES, parallel: bool | None = None
+) -> TraceAnalysis:
+    """Read and analyse a trace file. Raises DiagnoseError(BAD_INPUT) on unusable input.
+    ``parallel``: as :func:`read_trace` (None: a second process reads along when it pays)."""
     started = time.perf_counter()
-    parsed = read_trace(path, chunk_bytes=chunk_bytes)
+    parsed = read_trace(path, chunk_bytes=chunk_bytes, parallel=parallel)
     read_seconds = time.perf_counter() - started
     analysis = analyze_parsed(parsed)
     analysis.metadata["read_seconds"] = read_seconds
+    analysis.metadata["read_processes"] = len(parsed.pieces_read)
     analysis.metadata["analysis_seconds"] = time.perf_counter() - started - read_seconds
     return analysis
 

@@ -42,6 +42,7 @@ from diagnose.trace.attribution import (
     fill_between,
     phase_from_kernel,
 )
+from diagnose.trace.columns import MEMCPY
 from diagnose.trace.intervals import (
     EMPTY,
     Intervals,
@@ -52,7 +53,7 @@ from diagnose.trace.intervals import (
     union_of,
 )
 from diagnose.trace.kernels import KERNEL_CLASSES, KernelLabels
-from diagnose.trace.reader import MEMCPY, ParsedTrace
+from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
 from diagnose.trace.syncs import SyncPoints, find_syncs

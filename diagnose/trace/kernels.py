@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from diagnose.trace.reader import KERNEL, MEMCPY, MEMSET, ParsedTrace
+from diagnose.trace.columns import KERNEL, MEMCPY, MEMSET
+from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
 

@@ -29,8 +29,9 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from diagnose.trace.columns import MODULE_PREFIX
 from diagnose.trace.intervals import Intervals, intersect, subtract, union, union_of
-from diagnose.trace.reader import MODULE_PREFIX, ParsedTrace
+from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.structure import Structure, nesting
 
 Role = Literal["text_encoder", "vae", "denoiser", "optimizer", "other"]

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from diagnose.trace.reader import MEMCPY, ParsedTrace
+from diagnose.trace.columns import MEMCPY
+from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.structure import Structure
 
 #: Host API calls that block until the device catches up.

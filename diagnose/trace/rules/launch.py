@@ -28,10 +28,10 @@ from diagnose.catalogs.compute_catalog import (
 )
 from diagnose.record import Finding, ProbeResult
 from diagnose.trace import components
+from diagnose.trace.columns import KERNEL
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import EMPTY, Intervals, subtract, union_of
 from diagnose.trace.modules import ModuleShare
-from diagnose.trace.reader import KERNEL
 from diagnose.trace.rules import pct
 
 RULE = "launch"
