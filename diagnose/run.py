@@ -155,7 +155,7 @@ def _analyze_own_trace(trace_path: Path, record: RunRecord) -> ProbeResult | Non
     """Apply the passive trace rules to the trace this run captured."""
     import time
 
-    from diagnose.trace import analysis_to_record, analyze_trace
+    from diagnose.trace.analysis import analysis_to_record, analyze_trace
 
     start = time.perf_counter()
     try:

@@ -53,7 +53,7 @@ from diagnose.probes.attention_findings import answer_checks
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.record import DeviceInfo, Finding, ProbeResult, StepSample, new_record
 from diagnose.reports.view import build_checks
-from diagnose.trace import analyze_trace
+from diagnose.trace.analysis import analyze_trace
 from diagnose.trace.kernels import classify_kernel
 from diagnose.verdicts import contradictions, settle, settle_findings
 from diagnose.workload import build_workload

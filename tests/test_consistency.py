@@ -14,7 +14,7 @@ from diagnose.cli import main
 from diagnose.record import SEVERITIES, Check, RunRecord
 from diagnose.reports import render_html
 from diagnose.reports.view import build_view
-from diagnose.trace import analysis_to_record, analyze_trace
+from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from diagnose.verdicts import contradictions, settle
 from tests.conftest import FIXTURES, QUICK, SHARED_TRACES
 

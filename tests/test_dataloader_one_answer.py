@@ -21,7 +21,7 @@ from diagnose.config import RunConfig
 from diagnose.probes.dataloader import DataLoaderProbe
 from diagnose.record import Breakdown, ProbeResult, RunRecord, StepSample, Timing, new_record
 from diagnose.run import execute_run
-from diagnose.trace import analysis_to_record, analyze_trace
+from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from diagnose.trace.rules import dataloader as dataloader_rule
 from diagnose.trace.rules import pct
 from diagnose.verdicts import contradictions, settle, step_seconds

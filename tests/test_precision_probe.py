@@ -52,7 +52,7 @@ from diagnose.probes.precision_replay import MIN_CALLS, BenchResult, bench_pair,
 from diagnose.probes.precision_speed import HeadlineScale, SignatureBench, SpeedComparison
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, StepSample, new_record
 from diagnose.timing import PhaseTimer
-from diagnose.trace import analyze_trace
+from diagnose.trace.analysis import analyze_trace
 from diagnose.workload import build_workload
 from diagnose.workload.data import generate_images
 from diagnose.workload.step import Workload

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diagnose.catalogs.attention_catalog import MATH_ID
 from diagnose.profile.attention_ab import math_signature
-from diagnose.trace import analysis_to_record, analyze_trace
+from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from tests.conftest import profile_steps
 
 

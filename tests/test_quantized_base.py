@@ -18,7 +18,7 @@ from diagnose.cli import main
 from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError
 from diagnose.quantized_base import KINDS
-from diagnose.trace import analysis_to_record, analyze_trace
+from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from diagnose.workload.quantize import Float8StorageLinear, quantize_linears
 from tests.conftest import profile_steps
 

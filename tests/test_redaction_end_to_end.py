@@ -184,6 +184,6 @@ def test_cli_run_with_redact_paths_hides_the_host_in_the_record_and_the_trace(
     if len(host) >= 5:  # shorter names are masked in host fields only
         assert host not in (out / "record.json").read_text(encoding="utf-8")
     # The rewritten trace still reads as a trace.
-    from diagnose.trace import analyze_trace
+    from diagnose.trace.analysis import analyze_trace
 
     assert analyze_trace(out / "trace.json.gz").steps

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from diagnose.trace import TraceAnalysis, analyze_parsed, read_trace
+from diagnose.trace.analysis import TraceAnalysis, analyze_parsed, read_trace
 from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.rules.roofline import CHECK_ID, MASK_FROM_GRADS, OUTPUT_FROM_BACKWARD
 

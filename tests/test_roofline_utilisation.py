@@ -321,7 +321,7 @@ GPU_TRACES = (
 
 @pytest.mark.parametrize("name", GPU_TRACES)
 def test_real_gpu_traces_get_mfu_against_their_cards_spec(name: str) -> None:
-    from diagnose.trace import analysis_to_record, analyze_trace
+    from diagnose.trace.analysis import analysis_to_record, analyze_trace
     from tests.conftest import SHARED_TRACES
 
     path = SHARED_TRACES / name
@@ -343,7 +343,7 @@ def test_real_gpu_traces_get_mfu_against_their_cards_spec(name: str) -> None:
 
 
 def test_a_trace_without_shapes_gets_no_utilisation() -> None:
-    from diagnose.trace import analysis_to_record, analyze_trace
+    from diagnose.trace.analysis import analysis_to_record, analyze_trace
     from tests.conftest import SHARED_TRACES
 
     path = SHARED_TRACES / "cuda/a100_alexnet_train.json.gz"

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from diagnose.trace import TraceAnalysis, analyze_trace
+from diagnose.trace.analysis import TraceAnalysis, analyze_trace
 from tests.conftest import SHARED_TRACES
 
 #: The issue's target: what stays "other" is under this share of the step, or a note says what.

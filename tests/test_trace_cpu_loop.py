@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.data import DataLoader, TensorDataset
 
-from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
+from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from tests.conftest import ok_lines, unjudged_lines
 
 # Big enough that a step takes ~10 ms on a CPU: a 1 ms scheduling hiccup while fetching a batch on

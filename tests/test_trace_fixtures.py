@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diagnose.trace import analysis_to_record, analyze_trace
+from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from tests.conftest import ok_lines
 
 TRACES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"

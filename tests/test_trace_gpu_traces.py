@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from diagnose.record import PHASES, RunRecord
-from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
+from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.verdicts import settle
 from tests.conftest import ok_lines, unjudged_lines
 

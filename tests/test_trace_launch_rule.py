@@ -9,7 +9,7 @@ import pytest
 
 from diagnose.catalogs.compute_catalog import RECOVERABLE
 from diagnose.record import RunRecord
-from diagnose.trace import analysis_to_record, analyze_trace
+from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from diagnose.verdicts import contradictions, settle
 
 

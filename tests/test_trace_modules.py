@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from diagnose.catalogs import attention_catalog as ac
 from diagnose.record import Finding
-from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
+from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.trace.modules import classify
 from diagnose.verdicts import WARN_SHARE, grade, settle, step_seconds
 

@@ -21,7 +21,7 @@ import pytest
 
 from diagnose.errors import DiagnoseError
 from diagnose.trace import parallel_read, stream
-from diagnose.trace.reader import ParsedTrace, read_trace
+from diagnose.trace.reader import ParsedTrace, read_ahead, read_trace
 from tests.conftest import SHARED_TRACES
 
 PIECE = 32 << 10
@@ -155,6 +155,29 @@ def _errors_both_ways(path: Path) -> list[str]:
             read_trace(path, chunk_bytes=PIECE, parallel=parallel)
         errors.append(caught.value.message)
     return errors
+
+
+def test_a_read_started_ahead_makes_the_same_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What `diagnose trace` does: the second process starts, this one imports, then reads along.
+    monkeypatch.setattr(parallel_read, "MIN_PARALLEL_BYTES", 0)
+    path = _write(tmp_path / "varied.json.gz", _varied_events(6000))
+    ahead = read_ahead(path, chunk_bytes=PIECE)
+    if ahead is None:
+        pytest.skip("no second process here (one core, or no fork)")
+    two = read_trace(path, chunk_bytes=PIECE, ahead=ahead)
+    assert len(two.pieces_read) == 2 and sum(two.pieces_read) > 20
+    assert _differences(read_trace(path, chunk_bytes=PIECE, parallel=False), two) == []
+    assert not multiprocessing.active_children()
+    # Started on another file, or never used: stopped, and the trace read all the same.
+    other = read_ahead(_write(tmp_path / "other.json", _varied_events(6000)), chunk_bytes=PIECE)
+    assert other is not None
+    assert len(read_trace(path, chunk_bytes=PIECE, ahead=other).host) == len(two.host)
+    unused = read_ahead(path, chunk_bytes=PIECE)
+    assert unused is not None
+    unused.stop()
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.parametrize("where", [100, 5900])

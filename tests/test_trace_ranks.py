@@ -20,7 +20,7 @@ from diagnose.catalogs import distributed_catalog as catalog
 from diagnose.cli import main
 from diagnose.distributed.collectives import collective_kind
 from diagnose.record import RunRecord
-from diagnose.trace import analyze_trace
+from diagnose.trace.analysis import analyze_trace
 from tests.conftest import FIXTURES, ok_lines, unjudged_lines
 
 TRAINER = FIXTURES / "distributed" / "ddp_trainer.py"

@@ -29,7 +29,7 @@ from diagnose.catalogs.dataloader_catalog import (
 )
 from diagnose.catalogs.precision_catalog import UPCAST_FIX, UPCAST_ID
 from diagnose.record import Finding
-from diagnose.trace import TraceAnalysis, analyze_trace
+from diagnose.trace.analysis import TraceAnalysis, analyze_trace
 from diagnose.trace.components import CACHE_TEXT_ENCODER_ADVICE
 from diagnose.trace.modules import module_scopes
 from diagnose.trace.reader import read_trace

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from diagnose.trace import TraceAnalysis, analyze_trace
+from diagnose.trace.analysis import TraceAnalysis, analyze_trace
 from tests.conftest import ok_lines
 
 MAIN, AUTOGRAD, PID = 100, 101, 100

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diagnose.commands import add_output_options
 from diagnose.errors import DiagnoseError, ExitCode
+
+if TYPE_CHECKING:
+    from diagnose.trace.parallel_read import SecondReader
 
 
 class TraceCommand:
@@ -34,6 +38,20 @@ class TraceCommand:
         add_output_options(parser)
 
     def run(self, args: argparse.Namespace) -> int:
+        from diagnose.trace.reader import read_ahead
+
+        if args.jobs is not None and args.jobs < 1:
+            raise DiagnoseError("--jobs must be at least 1", ExitCode.USAGE)
+        # One trace file: a second process starts reading it now, while the analysis is imported.
+        named = args.traces[0] if len(args.traces) == 1 else None
+        ahead = read_ahead(named.resolve()) if named is not None and named.is_file() else None
+        try:
+            return self._run(args, ahead)
+        finally:
+            if ahead is not None:
+                ahead.stop()
+
+    def _run(self, args: argparse.Namespace, ahead: SecondReader | None) -> int:
         from diagnose.distributed.ranks import (
             compare_ranks,
             comparison_record,
@@ -49,19 +67,17 @@ class TraceCommand:
         )
         from diagnose.redact import redact_record
         from diagnose.reports import terminal_summary, write_html
-        from diagnose.trace import analysis_to_record, analyze_trace
+        from diagnose.trace.analysis import analysis_to_record, analyze_trace
         from diagnose.trace.reader import exclusion_note
         from diagnose.verdicts import settle
 
-        if args.jobs is not None and args.jobs < 1:
-            raise DiagnoseError("--jobs must be at least 1", ExitCode.USAGE)
         # Parse first: a bad trace must not leave an output folder behind.
         files = trace_files(args.traces)
         out_dir = args.out if args.out is not None else default_out_dir("trace")
         refuse_outputs_over_inputs([out_dir / RECORD_NAME, out_dir / REPORT_NAME], files)
         if len(files) == 1:
             trace_path = files[0]
-            analysis = analyze_trace(trace_path)
+            analysis = analyze_trace(trace_path, ahead=ahead)
             record = analysis_to_record(analysis, trace_path)
             analysed = [("", analysis)]
         else:

@@ -22,7 +22,7 @@ from diagnose.catalogs import distributed_catalog as catalog
 from diagnose.catalogs.dataloader_catalog import GPU_STARVED
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import PHASES, Check, Finding, RankStat, RunRecord
-from diagnose.trace import TraceAnalysis, analysis_to_record, analyze_trace
+from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.trace.rules import import_rules
 
 #: A rank number in a file name: ``rank3``, ``rank_3``, ``rank-3``, ``rank3_iter16.json``.

@@ -79,7 +79,7 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
 
 
 def _analysed(traced: Sequence[RankCapture], jobs: int | None) -> RunRecord:
-    from diagnose.trace import analysis_to_record, analyze_trace
+    from diagnose.trace.analysis import analysis_to_record, analyze_trace
 
     if not traced:
         record = new_record("profile")

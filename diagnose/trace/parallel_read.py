@@ -22,6 +22,7 @@ cores, for files several chunks long.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import pickle
@@ -82,35 +83,72 @@ def read_in_two_processes(
 ) -> ReadColumns | None:
     """The file's columns, read by this process and a forked worker; None when it could not be
     read this way (the caller then reads it in one process)."""
-    try:
-        context = multiprocessing.get_context("fork")
-        claimed = context.Value("q", 0)  # pieces handed out so far; they form a prefix
-        ours, theirs = context.Pipe(duplex=False)
-        reading = (path, label, chunk_bytes, limits, claimed)
-        worker = context.Process(target=_work, args=(theirs, *reading), daemon=True)
-        worker.start()
-    except (OSError, ValueError, RuntimeError):
-        return None
-    theirs.close()
-    try:
-        local, mine, top_level, streamed = _read_claimed(*reading)
-        message = ours.recv_bytes()
-        if message[:1] != _DONE:
+    second = SecondReader.start(path, chunk_bytes, limits)
+    return second.finish(label) if second is not None else None
+
+
+class SecondReader:
+    """A forked worker reading the pieces of a trace it claims, from the moment it starts: a
+    command starts one before it imports the analysis, and :meth:`finish` reads along."""
+
+    def __init__(
+        self,
+        path: Path,
+        chunk_bytes: int,
+        limits: ReadLimits,
+        claimed: Any,
+        worker: Any,
+        connection: Connection,
+    ) -> None:
+        self.path = path
+        self.chunk_bytes = chunk_bytes
+        self.limits = limits
+        self._claimed = claimed
+        self._worker = worker
+        self._connection = connection
+
+    @classmethod
+    def start(cls, path: Path, chunk_bytes: int, limits: ReadLimits) -> SecondReader | None:
+        """A worker reading ``path``, or None where one cannot be started."""
+        try:
+            context = multiprocessing.get_context("fork")
+            claimed = context.Value("q", 0)  # pieces handed out so far; they form a prefix
+            ours, theirs = context.Pipe(duplex=False)
+            reading = (path, str(path), chunk_bytes, limits, claimed)
+            worker = context.Process(target=_work, args=(theirs, *reading), daemon=True)
+            worker.start()
+        except (OSError, ValueError, RuntimeError):
             return None
-        built, its = pickle.loads(memoryview(message)[1:])
-        order = {index: (local, n) for n, index in enumerate(mine)}
-        order.update({index: (built, n) for n, index in enumerate(its)})
-        if sorted(order) != list(range(len(order))):
-            return None  # not expected: a piece nobody read
-        merged = merge([order[index] for index in range(len(order))])
-        return merged, top_level, streamed, (len(mine), len(its))
-    except Exception:  # a cut that does not parse, a bad event, a dead worker, a corrupt file...
-        return None  # ... the one-process read says what, properly
-    finally:
-        ours.close()
-        if worker.is_alive():
-            worker.kill()
-        worker.join()
+        theirs.close()
+        return cls(path, chunk_bytes, limits, claimed, worker, ours)
+
+    def finish(self, label: str) -> ReadColumns | None:
+        """Read the pieces still free in this process, and merge in the worker's; None when the
+        file could not be read this way (the caller then reads it in one process)."""
+        try:
+            reading = (self.path, label, self.chunk_bytes, self.limits, self._claimed)
+            local, mine, top_level, streamed = _read_claimed(*reading)
+            message = self._connection.recv_bytes()
+            if message[:1] != _DONE:
+                return None
+            built, its = pickle.loads(memoryview(message)[1:])
+            order = {index: (local, n) for n, index in enumerate(mine)}
+            order.update({index: (built, n) for n, index in enumerate(its)})
+            if sorted(order) != list(range(len(order))):
+                return None  # not expected: a piece nobody read
+            merged = merge([order[index] for index in range(len(order))])
+            return merged, top_level, streamed, (len(mine), len(its))
+        except Exception:  # a cut that does not parse, a bad event, a dead worker, a corrupt file
+            return None  # ... the one-process read says what, properly
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """End the worker (a no-op once it has ended)."""
+        self._connection.close()
+        if self._worker.is_alive():
+            self._worker.kill()
+        self._worker.join()
 
 
 def _read_claimed(
@@ -136,6 +174,7 @@ def _read_claimed(
 
 def _work(connection: Connection, *reading: Any) -> None:  # pragma: no cover - in the worker
     """The worker: read what it claims, send back its columns and their piece numbers."""
+    gc.disable()  # as the one-process read does: the parsed events hold no cycles
     try:
         built, mine, _, _ = _read_claimed(*reading)
         connection.send_bytes(_DONE + pickle.dumps((built, mine), pickle.HIGHEST_PROTOCOL))
@@ -150,6 +189,7 @@ def _work(connection: Connection, *reading: Any) -> None:  # pragma: no cover - 
 __all__ = [
     "MIN_PARALLEL_BYTES",
     "ReadColumns",
+    "SecondReader",
     "read_in_two_processes",
     "worth_a_second_process",
 ]

@@ -35,7 +35,12 @@ from diagnose.trace.columns import (
     ColumnBuilder,
     empty_columns,
 )
-from diagnose.trace.parallel_read import ReadColumns, read_in_two_processes, worth_a_second_process
+from diagnose.trace.parallel_read import (
+    ReadColumns,
+    SecondReader,
+    read_in_two_processes,
+    worth_a_second_process,
+)
 from diagnose.trace.stream import CORRUPT_GZIP, EventStream, ReadLimits, one_line, open_trace
 
 IntArray = npt.NDArray[np.int32]
@@ -166,6 +171,7 @@ def read_trace(
     chunk_bytes: int = CHUNK_BYTES,
     limits: ReadLimits | None = None,
     parallel: bool | None = None,
+    ahead: SecondReader | None = None,
 ) -> ParsedTrace:
     """Read ``path`` (``.json`` or gzip, detected by content) into a :class:`ParsedTrace`.
 
@@ -174,7 +180,8 @@ def read_trace(
     (default: :meth:`ReadLimits.from_env`).
 
     ``parallel``: read with a second process (see :mod:`diagnose.trace.parallel_read`); None
-    decides by the file's size and this machine. The tables are the same either way.
+    decides by the file's size and this machine. The tables are the same either way. ``ahead``:
+    the second process :func:`read_ahead` started on this file.
     """
     label = str(path)
     if not path.exists():
@@ -189,7 +196,14 @@ def read_trace(
     gc.disable()
     try:
         read = None
-        if parallel or (parallel is None and worth_a_second_process(path, chunk_bytes)):
+        if ahead is not None and (ahead.path, ahead.chunk_bytes) == (path, chunk_bytes):
+            read = ahead.finish(label)
+        elif ahead is not None:
+            ahead.stop()  # started on another file or chunk size: not ours to use
+        if read is None and (
+            parallel
+            or (parallel is None and ahead is None and worth_a_second_process(path, chunk_bytes))
+        ):
             read = read_in_two_processes(path, label, chunk_bytes, limits)
         if read is None:
             read = _read_in_this_process(path, label, chunk_bytes, limits)
@@ -198,6 +212,16 @@ def read_trace(
             gc.enable()
     built, top_level, streamed, pieces_read = read
     return _tables(built, label, top_level, streamed, pieces_read)
+
+
+def read_ahead(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> SecondReader | None:
+    """Start a second process reading ``path`` now, where that pays, for ``read_trace(path,
+    ahead=...)`` to read along and merge: a command imports the analysis meanwhile. The caller
+    calls ``stop()`` on it if it does not read the trace after all."""
+    path = Path(path)
+    if not path.is_file() or not worth_a_second_process(path, chunk_bytes):
+        return None
+    return SecondReader.start(path, max(chunk_bytes, 1 << 10), ReadLimits.from_env())
 
 
 def _read_in_this_process(
