@@ -28,7 +28,7 @@ from diagnose.roofline.model import Utilisation
 #: Bump when a field changes meaning or is removed, and add a migration for the previous version.
 #: Adding an optional field with a default needs no bump: older readers ignore it, newer readers
 #: default it.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: "run": diagnose's own workload; "trace": a trace from any trainer; "profile": the user's own
 #: command, captured by ``diagnose profile``.
@@ -71,7 +71,7 @@ PHASES: tuple[str, ...] = (
     "allocator",  # device idle while the host is in cudaMalloc/cudaFree/hipMalloc...
     "device_work",  # device work whose launching code is not in the trace (from a trace)
     "host_code",  # the training thread between ops: Python, untraced native code (CPU traces)
-    "idle",  # device idle with nothing else to blame (from a trace)
+    "idle",  # device idle while the host ran nothing traced: nothing else to blame (from a trace)
     "other",  # step time not covered by the phases above
 )
 
@@ -87,7 +87,7 @@ PHASE_LABELS: dict[str, str] = {
     "allocator": "allocator calls",
     "device_work": "GPU work, phase unknown",
     "host_code": "host code between ops",
-    "idle": "device idle",
+    "idle": "idle, no host activity",
     "other": "other",
 }
 
@@ -299,8 +299,35 @@ class Breakdown:
     seconds: dict[str, float] = field(default_factory=dict)
     #: How the phase seconds were obtained: "measured" (synchronised timers) or "trace".
     basis: Basis = "measured"
-    #: Device time per kernel class (GEMM, attention, ...) per step, when a device trace was read.
+    #: Device time per kernel class (GEMM, attention, ...) per step, when a device trace was read:
+    #: counted once (where classes overlap, the instant goes to one, in the stated precedence), so
+    #: the classes add up to ``device_busy_seconds``. Mean over the traced steps.
     device_seconds_by_kernel_class: dict[str, float] = field(default_factory=dict)
+    #: Summed kernel durations per class per step (overlapping streams both count): the time
+    #: each class's kernels ran, which may add up to more than the step. Mean over the steps.
+    kernel_seconds_summed_by_class: dict[str, float] = field(default_factory=dict)
+    #: Per step, the time the device ran any kernel, copy or memset on any stream, and the time
+    #: it ran none (together the step); mean over the traced steps. None without a device trace.
+    device_busy_seconds: float | None = None
+    device_idle_seconds: float | None = None
+
+    def take_device_time(self, traced: Breakdown) -> None:
+        """Take the device's time (busy, idle, kernel classes) from a trace's breakdown, where
+        it read a device; the phases stay as they were measured."""
+        if traced.device_busy_seconds is None and not traced.kernel_seconds_summed_by_class:
+            return
+        self.device_seconds_by_kernel_class = dict(traced.device_seconds_by_kernel_class)
+        self.kernel_seconds_summed_by_class = dict(traced.kernel_seconds_summed_by_class)
+        self.device_busy_seconds = traced.device_busy_seconds
+        self.device_idle_seconds = traced.device_idle_seconds
+
+    @property
+    def device_idle_share(self) -> float | None:
+        """The share of the step the device sat idle, when a device trace was read."""
+        busy, idle = self.device_busy_seconds, self.device_idle_seconds
+        if busy is None or idle is None or not busy + idle > 0:
+            return None
+        return idle / (busy + idle)
 
     def ordered(self) -> list[tuple[str, float]]:
         """Phases in report order, known phases first, then any others by name."""

@@ -57,5 +57,22 @@ def _checks_from_lines(data: dict[str, Any]) -> dict[str, Any]:
     return upgraded
 
 
+def _kernel_time_counted_once(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 kept summed kernel durations per class in ``device_seconds_by_kernel_class``
+    (overlapping streams both counted); version 3 counts each instant once there and keeps the
+    sums in ``kernel_seconds_summed_by_class``. An old record's sums move to their new name; the
+    counted-once times cannot be made from them and stay unknown."""
+    upgraded = dict(data, schema_version=3)
+    breakdown = data.get("breakdown")
+    if isinstance(breakdown, Mapping):
+        moved = dict(breakdown)
+        moved["kernel_seconds_summed_by_class"] = moved.pop("device_seconds_by_kernel_class", {})
+        upgraded["breakdown"] = moved
+    return upgraded
+
+
 #: schema_version -> function that upgrades a document of that version to the next one.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _checks_from_lines}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    1: _checks_from_lines,
+    2: _kernel_time_counted_once,
+}

@@ -166,6 +166,7 @@ def validate_record(record: RunRecord, left_out: Mapping[str, int] | None = None
         _check_map(sample.phases, f"timing.samples[{index}].phases")
     _check_map(record.breakdown.seconds, "breakdown.seconds")
     _check_map(record.breakdown.device_seconds_by_kernel_class, "breakdown.device_seconds")
+    _check_map(record.breakdown.kernel_seconds_summed_by_class, "breakdown.kernel_seconds_summed")
     _check_map(record.wall_seconds, "wall_seconds")
     for index, rank in enumerate(record.ranks):
         _check_rank(rank, f"ranks[{index}]")

@@ -170,10 +170,7 @@ def _analyze_own_trace(trace_path: Path, record: RunRecord) -> ProbeResult | Non
             duration_seconds=time.perf_counter() - start,
         )
     record.top_ops = traced.top_ops
-    if traced.breakdown.device_seconds_by_kernel_class:
-        record.breakdown.device_seconds_by_kernel_class = (
-            traced.breakdown.device_seconds_by_kernel_class
-        )
+    record.breakdown.take_device_time(traced.breakdown)
     result = next((p for p in traced.probes if p.name == "trace"), None)
     if result is None:
         result = ProbeResult(name="trace", findings=traced.findings)

@@ -120,6 +120,10 @@ _AXIS_UNITS: tuple[tuple[float, float, str], ...] = (
 )
 
 BREAKDOWN_LABEL = "Stacked bar of seconds per step by phase"
+DEVICE_TIME_LABEL = "Bar of the seconds per step the GPU was busy and idle"
+#: The device busy (any kernel, copy or memset on any stream) and idle, under the phase bar.
+DEVICE_BUSY_COLOR = "#332288"
+DEVICE_IDLE_COLOR = PHASE_COLORS["idle"]
 STEPS_LABEL = "Seconds of each step in run order"
 
 
@@ -239,7 +243,9 @@ def _axis_ticks(
     return [path, *labels] if marks else []
 
 
-def breakdown_bar_svg(segments: Sequence[Segment], *, chart_id: str = "breakdown") -> str:
+def breakdown_bar_svg(
+    segments: Sequence[Segment], *, chart_id: str = "breakdown", label: str = BREAKDOWN_LABEL
+) -> str:
     """One horizontal bar stacked from ``segments`` (left to right), seconds on the x axis.
 
     Segments with no positive, finite width are left out. Returns "" when nothing is left to draw.
@@ -261,7 +267,7 @@ def breakdown_bar_svg(segments: Sequence[Segment], *, chart_id: str = "breakdown
     def to_x(value: float) -> float:
         return left + (right - left) * value / scaled_total
 
-    parts = [_svg_open(chart_id, height, BREAKDOWN_LABEL), f'<g id="{chart_id}-bar">']
+    parts = [_svg_open(chart_id, height, label), f'<g id="{chart_id}-bar">']
     start = 0.0
     for segment in drawable:
         x0, x1 = to_x(start / per_unit), to_x((start + segment.seconds) / per_unit)
@@ -572,6 +578,9 @@ def clean_svg(raw: str, chart_id: str, label: str) -> str:
 
 
 __all__ = [
+    "DEVICE_BUSY_COLOR",
+    "DEVICE_IDLE_COLOR",
+    "DEVICE_TIME_LABEL",
     "EXTRA_COLORS",
     "PHASE_COLORS",
     "Segment",

@@ -78,6 +78,9 @@ class Headline:
     #: and one line per verdict. Empty at the real size.
     scale_text: str = ""
     scale_lines: tuple[str, ...] = ()
+    #: How much of the step the GPU sat idle (no kernel, copy or memset on any stream), from
+    #: the trace; "" without a device trace.
+    device_text: str = ""
 
 
 def build_headline(record: RunRecord) -> Headline:
@@ -142,7 +145,25 @@ def build_headline(record: RunRecord) -> Headline:
         source="trace" if from_trace else "measured",
         busy=bool(busy_text),
         busy_text=busy_text,
+        device_text=describe_device_time(record),
         **_scale(record),
+    )
+
+
+def describe_device_time(record: RunRecord) -> str:
+    """ "The GPU sat idle 29% of each traced step (...)", or "" without a device trace."""
+    breakdown = record.breakdown
+    share = breakdown.device_idle_share
+    if share is None:
+        return ""
+    device = "GPU" if record.device.kind in ("cuda", "rocm") else "device"
+    busy = format_seconds(breakdown.device_busy_seconds)
+    idle = format_seconds(breakdown.device_idle_seconds)
+    steps = "profiled step" if record.mode != "trace" else "traced step"
+    return (
+        f"The {device} sat idle {format_percent(share)} of each {steps} (idle {idle}, busy "
+        f"{busy} per step, mean over the steps): the time no kernel, copy or memset ran on any "
+        "stream."
     )
 
 

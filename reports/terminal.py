@@ -69,6 +69,8 @@ def terminal_summary(
         lines.append(f"  {style('noisy:', 'warn')} {headline.noise_text}")
     if headline.profiler_text:
         lines.append(f"  {style(headline.profiler_text, 'dim')}")
+    if headline.device_text:
+        lines.append(f"  {_clean(headline.device_text)}")
     utilisation = build_utilisation(record)
     if utilisation is not None:
         lines.append(f"  {style('peak:', 'dim')} {_clean(utilisation.line)}")

@@ -25,9 +25,19 @@ from diagnose.record import (
     RunRecord,
     Timing,
 )
+from diagnose.trace.kernel_classes import COUNTED_ONCE_PRECEDENCE
 from diagnose.verdicts import step_seconds as step_seconds_of
 
-from .charts import Segment, StepPoint, breakdown_bar_svg, phase_color, step_times_svg
+from .charts import (
+    DEVICE_BUSY_COLOR,
+    DEVICE_IDLE_COLOR,
+    DEVICE_TIME_LABEL,
+    Segment,
+    StepPoint,
+    breakdown_bar_svg,
+    phase_color,
+    step_times_svg,
+)
 from .format import (
     NOT_MEASURED,
     format_bytes,
@@ -181,8 +191,14 @@ class BreakdownView:
     coverage: str
     #: Inline SVG of the stacked bar ("" when nothing to draw).
     svg: str
-    #: Device time per kernel class, when a device trace was read.
-    kernel_classes: tuple[tuple[str, str], ...]
+    #: Per kernel class: name, device time counted once, summed kernel time; when a device
+    #: trace was read.
+    kernel_classes: tuple[tuple[str, str, str], ...]
+    #: The device's busy and idle time per step ("" without a device trace), and its bar.
+    device_line: str = ""
+    device_svg: str = ""
+    #: How the kernel-class times were counted (under their table).
+    kernel_classes_note: str = ""
 
 
 def build_breakdown(
@@ -215,13 +231,20 @@ def build_breakdown(
             f"{format_seconds(headline_seconds)} (medians are taken per phase, so the two need "
             "not match exactly)."
         )
+    once = breakdown.device_seconds_by_kernel_class
+    summed = breakdown.kernel_seconds_summed_by_class
     kernel_classes = tuple(
-        (name, format_seconds(seconds, like=headline_seconds))
-        for name, seconds in sorted(
-            breakdown.device_seconds_by_kernel_class.items(),
-            key=lambda kv: (-(kv[1] if is_number(kv[1]) else 0.0), kv[0]),
+        (
+            name,
+            format_seconds(once.get(name), like=headline_seconds) if once else NOT_MEASURED,
+            format_seconds(summed.get(name, 0.0), like=headline_seconds) if summed else "",
+        )
+        for name in sorted(
+            set(once) | set(summed),
+            key=lambda k: (-_number_or_zero(once.get(k, summed.get(k))), k),
         )
     )
+    device_line, device_svg = _device_time(breakdown, headline_seconds, problems, draw)
     return BreakdownView(
         phases=tuple(phases),
         total=format_seconds(total, like=headline_seconds) if phases else NOT_MEASURED,
@@ -229,7 +252,55 @@ def build_breakdown(
         coverage=coverage,
         svg=_chart(lambda: breakdown_bar_svg(segments), problems) if draw else "",
         kernel_classes=kernel_classes,
+        device_line=device_line,
+        device_svg=device_svg,
+        kernel_classes_note=KERNEL_CLASSES_NOTE if once else KERNEL_CLASSES_SUMMED_ONLY,
     )
+
+
+#: Under the kernel-class table: how its two columns were counted.
+KERNEL_CLASSES_NOTE = (
+    "Device time counts each instant once: where kernels of several classes ran at once (on "
+    "several streams), the instant goes to one, in this order: "
+    + ", ".join(COUNTED_ONCE_PRECEDENCE)
+    + ". The classes add up to the busy time, and communication keeps only the time no other "
+    "work hid (its exposed part). Summed kernel time adds every kernel's duration, so "
+    "overlapping kernels count twice. Means over the steps."
+)
+KERNEL_CLASSES_SUMMED_ONLY = (
+    "This record holds only summed kernel time per class (overlapping kernels count twice): it "
+    "was written before diagnose counted device time once."
+)
+
+
+def _number_or_zero(value: float | None) -> float:
+    return float(value) if value is not None and is_number(value) else 0.0
+
+
+def _device_time(
+    breakdown: Breakdown, headline_seconds: float | None, problems: list[str], draw: bool
+) -> tuple[str, str]:
+    """The line and the bar of the device's busy and idle time per step."""
+    share = breakdown.device_idle_share
+    busy, idle = breakdown.device_busy_seconds, breakdown.device_idle_seconds
+    if share is None or busy is None or idle is None:
+        return "", ""
+    line = (
+        f"Device busy {format_seconds(busy, like=headline_seconds)} and idle "
+        f"{format_seconds(idle, like=headline_seconds)} per step ({format_percent(share)} idle): "
+        "busy is any kernel, copy or memset on any stream; mean over the steps. The phase "
+        "'idle, no host activity' is the part of the idle time the host did nothing traced in."
+    )
+    segments = [Segment(busy, DEVICE_BUSY_COLOR), Segment(idle, DEVICE_IDLE_COLOR)]
+    svg = (
+        _chart(
+            lambda: breakdown_bar_svg(segments, chart_id="device-time", label=DEVICE_TIME_LABEL),
+            problems,
+        )
+        if draw
+        else ""
+    )
+    return line, svg
 
 
 # --------------------------------------------------------------------------------------------

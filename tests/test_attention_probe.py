@@ -54,7 +54,7 @@ from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.record import DeviceInfo, Finding, ProbeResult, StepSample, new_record
 from diagnose.reports.view import build_checks
 from diagnose.trace.analysis import analyze_trace
-from diagnose.trace.kernels import classify_kernel
+from diagnose.trace.kernel_classes import classify_kernel
 from diagnose.verdicts import contradictions, settle, settle_findings
 from diagnose.workload import build_workload
 from diagnose.workload.data import generate_images

@@ -437,6 +437,28 @@ def test_kernel_classes_compare_when_both_records_have_them(quiet: RunRecord) ->
     assert any("kernel class" in note for note in only_one.notes)
 
 
+def test_a_record_from_before_counting_once_compares_its_sums(quiet: RunRecord) -> None:
+    """A baseline written by an older diagnose holds summed kernel time only (schema 2): the
+    gate compares sums with sums, and says so, rather than sums with counted-once times."""
+    old = copy.deepcopy(quiet)
+    new = copy.deepcopy(quiet)
+    step = old.timing.unprofiled.median
+    document = json.loads(old.to_json())
+    document["schema_version"] = 2
+    document["breakdown"] = {"device_seconds_by_kernel_class": {"communication": 0.6 * step}}
+    old = RunRecord.from_dict(document)
+    assert old.breakdown.device_seconds_by_kernel_class == {}
+    # Overlapped with compute, communication counted once is far less than its sum.
+    new.breakdown = Breakdown(
+        device_seconds_by_kernel_class={"communication": 0.1 * step},
+        kernel_seconds_summed_by_class={"communication": 0.6 * step},
+    )
+    comparison = compare_records(old, new)
+    verdicts = {m.key: m.verdict for m in comparison.metrics if m.kind == "kernel_class"}
+    assert verdicts == {"kernel_class.communication": "same"}
+    assert any("summed kernel time" in note for note in comparison.notes)
+
+
 # --------------------------------------------------------------------------------------------
 # Findings
 

@@ -193,6 +193,9 @@ def trace_record() -> RunRecord:
             seconds={"forward": 0.3, "backward": 0.45, "idle": 0.1},
             basis="trace",
             device_seconds_by_kernel_class={"gemm": 0.5, "attention": 0.2},
+            kernel_seconds_summed_by_class={"gemm": 0.55, "attention": 0.2},
+            device_busy_seconds=0.7,
+            device_idle_seconds=0.175,
         ),
         findings=[
             Finding(
@@ -321,7 +324,14 @@ def test_trace_headline_says_it_came_from_the_trace() -> None:
     assert "read from the profiler trace" in h.how
     assert h.profiler_text == ""
     assert "from the trace" in view.breakdown.basis
-    assert view.breakdown.kernel_classes == (("gemm", "500 ms"), ("attention", "200 ms"))
+    assert view.breakdown.kernel_classes == (
+        ("gemm", "500 ms", "550 ms"),
+        ("attention", "200 ms", "200 ms"),
+    )
+    # The GPU's idle share is the device's, not the "idle, no host activity" phase's 100 ms.
+    assert "sat idle 20% of each traced step" in h.device_text
+    assert "idle 175 ms, busy 700 ms per step" in h.device_text
+    assert "(20% idle)" in view.breakdown.device_line and "<svg" in view.breakdown.device_svg
     assert view.findings[0].saving_basis == "from the trace"
     assert view.model == ()
 

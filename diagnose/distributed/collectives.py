@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import EMPTY, Intervals, subtract, union
-from diagnose.trace.kernels import KERNEL_CLASSES
+from diagnose.trace.kernel_classes import KERNEL_CLASSES
 
 #: Host ranges that are a collective's own work (gloo/MPI/UCC run it on host threads).
 _HOST_COLLECTIVE = re.compile(r"^(gloo|mpi|ucc):")

@@ -128,10 +128,7 @@ def _ranks_trace_result(comparison: RankComparison, record: RunRecord, start: fl
 
     traced = comparison_record(comparison)
     record.top_ops = traced.top_ops
-    if traced.breakdown.device_seconds_by_kernel_class:
-        record.breakdown.device_seconds_by_kernel_class = (
-            traced.breakdown.device_seconds_by_kernel_class
-        )
+    record.breakdown.take_device_time(traced.breakdown)
     result = next((p for p in traced.probes if p.name == "trace"), None)
     if result is None:
         result = ProbeResult(name="trace")

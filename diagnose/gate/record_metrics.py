@@ -273,6 +273,18 @@ def _compare_kernel_classes(
 ) -> list[MetricComparison]:
     per_baseline = [record.breakdown.device_seconds_by_kernel_class for record in baselines]
     b = current.breakdown.device_seconds_by_kernel_class
+    summed = "summed kernel time per class"
+    if (not all(per_baseline) or not b) and all(
+        r.breakdown.kernel_seconds_summed_by_class for r in [*baselines, current]
+    ):
+        # A record from before kernel time was counted once has only the sums: compare like
+        # with like.
+        per_baseline = [record.breakdown.kernel_seconds_summed_by_class for record in baselines]
+        b = current.breakdown.kernel_seconds_summed_by_class
+        notes.append(
+            f"Kernel classes are compared by {summed} (overlapping streams both counted): "
+            "not every record counts device time once."
+        )
     if not any(per_baseline) and not b:
         return []
     if not all(per_baseline) or not b:

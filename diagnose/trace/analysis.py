@@ -45,6 +45,7 @@ from diagnose.trace.device import detect_device
 from diagnose.trace.kernels import (
     KernelClassStat,
     KernelStat,
+    KernelTables,
     kernel_tables,
     label_kernels,
     short_kernel_name,
@@ -89,9 +90,16 @@ class StepStat:
     phases: dict[str, float] = field(default_factory=dict)
     #: Device-idle part of ``phases`` by host activity (GPU traces).
     device_idle_by_phase: dict[str, float] = field(default_factory=dict)
+    #: Device seconds per kernel class, counted once (they add up to device_busy_seconds).
     kernel_seconds_by_class: dict[str, float] = field(default_factory=dict)
+    #: Summed kernel durations per class (overlapping streams both count).
+    kernel_seconds_summed_by_class: dict[str, float] = field(default_factory=dict)
     #: The input shape the step trained ("2x4x64x64"), when the steps had several; else "".
     bucket: str = ""
+    #: Where the step lies in the trace: its first and last instant in the trace's own clock
+    #: (microseconds, as the trace's ``ts``), to find it in a trace viewer.
+    start_us: float = 0.0
+    end_us: float = 0.0
 
 
 @dataclass
@@ -155,7 +163,7 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
     tables = kernel_tables(trace, labels, steps, device.primary_device)
     phases = build_phases(trace, structure, device.primary_device, labels)
     per_step = step_breakdowns(steps, phases, busy, has_device)
-    breakdown = summarize_breakdown(per_step, tables.per_step)
+    breakdown = summarize_breakdown(per_step, tables, steps, has_device)
     ctx = TraceContext(
         trace=trace,
         structure=structure,
@@ -180,7 +188,7 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
     return TraceAnalysis(
         path=trace.path,
         device=device.info,
-        steps=_step_stats(steps.steps, per_step, tables.per_step, buckets),
+        steps=_step_stats(steps.steps, per_step, tables, buckets, trace.base_us),
         breakdown=breakdown,
         kernel_classes=tables.classes,
         top_kernels=tables.top,
@@ -201,8 +209,9 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
 def _step_stats(
     windows: list[StepWindow],
     per_step: list[StepBreakdown],
-    kernels: list[dict[str, float]],
+    kernels: KernelTables,
     buckets: list[str],
+    base_us: float,
 ) -> list[StepStat]:
     return [
         StepStat(
@@ -215,10 +224,20 @@ def _step_stats(
             else 0.0,
             phases=b.seconds,
             device_idle_by_phase=b.device_idle,
-            kernel_seconds_by_class=k,
+            kernel_seconds_by_class=once,
+            kernel_seconds_summed_by_class=summed,
             bucket=bucket,
+            start_us=base_us + w.start_us,
+            end_us=base_us + w.end_us,
         )
-        for w, b, k, bucket in zip(windows, per_step, kernels, buckets, strict=True)
+        for w, b, once, summed, bucket in zip(
+            windows,
+            per_step,
+            kernels.once_per_step,
+            kernels.summed_per_step,
+            buckets,
+            strict=True,
+        )
     ]
 
 

@@ -30,7 +30,8 @@ import numpy.typing as npt
 
 from diagnose.record import PHASE_LABELS, Breakdown
 from diagnose.trace.intervals import EMPTY, Intervals, union
-from diagnose.trace.kernels import KERNEL_CLASSES, KernelLabels, in_steps_mask
+from diagnose.trace.kernel_classes import KERNEL_CLASSES
+from diagnose.trace.kernels import KernelLabels, in_steps_mask
 from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure

@@ -52,7 +52,8 @@ from diagnose.trace.intervals import (
     union,
     union_of,
 )
-from diagnose.trace.kernels import KERNEL_CLASSES, KernelLabels
+from diagnose.trace.kernel_classes import KERNEL_CLASSES
+from diagnose.trace.kernels import KernelLabels, KernelTables
 from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
@@ -355,22 +356,35 @@ def step_breakdowns(
 
 
 def summarize_breakdown(
-    per_step: list[StepBreakdown], kernel_per_step: list[dict[str, float]]
+    per_step: list[StepBreakdown],
+    kernels: KernelTables,
+    steps: StepSet,
+    has_device: bool,
 ) -> Breakdown:
-    """Median over steps of each phase and each kernel class (basis "trace")."""
+    """Median over steps of each phase (basis "trace"); the device's time (busy, idle, kernel
+    classes) as means over the steps, so that its parts add up."""
     phases = sorted({p for b in per_step for p in b.seconds})
     seconds = (
         {p: statistics.median(b.seconds.get(p, 0.0) for b in per_step) for p in phases}
         if per_step
         else {}
     )
-    classes = sorted({c for d in kernel_per_step for c in d})
-    by_class = (
-        {c: statistics.median(d.get(c, 0.0) for d in kernel_per_step) for c in classes}
-        if kernel_per_step
-        else {}
+    breakdown = Breakdown(
+        seconds=seconds,
+        basis="trace",
+        device_seconds_by_kernel_class=_mean_per_class(kernels.once_per_step),
+        kernel_seconds_summed_by_class=_mean_per_class(kernels.summed_per_step),
     )
-    return Breakdown(seconds=seconds, basis="trace", device_seconds_by_kernel_class=by_class)
+    if has_device and steps.steps:
+        n = len(steps.steps)
+        breakdown.device_busy_seconds = sum(w.device_busy_seconds for w in steps.steps) / n
+        breakdown.device_idle_seconds = sum(w.device_idle_seconds for w in steps.steps) / n
+    return breakdown
+
+
+def _mean_per_class(per_step: list[dict[str, float]]) -> dict[str, float]:
+    classes = sorted({c for d in per_step for c in d})
+    return {c: sum(d.get(c, 0.0) for d in per_step) / len(per_step) for c in classes}
 
 
 def top_ops(

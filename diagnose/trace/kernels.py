@@ -15,107 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from diagnose.trace.columns import KERNEL, MEMCPY, MEMSET
+from diagnose.trace.intervals import EMPTY, subtract, union, union_of
+from diagnose.trace.kernel_classes import COUNTED_ONCE_PRECEDENCE, KERNEL_CLASSES, classify_kernel
 from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
 
-#: Every class, in the order tables list them when times tie.
-KERNEL_CLASSES: tuple[str, ...] = (
-    "gemm",
-    "conv",
-    "attention_fused",
-    "norm",
-    "elementwise",
-    "reduction",
-    "softmax",
-    "optimizer",
-    "triton",
-    "memcpy",
-    "memset",
-    "communication",
-    "other",
-)
-
-_RULES: list[tuple[str, re.Pattern[str]]] = [
-    (
-        "communication",
-        re.compile(
-            r"nccl|rccl|msccl|cross_device_reduce|all_?reduce|all_?gather|reduce_?scatter|alltoall"
-        ),
-    ),
-    (
-        "attention_fused",
-        re.compile(
-            r"flash_?fwd|flash_?bwd|flash_?attn|flashattn|pytorch_flash|flash::|fmha|attn_fwd|attn_bwd"
-            r"|bwd_kernel_dk_dv|bwd_kernel_dq|efficient_attention|mem_eff|attentionkernel"
-            r"|attention_kernel|_sdpa|sdpa_|flex_attention|cutlass\w*attention|fused_attention"
-        ),
-    ),
-    ("triton", re.compile(r"^triton_")),
-    (
-        "optimizer",
-        re.compile(
-            r"multi_tensor_apply|adamw?|adagrad|lamb(?!da)|fused_sgd|sgd_|optimizer|adafactor|lion_|rmsprop"
-        ),
-    ),
-    (
-        "norm",
-        re.compile(
-            r"layer_?norm|batch_?norm|group_?norm|rms_?norm|instance_?norm|\bbn_|::bn_|bn_fw|bn_bw"
-            r"|rowwisemoments|welford|computeinternalgradients|fusedparams|gammabeta"
-            r"|applylayernorm|computegradinput"
-        ),
-    ),
-    ("softmax", re.compile(r"softmax")),
-    (
-        "conv",
-        re.compile(
-            r"conv(?!ert)|scudnn|hcudnn|cudnn|fprop|dgrad|wgrad|igemm|implicit_?gemm|winograd|fft2d"
-            r"|im2col|col2im"
-        ),
-    ),
-    (
-        "gemm",
-        re.compile(
-            r"gemm|gemv|^cijk_|custom_cijk|cublas|matmul|nvjet|xmma|wmma|splitkreduce"
-            r"|rocblas|hipblaslt|_mm_|bmm"
-        ),
-    ),
-    (
-        "reduction",
-        re.compile(
-            r"reduce|cub::|devicereduce|devicescan|pool|sum_kernel|mean_kernel|argmax|argmin"
-            r"|norm_kernel|nll_loss|nllcriterion|cross_entropy"
-        ),
-    ),
-    (
-        "elementwise",
-        re.compile(
-            r"elementwise|functor|copy|fill|index|gather|scatter|transpose|permute|concat|embedding"
-            r"|dropout|relu|gelu|silu|sigmoid|tanh|clamp|threshold|where|masked|distribution|philox"
-            r"|random|uniform|normal|tensorop|op2dtensor|nchwtonhwc|nhwctonchw|upsample|interpolate"
-            r"|pad|cast|convert|arange|zero|memcpy|memset|activation|bias|add|mul"
-        ),
-    ),
-]
-
 _CONV_OP = re.compile(r"conv(?!ert)", re.IGNORECASE)
-
-
-def classify_kernel(name: str, kind: int = KERNEL) -> str:
-    """The class of one device activity from its name (and kind: kernel, memcpy, memset)."""
-    if kind == MEMCPY:
-        return "memcpy"
-    if kind == MEMSET:
-        return "memset"
-    lowered = name.lower()
-    if lowered.startswith("void "):
-        lowered = lowered[5:]
-    for cls, pattern in _RULES:
-        if pattern.search(lowered):
-            return cls
-    return "other"
 
 
 def short_kernel_name(name: str, limit: int = 120) -> str:
@@ -174,10 +80,16 @@ class KernelClassStat:
     seconds_per_step: float
     total_seconds: float
     calls: int
-    #: Share of all device activity time in the steps.
+    #: Share of all summed kernel time in the steps.
     share: float
     #: The most expensive kernels of this class (shortened names).
     examples: list[str] = field(default_factory=list)
+    #: Device seconds per step counted once: the instants this class holds the device, where
+    #: classes overlap the first in ``COUNTED_ONCE_PRECEDENCE``; the classes add up to the busy
+    #: time.
+    once_seconds_per_step: float = 0.0
+    #: Share of the device-busy time in the steps.
+    once_share: float = 0.0
 
 
 @dataclass
@@ -197,8 +109,11 @@ class KernelTables:
     top: list[KernelStat]
     #: Every kernel name classed "other", with its total seconds, most expensive first.
     unclassified: list[tuple[str, float]]
-    #: Seconds per class per step (one dict per step), for the breakdown.
-    per_step: list[dict[str, float]]
+    #: Summed kernel seconds per class per step (one dict per step).
+    summed_per_step: list[dict[str, float]]
+    #: Device seconds per class per step counted once (one dict per step): they add up to the
+    #: step's busy time.
+    once_per_step: list[dict[str, float]]
 
 
 def in_steps_mask(ts: npt.NDArray[np.float64], steps: StepSet) -> npt.NDArray[np.intp]:
@@ -224,11 +139,11 @@ def kernel_tables(
     n_steps = max(len(steps.steps), 1)
     empty_per_step: list[dict[str, float]] = [{} for _ in steps.steps]
     if not len(device) or primary_device < 0:
-        return KernelTables([], [], [], empty_per_step)
+        return KernelTables([], [], [], empty_per_step, empty_per_step)
     step_of = in_steps_mask(device.ts, steps)
     selected = np.flatnonzero((step_of >= 0) & (device.device == primary_device))
     if not selected.size:
-        return KernelTables([], [], [], empty_per_step)
+        return KernelTables([], [], [], empty_per_step, empty_per_step)
     dur_s = device.dur[selected] / 1e6
     classes = labels.classes[selected]
     total_time = float(dur_s.sum()) or 1.0
@@ -243,6 +158,9 @@ def kernel_tables(
         classes  # a name keeps one class (conv refinement is per name+op; last wins)
     )
     order = np.argsort(-name_time, kind="stable")
+    once_per_step = counted_once(trace, labels, steps, primary_device)
+    once_totals = {c: sum(d.get(c, 0.0) for d in once_per_step) for c in KERNEL_CLASSES}
+    busy_total = sum(once_totals.values()) or 1.0
 
     class_stats: list[KernelClassStat] = []
     for ci, cls in enumerate(KERNEL_CLASSES):
@@ -263,6 +181,8 @@ def kernel_tables(
                 calls=int(mask.sum()),
                 share=seconds / total_time,
                 examples=examples,
+                once_seconds_per_step=once_totals[cls] / n_steps,
+                once_share=once_totals[cls] / busy_total,
             )
         )
     class_stats.sort(key=lambda c: (-c.total_seconds, KERNEL_CLASSES.index(c.name)))
@@ -290,7 +210,32 @@ def kernel_tables(
     cells = step_of[selected].astype(np.int64) * n_classes + classes
     sums = np.bincount(cells, weights=dur_s, minlength=len(steps.steps) * n_classes)
     grid = sums.reshape(len(steps.steps), n_classes)
-    per_step = [
+    summed_per_step = [
         {KERNEL_CLASSES[i]: float(v) for i, v in enumerate(row.tolist()) if v > 0} for row in grid
     ]
-    return KernelTables(class_stats, top, unclassified, per_step)
+    return KernelTables(class_stats, top, unclassified, summed_per_step, once_per_step)
+
+
+def counted_once(
+    trace: ParsedTrace, labels: KernelLabels, steps: StepSet, primary_device: int
+) -> list[dict[str, float]]:
+    """Per step, the device seconds of each class counted once: every instant the device is busy
+    goes to one class, the first of ``COUNTED_ONCE_PRECEDENCE`` running then. Kernels that cross
+    a step's edge count for the part inside it."""
+    device = trace.device
+    per_step: list[dict[str, float]] = [{} for _ in steps.steps]
+    on_device = device.device == primary_device
+    covered = EMPTY
+    for cls in COUNTED_ONCE_PRECEDENCE:
+        mask = on_device & (labels.classes == KERNEL_CLASSES.index(cls))
+        if not mask.any():
+            continue
+        starts = device.ts[mask]
+        running = union(starts, starts + device.dur[mask])
+        held = subtract(running, covered)
+        covered = union_of([covered, running])
+        for seconds, step in zip(per_step, steps.steps, strict=True):
+            micros = held.clip(step.start_us, step.end_us).total
+            if micros > 0:
+                seconds[cls] = micros / 1e6
+    return per_step

@@ -22,7 +22,8 @@ from diagnose.record import Finding, ProbeResult
 from diagnose.trace import components
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
-from diagnose.trace.kernels import KERNEL_CLASSES, short_kernel_name
+from diagnose.trace.kernel_classes import KERNEL_CLASSES
+from diagnose.trace.kernels import short_kernel_name
 from diagnose.trace.modules import ModuleShare
 from diagnose.trace.rules import ms
 
