@@ -162,9 +162,10 @@ def test_severity_follows_the_share_of_the_step(
         assert finding.severity == "info"
 
 
-def capture_buckets(path: Path, sizes: tuple[int, ...]) -> Path:
+def capture_buckets(path: Path, sizes: tuple[int, ...], *, empty_ops: bool = False) -> Path:
     """A plain training loop (conv net, AdamW) stepped at the image sizes given, profiled with
-    record_shapes and no module ranges: the shapes alone tell the buckets apart."""
+    record_shapes and no module ranges: the shapes alone tell the buckets apart. ``empty_ops``:
+    every other step also handles an empty tensor, as a DataLoader sets up shared storage."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 3, padding=1),
@@ -179,7 +180,9 @@ def capture_buckets(path: Path, sizes: tuple[int, ...]) -> Path:
         record_shapes=True,
         schedule=schedule(wait=0, warmup=1, active=len(sizes), repeat=1),
     ) as prof:
-        for size in (sizes[0], *sizes):
+        for n, size in enumerate((sizes[0], *sizes)):
+            if empty_ops and n % 2:
+                torch.empty(0).to(torch.float64).detach_()
             images = torch.randn(2, 3, size, size)
             loss = (model(images) - images).pow(2).mean()
             loss.backward()
@@ -196,6 +199,9 @@ def bucket_traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TraceAn
     return {
         "two": analyze_trace(capture_buckets(folder / "two.json", (32, 256) * 3)),
         "one": analyze_trace(capture_buckets(folder / "one.json", (32,) * 4)),
+        "one, empty ops": analyze_trace(
+            capture_buckets(folder / "empty.json", (32,) * 4, empty_ops=True)
+        ),
     }
 
 
@@ -222,7 +228,9 @@ def test_two_bucket_trace_reports_each_bucket(
     assert headline.noisy == (within > NOISY_RELATIVE_SPREAD)
 
 
-def test_one_shape_twin_has_no_buckets(bucket_traces: dict[str, TraceAnalysis]) -> None:
-    one = bucket_traces["one"]
+@pytest.mark.parametrize("twin", ["one", "one, empty ops"])
+def test_one_shape_twin_has_no_buckets(bucket_traces: dict[str, TraceAnalysis], twin: str) -> None:
+    # Ops that saw only empty tensors in some steps (a DataLoader's storage) are no input size.
+    one = bucket_traces[twin]
     assert {s.bucket for s in one.steps} == {""}
     assert not any("input shapes" in n for n in one.notes)

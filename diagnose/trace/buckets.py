@@ -51,6 +51,11 @@ def step_buckets(
         and int(scopes.owner[i]) == i
         and int(scopes.thread[i]) == structure.main_thread
     ]
+    # Ops that saw no data (only empty or zero-size tensors: a DataLoader's shared-memory storage
+    # being set up in some steps and not others) say nothing about the input size.
+    ids = np.unique(host.input_dims[candidates])
+    empty = ids[[not _carries_data(trace.name_of(int(i))) for i in ids.tolist()]]
+    candidates &= ~np.isin(host.input_dims, empty)
     step_ops: list[npt.NDArray[np.int64]] = []
     for k, step in enumerate(steps.steps):
         ops = np.flatnonzero(candidates & (step_of == k))
@@ -88,6 +93,19 @@ def step_buckets(
         "each step's forward ops saw (the denoiser's, when the trace names it): step time is "
         "given per shape, and noise is judged within each one."
     ]
+
+
+def _carries_data(dims_text: str) -> bool:
+    """Whether an op's input shapes include a tensor with elements (``[[0],[]]`` has none)."""
+    try:
+        dims = json.loads(dims_text)
+    except ValueError:
+        return True  # unreadable: kept, as before
+    if not isinstance(dims, list):
+        return True
+    return any(
+        isinstance(d, list) and d and all(isinstance(x, int) and x > 0 for x in d) for d in dims
+    )
 
 
 def _first_input(dims_text: str) -> str:
