@@ -197,6 +197,8 @@ class BreakdownView:
     #: The device's busy and idle time per step ("" without a device trace), and its bar.
     device_line: str = ""
     device_svg: str = ""
+    #: The device bar's legend: busy and idle, seconds and share.
+    device_legend: tuple[PhaseView, ...] = ()
     #: How the kernel-class times were counted (under their table).
     kernel_classes_note: str = ""
 
@@ -244,7 +246,9 @@ def build_breakdown(
             key=lambda k: (-_number_or_zero(once.get(k, summed.get(k))), k),
         )
     )
-    device_line, device_svg = _device_time(breakdown, headline_seconds, problems, draw)
+    device_line, device_svg, device_legend = _device_time(
+        breakdown, headline_seconds, problems, draw
+    )
     return BreakdownView(
         phases=tuple(phases),
         total=format_seconds(total, like=headline_seconds) if phases else NOT_MEASURED,
@@ -254,6 +258,7 @@ def build_breakdown(
         kernel_classes=kernel_classes,
         device_line=device_line,
         device_svg=device_svg,
+        device_legend=device_legend,
         kernel_classes_note=KERNEL_CLASSES_NOTE if once else KERNEL_CLASSES_SUMMED_ONLY,
     )
 
@@ -279,12 +284,12 @@ def _number_or_zero(value: float | None) -> float:
 
 def _device_time(
     breakdown: Breakdown, headline_seconds: float | None, problems: list[str], draw: bool
-) -> tuple[str, str]:
-    """The line and the bar of the device's busy and idle time per step."""
+) -> tuple[str, str, tuple[PhaseView, ...]]:
+    """The line, the bar and the legend of the device's busy and idle time per step."""
     share = breakdown.device_idle_share
     busy, idle = breakdown.device_busy_seconds, breakdown.device_idle_seconds
     if share is None or busy is None or idle is None:
-        return "", ""
+        return "", "", ()
     line = (
         f"Device busy {format_seconds(busy, like=headline_seconds)} and idle "
         f"{format_seconds(idle, like=headline_seconds)} per step ({format_percent(share)} idle): "
@@ -300,7 +305,20 @@ def _device_time(
         if draw
         else ""
     )
-    return line, svg
+    legend = tuple(
+        PhaseView(
+            key=key,
+            label=label,
+            seconds=format_seconds(seconds, like=headline_seconds),
+            percent=format_percent(part),
+            color=color,
+        )
+        for key, label, seconds, part, color in (
+            ("device_busy", "device busy", busy, 1.0 - share, DEVICE_BUSY_COLOR),
+            ("device_idle", "device idle", idle, share, DEVICE_IDLE_COLOR),
+        )
+    )
+    return line, svg, legend
 
 
 # --------------------------------------------------------------------------------------------

@@ -332,6 +332,8 @@ def test_trace_headline_says_it_came_from_the_trace() -> None:
     assert "sat idle 20% of each traced step" in h.device_text
     assert "idle 175 ms, busy 700 ms per step" in h.device_text
     assert "(20% idle)" in view.breakdown.device_line and "<svg" in view.breakdown.device_svg
+    legend = [(p.label, p.seconds, p.percent) for p in view.breakdown.device_legend]
+    assert legend == [("device busy", "700 ms", "80%"), ("device idle", "175 ms", "20%")]
     assert view.findings[0].saving_basis == "from the trace"
     assert view.model == ()
 
