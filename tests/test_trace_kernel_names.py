@@ -56,6 +56,27 @@ def test_words_are_whole_words(name: str, wrong: str) -> None:
     assert got in {"moe_routing", "elementwise"}
 
 
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        # Names of the same families that are not in the table: the words carry over.
+        (
+            "void at::native::(anonymous namespace)::upsample_bilinear2d_out_frame<float>()",
+            "elementwise",
+        ),
+        ("ck_tile::kentry<FmhaBwdDQDKDVKernel>", "attention_fused"),
+        ("void at::native::tensor_kernel_scan_innermost_dim<float>()", "sort_scan"),
+        (
+            "void at::native::_amp_non_finite_check_and_unscale_cuda_kernel()",
+            "elementwise",
+        ),
+        ("void cutlass::Kernel<cutlass_75_tensorop_s1688gemm_64x64_32x2_tn_align1>()", "gemm"),
+    ],
+)
+def test_unseen_names_of_known_families(name: str, expected: str) -> None:
+    assert classify_kernel(name) == expected
+
+
 def test_every_class_has_a_place_when_counted_once() -> None:
     assert sorted(COUNTED_ONCE_PRECEDENCE) == sorted(KERNEL_CLASSES)
     # Communication last: what is left to it is the time no other work hides.

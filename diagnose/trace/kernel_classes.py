@@ -253,6 +253,7 @@ _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
             r" op \d+ d tensor ",
             r" (sub|add|mul) tensor",
             r" kv ?cache ",
+            r" amp (non finite|update scale)",  # the AMP grad scaler's unscale and check
             r" store kvcache ",
             r" rotary ",
             r" rope ",
