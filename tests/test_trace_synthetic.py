@@ -111,6 +111,7 @@ def training_trace(
     sync_in_optimizer: bool = False,
     kernel_us: float = 200.0,
     host_gap_us: float = 0.0,
+    closure: bool = False,
 ) -> TraceAnalysis:
     """Three steps: data, 20 forward ops, 20 backward nodes on the autograd thread, an AdamW step
     of 10 foreach kernels, then a loss.item(). ``host_gap_us`` is Python time between forward
@@ -121,9 +122,14 @@ def training_trace(
         step_start = t
         b.annotation("enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__", t, 50)
         t += 60
+        # optimizer.step(closure): the step's range opens before the closure's forward, and the
+        # closure's loss.item() (a logged loss) syncs inside it, before the backward.
+        closure_start = t
         for _ in range(20):
             t = b.op_with_kernel("aten::addmm", t, "sm90_xmma_gemm_bf16bf16_bf16f32", kernel_us)
             t += host_gap_us
+        if closure:
+            t = b.sync(t + 5) + 50  # training_step reads the loss before the backward
         for _ in range(20):
             b.annotation("autograd::engine::evaluate_function: AddmmBackward0", t, 25, AUTOGRAD)
             t = (
@@ -141,9 +147,13 @@ def training_trace(
             if sync_in_optimizer and k == 4:
                 # A per-step .item() inside the optimizer: block, then relaunch from scratch.
                 t = b.sync(t) + 300
-        b.annotation("Optimizer.step#AdamW.step", opt_start - 1, t - opt_start + 2)
-        # loss.item() for the progress bar: the usual once-per-step sync, outside the optimizer.
-        t = b.sync(t + 5) + 50
+        if closure:
+            b.annotation("Optimizer.step#AdamW.step", closure_start - 1, t - closure_start + 2)
+        else:
+            b.annotation("Optimizer.step#AdamW.step", opt_start - 1, t - opt_start + 2)
+            # loss.item() for the progress bar: the usual once-per-step sync, outside the
+            # optimizer.
+            t = b.sync(t + 5) + 50
         b.annotation(f"ProfilerStep#{step}", step_start, t - step_start)
     return analyze_trace(b.save(path))
 
@@ -166,6 +176,18 @@ def test_sync_inside_optimizer_step_is_found(tmp_path: Path) -> None:
     clean = training_trace(tmp_path / "clean.json")
     assert "optimizer.sync_in_step" not in ids(clean)
     assert any(line.startswith("optimizer: no host-device syncs") for line in ok_lines(clean))
+
+
+def test_a_sync_in_the_closure_is_not_the_optimizers(tmp_path: Path) -> None:
+    """optimizer.step(closure): the closure's loss.item() lies inside the step's range but is
+    not the optimizer's own; a sync in the update itself still is."""
+    clean = training_trace(tmp_path / "closure.json", closure=True)
+    assert "optimizer.sync_in_step" not in ids(clean)
+    assert clean.breakdown.seconds["forward"] > 0.003  # 20 x 200 µs, not the optimizer's
+    assert clean.breakdown.seconds["optimizer"] < 0.001
+    planted = training_trace(tmp_path / "both.json", closure=True, sync_in_optimizer=True)
+    finding = next(f for f in planted.findings if f.id == "optimizer.sync_in_step")
+    assert finding.evidence["syncs_per_step"] == 1
 
 
 def test_phases_of_a_gpu_step(tmp_path: Path) -> None:

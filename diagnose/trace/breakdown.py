@@ -101,6 +101,7 @@ _DIAGNOSE_PHASES = ("data_wait", "h2d", "encode", "forward", "backward", "optimi
 
 _DATALOADER = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__|dataloader_next", re.I)
 _OPTIMIZER = re.compile(r"^Optimizer\.(step|zero_grad)#|optimizer_step|optimizer_zero_grad", re.I)
+_OPTIMIZER_STEP = re.compile(r"^Optimizer\.step#|optimizer_step", re.I)
 _DIAGNOSE = re.compile(r"^diagnose::(\w+)$")
 
 
@@ -154,10 +155,11 @@ def build_phases(
 
     data_mask = _name_mask(trace, _DATALOADER)
     dataloader_names = sorted({trace.names[int(i)] for i in host.name[data_mask].tolist()})
+    backward = _backward_intervals(trace, structure)
     heuristic: dict[str, Intervals] = {
         "data_wait": _ranges(trace, data_mask),
-        "optimizer": _ranges(trace, _name_mask(trace, _OPTIMIZER)),
-        "backward": _backward_intervals(trace, structure),
+        "optimizer": _optimizer_intervals(trace, backward),
+        "backward": backward,
         "forward": _ranges(trace, on_main & not_ann & ~structure.in_backward),
         "h2d": _h2d_intervals(trace, structure),
         "encode": EMPTY,
@@ -190,6 +192,29 @@ def build_phases(
         diagnose_labels=bool(diagnose),
         dataloader_names=dataloader_names,
     )
+
+
+def _optimizer_intervals(trace: ParsedTrace, backward: Intervals) -> Intervals:
+    """The optimizer's own work: its step and zero_grad ranges, less any closure run inside a
+    step. ``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization) runs the
+    forward and the backward inside the step's range: from the step's start to the end of the
+    last backward inside it is the closure, and only what follows is the update."""
+    host = trace.host
+    steps = _name_mask(trace, _OPTIMIZER_STEP)
+    ranges = _ranges(trace, _name_mask(trace, _OPTIMIZER))
+    if not steps.any() or not len(backward):
+        return ranges
+    starts = host.ts[steps]
+    ends = starts + host.dur[steps]
+    closure_ends = np.array(
+        [
+            inside.ends[-1] if len(inside := backward.clip(float(a), float(b))) else a
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+        ],
+        dtype=np.float64,
+    )
+    closures = union(starts, closure_ends)
+    return subtract(ranges, closures) if len(closures) else ranges
 
 
 def _backward_intervals(trace: ParsedTrace, structure: Structure) -> Intervals:

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.record import ProbeResult
 from diagnose.trace.context import TraceContext
-from diagnose.trace.intervals import FloatArray, Intervals
+from diagnose.trace.intervals import EMPTY, FloatArray, Intervals
 from diagnose.trace.rules import ms, pct
 
 RULE = "optimizer"
@@ -74,6 +74,8 @@ def check(ctx: TraceContext) -> ProbeResult:
     inside = np.zeros(syncs.ts.size, dtype=bool)
     for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
         inside |= (syncs.ts >= s) & (syncs.ts < e)
+    # A closure run by the step (forward, backward, a logged loss.item()) is not the update.
+    inside &= ctx.phases.host.get("optimizer", EMPTY).contains(syncs.ts)
     count = int(inside.sum())
     n = ctx.n_steps
     if not count:
