@@ -125,6 +125,9 @@ def main():
             if step >= args.steps:
                 break
     if args.ddp:
+        # Without the barrier, torch's gloo now and then aborts one rank at exit ("terminate
+        # called without an active exception"), with or without diagnose around it.
+        dist.barrier()
         dist.destroy_process_group()
     if args.marker:
         with open(args.marker, "w") as handle:

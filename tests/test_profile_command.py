@@ -335,6 +335,7 @@ DDP = textwrap.dedent(
         model(torch.randn(16, 64)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+    dist.barrier()  # else torch's gloo now and then aborts a rank at exit
     dist.destroy_process_group()
     """
 )
