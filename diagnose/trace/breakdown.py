@@ -55,7 +55,7 @@ from diagnose.trace.intervals import (
 from diagnose.trace.kernel_classes import KERNEL_CLASSES
 from diagnose.trace.kernels import KernelLabels, KernelTables
 from diagnose.trace.reader import ParsedTrace
-from diagnose.trace.steps import StepSet
+from diagnose.trace.steps import OPTIMIZER_STEP_RANGE, StepSet
 from diagnose.trace.structure import Structure
 from diagnose.trace.syncs import SyncPoints, find_syncs
 
@@ -101,7 +101,6 @@ _DIAGNOSE_PHASES = ("data_wait", "h2d", "encode", "forward", "backward", "optimi
 
 _DATALOADER = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__|dataloader_next", re.I)
 _OPTIMIZER = re.compile(r"^Optimizer\.(step|zero_grad)#|optimizer_step|optimizer_zero_grad", re.I)
-_OPTIMIZER_STEP = re.compile(r"^Optimizer\.step#|optimizer_step", re.I)
 _DIAGNOSE = re.compile(r"^diagnose::(\w+)$")
 
 
@@ -200,7 +199,7 @@ def _optimizer_intervals(trace: ParsedTrace, backward: Intervals) -> Intervals:
     forward and the backward inside the step's range: from the step's start to the end of the
     last backward inside it is the closure, and only what follows is the update."""
     host = trace.host
-    steps = _name_mask(trace, _OPTIMIZER_STEP)
+    steps = _name_mask(trace, OPTIMIZER_STEP_RANGE)
     ranges = _ranges(trace, _name_mask(trace, _OPTIMIZER))
     if not steps.any() or not len(backward):
         return ranges

@@ -28,6 +28,7 @@ import os
 import pickle
 import sys
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -87,25 +88,17 @@ def read_in_two_processes(
     return second.finish(label) if second is not None else None
 
 
+@dataclass
 class SecondReader:
     """A forked worker reading the pieces of a trace it claims, from the moment it starts: a
     command starts one before it imports the analysis, and :meth:`finish` reads along."""
 
-    def __init__(
-        self,
-        path: Path,
-        chunk_bytes: int,
-        limits: ReadLimits,
-        claimed: Any,
-        worker: Any,
-        connection: Connection,
-    ) -> None:
-        self.path = path
-        self.chunk_bytes = chunk_bytes
-        self.limits = limits
-        self._claimed = claimed
-        self._worker = worker
-        self._connection = connection
+    path: Path
+    chunk_bytes: int
+    limits: ReadLimits
+    _claimed: Any  # the shared count of pieces handed out
+    _worker: Any
+    _connection: Connection
 
     @classmethod
     def start(cls, path: Path, chunk_bytes: int, limits: ReadLimits) -> SecondReader | None:

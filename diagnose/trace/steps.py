@@ -26,6 +26,8 @@ _STEP_NUMBER = re.compile(r"ProfilerStep#(\d+)")
 #: torch.optim.Optimizer wraps every step() in a record_function of this name (any subclass:
 #: torch's own, bitsandbytes', accelerate's wrapper).
 OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
+#: An optimizer step's range: torch's, or a trainer's own (Lightning's ``optimizer_step``).
+OPTIMIZER_STEP_RANGE = re.compile(r"^Optimizer\.step#|optimizer_step", re.I)
 #: A final step shorter than this share of the median step is the stub that torch.profiler leaves
 #: when it stops (the range from the last ``step()`` call to ``stop()``), not a training step.
 _STUB_SHARE = 0.1

@@ -19,10 +19,10 @@ from diagnose.record import ProbeResult
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import EMPTY, FloatArray, Intervals
 from diagnose.trace.rules import ms, pct
+from diagnose.trace.steps import OPTIMIZER_STEP_RANGE
 
 RULE = "optimizer"
 FINDING_ID = catalog.SYNC_IN_STEP.id
-_STEP_RANGE = re.compile(r"^Optimizer\.step#|optimizer_step", re.I)
 #: torch's span around Optimizer.step names the class: "Optimizer.step#AdamW8bit.step".
 _STEP_CLASS = re.compile(r"^Optimizer\.step#(\w+)\.step$")
 
@@ -47,7 +47,7 @@ def check(ctx: TraceContext) -> ProbeResult:
     trace = ctx.trace
     host = trace.host
     ids = (
-        [i for i in np.unique(host.name).tolist() if _STEP_RANGE.search(trace.names[i])]
+        [i for i in np.unique(host.name).tolist() if OPTIMIZER_STEP_RANGE.search(trace.names[i])]
         if (len(host))
         else []
     )
