@@ -221,7 +221,7 @@ def read_ahead(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> SecondReader | 
     path = Path(path)
     if not path.is_file() or not worth_a_second_process(path, chunk_bytes):
         return None
-    return SecondReader.start(path, max(chunk_bytes, 1 << 10), ReadLimits.from_env())
+    return SecondReader.start(path, chunk_bytes, ReadLimits.from_env())
 
 
 def _read_in_this_process(
