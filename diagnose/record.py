@@ -310,6 +310,9 @@ class Breakdown:
     #: it ran none (together the step); mean over the traced steps. None without a device trace.
     device_busy_seconds: float | None = None
     device_idle_seconds: float | None = None
+    #: Micro-batches (forward and backward passes) per optimizer step: above 1 under gradient
+    #: accumulation, where a step's seconds cover all of them.
+    micro_batches_per_step: int = 1
 
     def take_device_time(self, traced: Breakdown) -> None:
         """Take the device's time (busy, idle, kernel classes) from a trace's breakdown, where

@@ -16,6 +16,7 @@ from diagnose.carry_over import carry_over
 from diagnose.config import MAX_TIMED_STEPS
 from diagnose.contention import describe as describe_load
 from diagnose.record import HostLoad, RunRecord, Stats, Timing
+from diagnose.trainers import accumulation_setting
 
 from .format import (
     NOT_MEASURED,
@@ -122,6 +123,7 @@ def build_headline(record: RunRecord) -> Headline:
         )
         noisy = is_number(spread) and spread > NOISY_RELATIVE_SPREAD
         where = f"the median of the {bucket} steps"
+    how += _describe_micro_batches(record, stats.median)
     noise_text = ""
     if noisy:
         advice = _noise_advice(record.timing.host_load, record.timing.step_budget_s is not None)
@@ -260,6 +262,20 @@ def _describe_stats(stats: Stats, timing: Timing, from_trace: bool) -> str:
     if from_trace:
         text += "; step time read from the profiler trace"
     return text + _budget_note(timing, from_trace)
+
+
+def _describe_micro_batches(record: RunRecord, step_seconds: float) -> str:
+    """``"; each step is 4 micro-batches (gradient accumulation), 52 ms per micro-batch"``, or
+    "" without accumulation. The setting is named when the trainer is known."""
+    micro_batches = record.breakdown.micro_batches_per_step
+    if micro_batches <= 1:
+        return ""
+    per = format_seconds(step_seconds / micro_batches)
+    setting = accumulation_setting(record.config.get("trainer"), micro_batches)
+    return (
+        f"; each step is {micro_batches} micro-batches (gradient accumulation"
+        f"{': ' + setting if setting else ''}), {per} per micro-batch"
+    )
 
 
 def _budget_note(timing: Timing, from_trace: bool) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from diagnose.record import PHASES, Basis, Category, Finding, Severity
+from diagnose.trainers import TRAINERS, in_trainers
 
 #: Where a finding can come from: an active probe of ``diagnose run``, or a rule that reads any
 #: trace (``diagnose trace`` and the trace ``diagnose run`` captures).
@@ -54,15 +55,6 @@ def judged_at_full_size(why: str) -> AtFullSize:
 def tiny_model_only(why: str) -> AtFullSize:
     return AtFullSize("tiny-model only", why)
 
-
-#: The trainers whose vocabulary fixes are written in, in the order a fix lists them.
-TRAINERS: dict[str, str] = {
-    "kohya": "kohya/sd-scripts",
-    "diffusers": "diffusers scripts",
-    "onetrainer": "OneTrainer",
-    "ai-toolkit": "ai-toolkit",
-    "lightning": "Lightning",
-}
 
 #: The concern modules, in the README's order.
 CONCERN_MODULES: tuple[str, ...] = (
@@ -138,23 +130,6 @@ class FindingSpec:
             detail=detail,
             source=source,
         )
-
-
-def in_trainers(general: str = "", **per_trainer: str) -> str:
-    """A fix in each trainer's words, in a fixed order: ``general`` first, then
-    ``kohya/sd-scripts: …; diffusers scripts: …`` for the trainers given (``ai_toolkit`` for
-    ai-toolkit)."""
-    parts = []
-    for key, name in TRAINERS.items():
-        text = per_trainer.pop(key.replace("-", "_"), "")
-        if text:
-            parts.append(f"{name}: {text}")
-    if per_trainer:
-        raise TypeError(f"unknown trainers: {', '.join(sorted(per_trainer))}")
-    trainers = "; ".join(parts)
-    if general and trainers:
-        return f"{general.rstrip('.')}. {trainers}"
-    return general or trainers
 
 
 def specs() -> list[FindingSpec]:

@@ -157,7 +157,8 @@ def workers_advice(workers: int, pin_memory: bool) -> str:
         kohya=f"--max_data_loader_n_workers {workers} --persistent_data_loader_workers",
         diffusers=f"--dataloader_num_workers {workers}",
         onetrainer=f"dataloader_threads {workers}",
-        lightning=f"num_workers={workers}, persistent_workers=True in train_dataloader()",
+        lightning=f"DataLoader(num_workers={workers}, persistent_workers=True) in "
+        "train_dataloader() of the LightningDataModule (or the LightningModule)",
     )
     return (
         f"load batches in background workers: DataLoader(num_workers={workers}{pin}, "

@@ -62,6 +62,11 @@ def record_differences(baseline: RunRecord, current: RunRecord) -> list[str]:
     base_ranks, cur_ranks = max(len(baseline.ranks), 1), max(len(current.ranks), 1)
     if base_ranks != cur_ranks:
         differ("number of ranks", base_ranks, cur_ranks)
+    # A step of N micro-batches (gradient accumulation) costs about N times one of a single batch.
+    base_micro = baseline.breakdown.micro_batches_per_step
+    cur_micro = current.breakdown.micro_batches_per_step
+    if base_micro != cur_micro:
+        differ("micro-batches per step", base_micro, cur_micro)
     defaults = RunConfig().to_dict()
     for key in COMPARED_CONFIG_KEYS:
         # A key an older record lacks reads as the default it ran with.

@@ -85,6 +85,17 @@ _MAX_KEYS = 64
 _MAX_NAME = 200
 #: DataLoaders remembered per process (one per distinct loader object).
 _MAX_LOADERS = 32
+#: Training frameworks whose import is recorded: which one drives the loop decides the words a
+#: fix is written in (diagnose.trainers reads them).
+_FRAMEWORK_PACKAGES = (
+    "lightning",
+    "pytorch_lightning",
+    "accelerate",
+    "transformers",
+    "diffusers",
+    "peft",
+    "bitsandbytes",
+)
 
 
 @dataclass(frozen=True)
@@ -948,6 +959,7 @@ class _Capture:
             "parameters": self.parameters,
             "optimizer": self.optimizer_facts,
             "other_optimizer_steps": dict(self.other_steps),
+            "packages_loaded": [name for name in _FRAMEWORK_PACKAGES if name in sys.modules],
             "dataloaders": loaders,
             "dynamo": {
                 "loaded": dynamo_after is not None,

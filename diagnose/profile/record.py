@@ -28,6 +28,7 @@ from diagnose.profile.launch import LaunchResult, RankCapture
 from diagnose.profile.stacks import name_loading_frames, read_stacks
 from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, new_record
 from diagnose.sampling import INSTALL_HINT
+from diagnose.trainers import SIGNS, speak_to_record, trainer_in_packages
 
 #: The ProbeResult that carries the capture's facts and its claimed-vs-actual checks.
 CAPTURE_PROBE = "capture"
@@ -58,6 +59,7 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
         trace_probe.findings = record.findings
         record.findings = []
     record.command = shlex.join(result.command)
+    traced_trainer = record.config.get("trainer")
     record.config = _setup_seen(pacing.facts)
     if len(result.captures) > 1 and not record.ranks:
         record.notes.append(
@@ -71,11 +73,25 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
             result, pacing, trace_probe.findings if trace_probe else [], rules.get("precision")
         )
     )
+    _speak_to_trainer(record, traced_trainer, pacing.facts)
     # What the GPU did during the steps the s/it was timed in, read by the environment rules.
     record.inventory.setdefault("telemetry", {})["during_steps"] = rank_telemetry(
         pacing.facts, result.telemetry
     ).to_dict()
     return record
+
+
+def _speak_to_trainer(record: RunRecord, traced: object, facts: Mapping[str, Any]) -> None:
+    """The fixes in the words of the trainer the trace showed, or else the one whose package the
+    trainer's process imported."""
+    if isinstance(traced, str) and traced in SIGNS:
+        speak_to_record(record, traced, f"the trace holds {SIGNS[traced].ranges_seen_as}")
+        return
+    loaded = facts.get("packages_loaded") or []
+    trainer = trainer_in_packages(str(p) for p in loaded if isinstance(p, str))
+    if trainer is not None:
+        packages = [p for p in SIGNS[trainer].packages if p in loaded]
+        speak_to_record(record, trainer, f"the profiled process imported {', '.join(packages)}")
 
 
 def _analysed(traced: Sequence[RankCapture], jobs: int | None) -> RunRecord:

@@ -53,8 +53,9 @@ from diagnose.trace.kernels import (
 from diagnose.trace.parallel_read import SecondReader
 from diagnose.trace.reader import CHUNK_BYTES, ParsedTrace, read_trace
 from diagnose.trace.rules import run_rules
-from diagnose.trace.steps import StepWindow, device_busy, find_steps
+from diagnose.trace.steps import StepWindow, backward_intervals, device_busy, find_steps
 from diagnose.trace.structure import build_structure
+from diagnose.trainers import SIGNS, speak_to_record, trainer_in_trace
 
 __all__ = [
     "StepStat",
@@ -158,10 +159,11 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
     device = detect_device(trace)
     busy = device_busy(trace, device.primary_device)
     has_device = len(busy) > 0
-    steps = find_steps(trace, structure, busy)
+    backward = backward_intervals(trace, structure)
+    steps = find_steps(trace, structure, busy, backward)
     labels = label_kernels(trace, structure)
     tables = kernel_tables(trace, labels, steps, device.primary_device)
-    phases = build_phases(trace, structure, device.primary_device, labels)
+    phases = build_phases(trace, structure, device.primary_device, labels, backward)
     per_step = step_breakdowns(steps, phases, busy, has_device)
     breakdown = summarize_breakdown(per_step, tables, steps, has_device)
     ctx = TraceContext(
@@ -330,6 +332,7 @@ def _metadata(ctx: TraceContext) -> dict[str, Any]:
         "device_evidence": ctx.device.evidence,
         "diagnose_phase_labels": ctx.phases.diagnose_labels,
         "steps_found": len(ctx.steps.steps),
+        "trainer": trainer_in_trace(trace.names),
         "whole_trace_window": ctx.steps.whole_trace,
     }
     if ctx.device.rank is not None or ctx.device.world_size is not None:
@@ -389,6 +392,9 @@ def analysis_to_record(analysis: TraceAnalysis, trace_path: Path) -> RunRecord:
             checks=list(analysis.checks),
         )
     ]
+    trainer = analysis.metadata.get("trainer")
+    if trainer:
+        speak_to_record(record, trainer, f"the trace holds {SIGNS[trainer].ranges_seen_as}")
     settle_utilisation(record)
     return record
 

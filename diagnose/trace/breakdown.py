@@ -132,8 +132,13 @@ def _ranges(trace: ParsedTrace, mask: npt.NDArray[np.bool_]) -> Intervals:
 
 
 def build_phases(
-    trace: ParsedTrace, structure: Structure, primary_device: int, kernels: KernelLabels
+    trace: ParsedTrace,
+    structure: Structure,
+    primary_device: int,
+    kernels: KernelLabels,
+    backward: Intervals,
 ) -> PhaseModel:
+    """``backward``: the backward passes (:func:`diagnose.trace.steps.backward_intervals`)."""
     host = trace.host
     main = structure.main_thread
     on_main = host.thread == main
@@ -154,7 +159,6 @@ def build_phases(
 
     data_mask = _name_mask(trace, _DATALOADER)
     dataloader_names = sorted({trace.names[int(i)] for i in host.name[data_mask].tolist()})
-    backward = _backward_intervals(trace, structure)
     heuristic: dict[str, Intervals] = {
         "data_wait": _ranges(trace, data_mask),
         "optimizer": _optimizer_intervals(trace, backward),
@@ -214,29 +218,6 @@ def _optimizer_intervals(trace: ParsedTrace, backward: Intervals) -> Intervals:
     )
     closures = union(starts, closure_ends)
     return subtract(ranges, closures) if len(closures) else ranges
-
-
-def _backward_intervals(trace: ParsedTrace, structure: Structure) -> Intervals:
-    """Autograd ranges, with the gaps between them closed while the main thread runs nothing else.
-
-    On a GPU the engine runs on its own thread and the main thread waits inside ``backward()``
-    with no op open; small gaps between engine nodes are still backward.
-    """
-    host = trace.host
-    mask = structure.in_backward & ~structure.is_annotation
-    ranges = _ranges(trace, mask)
-    if len(ranges) < 2:
-        return ranges
-    ops = ~structure.is_annotation
-    others = (host.thread == structure.main_thread) & ~structure.in_backward & ops
-    other_starts = np.sort(host.ts[others])
-    gap_lo, gap_hi = ranges.ends[:-1], ranges.starts[1:]
-    busy_in_gap = np.searchsorted(other_starts, gap_hi, side="left") - np.searchsorted(
-        other_starts, gap_lo, side="left"
-    )
-    closable = busy_in_gap == 0
-    fills_s, fills_e = gap_lo[closable], gap_hi[closable]
-    return union(np.concatenate([ranges.starts, fills_s]), np.concatenate([ranges.ends, fills_e]))
 
 
 def _h2d_intervals(trace: ParsedTrace, structure: Structure) -> Intervals:
@@ -398,6 +379,7 @@ def summarize_breakdown(
         basis="trace",
         device_seconds_by_kernel_class=_mean_per_class(kernels.once_per_step),
         kernel_seconds_summed_by_class=_mean_per_class(kernels.summed_per_step),
+        micro_batches_per_step=steps.micro_batches,
     )
     if has_device and steps.steps:
         n = len(steps.steps)

@@ -7,6 +7,12 @@ end of one optimizer step to the end of the next (the part before the first opti
 left out). Without either, the whole trace is one window. A note says which was done. Per step:
 wall time, device busy time (the union of kernel, memcpy and memset intervals on the primary
 device, so overlapping streams count once) and device idle time (wall minus busy).
+
+A training step is one optimizer step. With gradient accumulation it holds several micro-batches
+(a forward and a backward pass each); their number is the count of backward passes that end in
+the step. A loop that calls ``prof.step()`` once per micro-batch (Lightning's profiler does) marks
+micro-batches, not steps: when the optimizer stepped in only some of its ProfilerSteps, every N
+of them alike, the steps are read from the optimizer steps instead, and a note says so.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from diagnose.trace.intervals import EMPTY, Intervals, union
 from diagnose.trace.reader import ParsedTrace
@@ -44,6 +51,8 @@ class StepWindow:
     start_us: float
     end_us: float
     device_busy_seconds: float = 0.0
+    #: Backward passes that ended in the step (micro-batches under gradient accumulation).
+    backward_passes: int = 0
 
     @property
     def wall_seconds(self) -> float:
@@ -60,8 +69,12 @@ class StepSet:
     #: True when the trace had no ProfilerStep ranges and the whole trace is one window.
     whole_trace: bool
     notes: list[str] = field(default_factory=list)
-    #: True when the steps were read from the optimizer steps (no ProfilerStep ranges).
+    #: True when the steps were read from the optimizer steps (no ProfilerStep ranges, or
+    #: ProfilerStep ranges that marked micro-batches).
     from_optimizer_steps: bool = False
+    #: Forward and backward passes per optimizer step (gradient accumulation), when every step
+    #: had the same number; 1 otherwise, and for traces without backward passes.
+    micro_batches: int = 1
 
 
 def device_busy(trace: ParsedTrace, device_index: int) -> Intervals:
@@ -73,7 +86,35 @@ def device_busy(trace: ParsedTrace, device_index: int) -> Intervals:
     return union(starts, starts + trace.device.dur[on_device])
 
 
-def find_steps(trace: ParsedTrace, structure: Structure, busy: Intervals) -> StepSet:
+def backward_intervals(trace: ParsedTrace, structure: Structure) -> Intervals:
+    """The backward passes: autograd ranges, with the gaps between them closed while the main
+    thread runs nothing else, so that each pass is one interval.
+
+    On a GPU the engine runs on its own thread and the main thread waits inside ``backward()``
+    with no op open; small gaps between engine nodes are still backward. Two passes stay apart
+    when the main thread ran an op between them (the next micro-batch's forward).
+    """
+    host = trace.host
+    mask = structure.in_backward & ~structure.is_annotation
+    ranges = union(host.ts[mask], host.ts[mask] + host.dur[mask])
+    if len(ranges) < 2:
+        return ranges
+    ops = ~structure.is_annotation
+    others = (host.thread == structure.main_thread) & ~structure.in_backward & ops
+    other_starts = np.sort(host.ts[others])
+    gap_lo, gap_hi = ranges.ends[:-1], ranges.starts[1:]
+    busy_in_gap = np.searchsorted(other_starts, gap_hi, side="left") - np.searchsorted(
+        other_starts, gap_lo, side="left"
+    )
+    closable = busy_in_gap == 0
+    fills_s, fills_e = gap_lo[closable], gap_hi[closable]
+    return union(np.concatenate([ranges.starts, fills_s]), np.concatenate([ranges.ends, fills_e]))
+
+
+def find_steps(
+    trace: ParsedTrace, structure: Structure, busy: Intervals, backward: Intervals
+) -> StepSet:
+    """The training steps; ``backward`` holds the backward passes (:func:`backward_intervals`)."""
     host = trace.host
     notes: list[str] = []
     step_ids = [i for i, name in enumerate(trace.names) if name.startswith(STEP_PREFIX)]
@@ -90,9 +131,22 @@ def find_steps(trace: ParsedTrace, structure: Structure, busy: Intervals) -> Ste
     windows.sort(key=lambda w: w.start_us)
     windows = [w for w in windows if w.end_us > w.start_us]
 
+    optimizer_ends = _optimizer_step_ends(trace, structure)
     inferred = False
-    if not windows:
-        windows = _optimizer_step_windows(trace, structure)
+    if windows:
+        per_step = _micro_batch_markers(windows, optimizer_ends, backward)
+        if per_step is not None:
+            windows = _optimizer_step_windows(optimizer_ends[optimizer_ends <= windows[-1].end_us])
+            inferred = True
+            notes.append(
+                f"The ProfilerStep ranges mark micro-batches, not training steps: the optimizer "
+                f"stepped once every {per_step} of them (gradient accumulation, with the "
+                f"profiler stepped per batch, as Lightning's is). A step here runs from the end "
+                f"of one optimizer.step() to the end of the next and holds its {per_step} "
+                f"micro-batches."
+            )
+    else:
+        windows = _optimizer_step_windows(optimizer_ends)
         inferred = bool(windows)
         if inferred:
             notes.append(
@@ -122,6 +176,7 @@ def find_steps(trace: ParsedTrace, structure: Structure, busy: Intervals) -> Ste
             )
     for window in windows:
         window.device_busy_seconds = busy.clip(window.start_us, window.end_us).total / 1e6
+        window.backward_passes = _passes_ending_in(backward, window.start_us, window.end_us)
     if len(windows) >= 3:
         typical = statistics.median(w.wall_seconds for w in windows)
         slow = [w for w in windows if w.wall_seconds > _SLOW_STEP * typical]
@@ -134,25 +189,84 @@ def find_steps(trace: ParsedTrace, structure: Structure, busy: Intervals) -> Ste
             )
     if not whole and len(windows) == 1:
         notes.append("Only one profiled step: there is no spread to report.")
-    return StepSet(windows, whole, notes, from_optimizer_steps=inferred)
+    micro_batches = 1
+    if not whole:
+        micro_batches, note = _micro_batches(windows)
+        notes.extend(note)
+    return StepSet(
+        windows, whole, notes, from_optimizer_steps=inferred, micro_batches=micro_batches
+    )
 
 
-def _optimizer_step_windows(trace: ParsedTrace, structure: Structure) -> list[StepWindow]:
-    """Steps between the ends of consecutive outermost optimizer steps on the main thread.
+def _passes_ending_in(backward: Intervals, start_us: float, end_us: float) -> int:
+    ends = backward.ends
+    return int(
+        np.searchsorted(ends, end_us, side="right") - np.searchsorted(ends, start_us, side="right")
+    )
+
+
+def _micro_batches(windows: list[StepWindow]) -> tuple[int, list[str]]:
+    """Backward passes per step when every step had the same number (1 without any), and a
+    note when they differed."""
+    counts = sorted({w.backward_passes for w in windows})
+    if counts == [0]:
+        return 1, []
+    if len(counts) == 1:
+        return counts[0], []
+    return 1, [
+        f"The steps held {counts[0]} to {counts[-1]} backward passes each (uneven gradient "
+        "accumulation, or a step cut by the profiler's start or stop): per-step numbers mix "
+        "steps of different sizes."
+    ]
+
+
+def _micro_batch_markers(
+    windows: list[StepWindow], optimizer_ends: npt.NDArray[np.float64], backward: Intervals
+) -> int | None:
+    """The micro-batches per optimizer step when the ProfilerSteps mark micro-batches: some of
+    them saw no optimizer step, each held one backward pass at most, and every optimizer step
+    came after the same number N ≥ 2 of backward passes. None otherwise: the markers are steps
+    (an irregular pattern, such as a GradScaler skipping steps, is read as steps)."""
+    starts = np.asarray([w.start_us for w in windows])
+    ends = np.asarray([w.end_us for w in windows])
+    # An optimizer step still open when the profiler stopped ends where the trace does, not where
+    # the step did: only those that ended inside the marked span are whole.
+    optimizer_ends = optimizer_ends[optimizer_ends <= ends[-1]]
+    if len(optimizer_ends) < 2 or len(windows) < 2:
+        return None
+    stepped = (np.searchsorted(optimizer_ends, ends, side="right")) - np.searchsorted(
+        optimizer_ends, starts, side="right"
+    )
+    if (stepped > 0).all():
+        return None
+    if any(_passes_ending_in(backward, w.start_us, w.end_us) > 1 for w in windows):
+        return None
+    between = {
+        _passes_ending_in(backward, float(a), float(b))
+        for a, b in itertools.pairwise(optimizer_ends.tolist())
+    }
+    if len(between) != 1 or (per_step := between.pop()) < 2:
+        return None
+    return per_step
+
+
+def _optimizer_step_ends(trace: ParsedTrace, structure: Structure) -> npt.NDArray[np.float64]:
+    """When each optimizer step ended, in order: the outermost ``Optimizer.step#`` ranges on the
+    main thread.
 
     Outermost: a wrapper optimizer (accelerate's) steps the inner one inside its own range, and
     only the outer range ends an iteration. With several optimizer classes stepping side by
-    side, the most frequent one marks the iterations. Fewer than two optimizer steps: no windows.
+    side, the most frequent one marks the iterations.
     """
     host = trace.host
     ids = [i for i, n in enumerate(trace.names) if n.startswith(OPTIMIZER_STEP_PREFIX)]
     if not ids or not len(host):
-        return []
+        return np.zeros(0)
     mask = np.isin(host.name, np.asarray(ids, dtype=np.int32))
     mask &= host.thread == structure.main_thread
     index = np.flatnonzero(mask)
-    if len(index) < 2:
-        return []
+    if not len(index):
+        return np.zeros(0)
     order = index[np.argsort(host.ts[index], kind="stable")]
     starts = host.ts[order].astype(float)
     ends = starts + host.dur[order].astype(float)
@@ -166,11 +280,16 @@ def _optimizer_step_windows(trace: ParsedTrace, structure: Structure) -> list[St
     names = [int(host.name[order[k]]) for k in outer]
     common = max(set(names), key=names.count)
     marks = [k for k, name in zip(outer, names, strict=True) if name == common]
+    return np.asarray(ends[marks], dtype=np.float64)
+
+
+def _optimizer_step_windows(optimizer_ends: npt.NDArray[np.float64]) -> list[StepWindow]:
+    """Steps between the ends of consecutive optimizer steps (none with fewer than two)."""
     windows = []
-    for number, (a, b) in enumerate(itertools.pairwise(marks), start=1):
-        if ends[b] > ends[a]:
+    for number, (a, b) in enumerate(itertools.pairwise(optimizer_ends.tolist()), start=1):
+        if b > a:
             label = f"step {number} (optimizer step to optimizer step)"
-            windows.append(StepWindow(number, label, float(ends[a]), float(ends[b])))
+            windows.append(StepWindow(number, label, a, b))
     return windows
 
 
