@@ -7,6 +7,7 @@ stays quiet), and the fixes are written in Lightning's words."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -71,16 +72,54 @@ def test_forward_and_backward_are_what_they_are_and_the_phases_add_up(
     assert sum(seconds.values()) == pytest.approx(_step(records[run]), rel=0.05)
 
 
+def _update_referee(trace: Path) -> float:
+    """Seconds per step of the optimizer's own work, from the raw events in plain Python: the
+    median over optimizer steps of each one's range from the end of the last backward op inside
+    it (a closure's) to its end, plus the median zero_grad range. A step range the profiler's
+    stop cut (it ends with the trace) is left out."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    last = max(float(e["ts"]) + float(e["dur"]) for e in events if e.get("cat") != "Trace")
+    backward = [
+        e
+        for e in events
+        if e["name"].startswith("autograd::engine::evaluate_function")
+        or e["name"].endswith("Backward0")
+    ]
+    updates = []
+    for step in (e for e in events if e["name"].startswith("Optimizer.step#")):
+        start, end = float(step["ts"]), float(step["ts"]) + float(step["dur"])
+        if end > last - 1.0:
+            continue
+        inside = [
+            float(b["ts"]) + float(b["dur"])
+            for b in backward
+            if b["tid"] == step["tid"] and start <= float(b["ts"]) < end
+        ]
+        updates.append(end - max(inside, default=start))
+    zero = [float(e["dur"]) for e in events if e["name"].startswith("Optimizer.zero_grad#")]
+    return (statistics.median(updates) + statistics.median(zero or [0.0])) / 1e6
+
+
+@pytest.mark.parametrize("run", ["closure", "manual", "plain"])
+def test_the_optimizer_phase_is_the_update_alone(records: dict[str, RunRecord], run: str) -> None:
+    phase = records[run].breakdown.seconds["optimizer"]
+    referee = _update_referee(Path(records[run].trace_path))
+    # One trace, two readings of it: whatever the machine's load, they agree.
+    assert phase == pytest.approx(referee, rel=0.2), (phase, referee)
+    # In every step, the last one too: the profiler stops inside a step's optimizer.step(closure)
+    # with the forward recorded and not the backward, and that forward is not an update.
+    per_step = [s.phases.get("optimizer", 0.0) for s in records[run].timing.samples]
+    assert max(per_step) < 2 * phase, per_step
+
+
 @pytest.mark.parametrize("run", ["closure", "manual"])
-def test_the_optimizer_phase_is_the_update_a_plain_loop_measures(
-    records: dict[str, RunRecord], run: str
-) -> None:
+def test_the_update_is_as_long_as_a_plain_loops(records: dict[str, RunRecord], run: str) -> None:
     lightning = records[run].breakdown.seconds["optimizer"]
     plain = records["plain"].breakdown.seconds["optimizer"]
-    # Same parameters, gradients and AdamW. The runs share the machine, so the bound is the
-    # noise's, not the benchmark's (benchmarks/bench_lightning_phases.py interleaves them);
-    # before closures were split, the closure run charged the whole step (about 20x) to it.
-    assert 0.5 < lightning / plain < 2.0, (lightning, plain)
+    # Same parameters, gradients and AdamW, in two processes on a shared machine: the bound is
+    # the noise's (benchmarks/bench_lightning_phases.py interleaves rounds: 0.94-0.98x there).
+    # Before closures were split, the closure run charged the whole step, about 20x, to it.
+    assert 0.25 < lightning / plain < 4.0, (lightning, plain)
 
 
 def test_accumulated_batches_read_as_one_step_of_two(records: dict[str, RunRecord]) -> None:

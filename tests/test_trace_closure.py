@@ -4,7 +4,7 @@ ran, not the outermost range. Real CPU traces of one loop stepped both ways."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import statistics
 
 import pytest
 import torch
@@ -12,10 +12,13 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from diagnose.trace.analysis import TraceAnalysis, analyze_trace
 
-STEPS = 4
+STEPS = 8
 
 
-def _capture(path: Path, *, closure: bool) -> TraceAnalysis:
+@pytest.fixture(scope="module")
+def alternating(tmp_path_factory: pytest.TempPathFactory) -> TraceAnalysis:
+    """One loop whose steps alternate: stepped with a closure, then plainly, and so on. Both
+    kinds of step see the same machine at the same time, so their update times compare."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 32, 3, padding=1),
@@ -33,12 +36,13 @@ def _capture(path: Path, *, closure: bool) -> TraceAnalysis:
         loss.backward()
         return loss
 
+    path = tmp_path_factory.mktemp("closure") / "alternating.json"
     with profile(
         activities=[ProfilerActivity.CPU],
-        schedule=schedule(wait=0, warmup=1, active=STEPS, repeat=1),
+        schedule=schedule(wait=0, warmup=2, active=STEPS, repeat=1),
     ) as prof:
-        for _ in range(STEPS + 1):
-            if closure:
+        for step in range(STEPS + 2):
+            if step % 2 == 0:
                 optimizer.step(loss_and_grads)
             else:
                 loss_and_grads()
@@ -48,35 +52,40 @@ def _capture(path: Path, *, closure: bool) -> TraceAnalysis:
     return analyze_trace(path)
 
 
-@pytest.fixture(scope="module")
-def stepped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TraceAnalysis]:
-    folder = tmp_path_factory.mktemp("closure")
+def _kinds(analysis: TraceAnalysis) -> dict[str, list[dict[str, float]]]:
+    """Each step's phases, by how it was stepped (the warm-up took steps 0 and 1, so the
+    recorded steps start with a closure step)."""
+    steps = sorted(analysis.steps, key=lambda s: s.start_us)
+    assert len(steps) == STEPS
     return {
-        "closure": _capture(folder / "closure.json", closure=True),
-        "plain": _capture(folder / "plain.json", closure=False),
+        "closure": [s.phases for s in steps[0::2]],
+        "plain": [s.phases for s in steps[1::2]],
     }
 
 
 @pytest.mark.parametrize("how", ["closure", "plain"])
 def test_forward_and_backward_are_not_charged_to_the_optimizer(
-    stepped: dict[str, TraceAnalysis], how: str
+    alternating: TraceAnalysis, how: str
 ) -> None:
-    seconds = stepped[how].breakdown.seconds
-    step = sorted(s.wall_seconds for s in stepped[how].steps)[len(stepped[how].steps) // 2]
-    forward, backward = seconds.get("forward", 0.0), seconds.get("backward", 0.0)
-    optimizer = seconds.get("optimizer", 0.0)
+    steps = _kinds(alternating)[how]
+
+    def median(phase: str) -> float:
+        return statistics.median(p.get(phase, 0.0) for p in steps)
+
+    forward, backward, optimizer = median("forward"), median("backward"), median("optimizer")
+    step = statistics.median(sum(p.values()) for p in steps)
     # Convolutions dominate the step; AdamW over a few tensors is a small part of it.
-    assert forward > optimizer and backward > optimizer, seconds
-    assert forward + backward > 0.6 * step, seconds
-    assert sum(seconds.values()) == pytest.approx(step, rel=0.05)
+    assert forward > optimizer and backward > optimizer, steps
+    assert forward + backward > 0.6 * step, steps
 
 
 def test_the_update_reads_the_same_with_and_without_a_closure(
-    stepped: dict[str, TraceAnalysis],
+    alternating: TraceAnalysis,
 ) -> None:
-    closure = stepped["closure"].breakdown.seconds.get("optimizer", 0.0)
-    plain = stepped["plain"].breakdown.seconds.get("optimizer", 0.0)
+    kinds = _kinds(alternating)
+    closure = statistics.median(p.get("optimizer", 0.0) for p in kinds["closure"])
+    plain = statistics.median(p.get("optimizer", 0.0) for p in kinds["plain"])
     assert closure > 0 and plain > 0
-    # The same update, timed in two captures: within the noise of a shared machine, not the
-    # whole step the closure's range spans.
-    assert 0.33 < closure / plain < 3.0, (closure, plain)
+    # The same update in interleaved steps of one trace: within the noise of a shared machine,
+    # not the whole step the closure's range spans (about 15x the update).
+    assert 0.5 < closure / plain < 2.0, (closure, plain)

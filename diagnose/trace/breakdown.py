@@ -55,7 +55,7 @@ from diagnose.trace.intervals import (
 from diagnose.trace.kernel_classes import KERNEL_CLASSES
 from diagnose.trace.kernels import KernelLabels, KernelTables
 from diagnose.trace.reader import ParsedTrace
-from diagnose.trace.steps import OPTIMIZER_STEP_RANGE, StepSet
+from diagnose.trace.steps import OPTIMIZER_STEP_RANGE, StepSet, cut_by_stop
 from diagnose.trace.structure import Structure
 from diagnose.trace.syncs import SyncPoints, find_syncs
 
@@ -209,10 +209,13 @@ def _optimizer_intervals(trace: ParsedTrace, backward: Intervals) -> Intervals:
         return ranges
     starts = host.ts[steps]
     ends = starts + host.dur[steps]
+    # A step still open when the profiler stopped is cut off (a closure's forward recorded, not
+    # its backward), so none of it is read as the update.
+    cut = cut_by_stop(trace, ends)
     closure_ends = np.array(
         [
-            inside.ends[-1] if len(inside := backward.clip(float(a), float(b))) else a
-            for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+            b if was_cut else inside.ends[-1] if len(inside := backward.clip(a, b)) else a
+            for a, b, was_cut in zip(starts.tolist(), ends.tolist(), cut.tolist(), strict=True)
         ],
         dtype=np.float64,
     )

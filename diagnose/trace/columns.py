@@ -56,7 +56,9 @@ Columns = dict[str, npt.NDArray[Any]] | None
 #: A module range: name id, ts, dur, thread id.
 ModuleRow = tuple[int, float, float, int]
 #: A metadata event kept: kind ("thread_name", ...), pid, tid, value.
-MetaRow = tuple[str, Any, Any, str]
+#: (kind, pid, tid, value): thread and process names (a str), or the profiler's own window
+#: (kind "profiler_window", value (ts, dur) of its "Trace" event).
+MetaRow = tuple[str, Any, Any, Any]
 
 
 @dataclass
@@ -129,7 +131,7 @@ class ColumnBuilder:
         self._streams: list[Any] = []
         self._list_ids: dict[tuple[Any, ...], int] = {}
         self._dims_ids: dict[bytes, int] = {}
-        self._meta: list[tuple[str, Any, Any, str]] = []
+        self._meta: list[MetaRow] = []
         self._modules: list[tuple[int, float, float, int]] = []
         self._chunks: list[ChunkColumns] = []
         self._seen = 0
@@ -235,6 +237,8 @@ class ColumnBuilder:
                     self._metadata(event)
                 elif cat == "python_function":
                     self._module(event)
+                elif cat == "Trace":
+                    self._profiler_window(event)
                 continue
             if event.get("ph") != "X":
                 continue
@@ -384,6 +388,13 @@ class ColumnBuilder:
         if thread is None:
             thread = self._thread(key)
         self._modules.append((nid, float(ts), float(dur), thread))
+
+    def _profiler_window(self, event: dict[str, Any]) -> None:
+        """The span torch.profiler recorded in ("PyTorch Profiler (0)"): ranges still open when it
+        stopped end after it."""
+        ts, dur = event.get("ts"), event.get("dur")
+        if isinstance(ts, (int, float)) and isinstance(dur, (int, float)) and dur >= 0:
+            self._meta.append(("profiler_window", None, None, (float(ts), float(dur))))
 
     def _metadata(self, event: dict[str, Any]) -> None:
         kind = event.get("name")

@@ -20,6 +20,7 @@ counted by reason in :attr:`ParsedTrace.excluded`.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,9 @@ class ParsedTrace:
     process_labels: dict[Any, str]
     #: Absolute timestamp (microseconds) that the ``ts`` columns are relative to.
     base_us: float
+    #: When torch.profiler stopped (relative, as ``ts``), from its own "Trace" event; None when
+    #: the trace has none. A range still open then ends after it.
+    profiler_stop_us: float | None
     event_count: int
     #: True when the file was read in more than one chunk.
     streamed: bool = False
@@ -289,15 +293,19 @@ def _tables(
     thread_names: dict[int, str] = {}
     process_labels: dict[Any, str] = {}
     thread_ids = {key: index for index, key in enumerate(built.threads)}
+    profiler_stop: float | None = None
     for kind, pid, tid, value in meta:
-        if kind == "thread_name":
+        if kind == "profiler_window":
+            start, duration = value
+            profiler_stop = max(profiler_stop or -math.inf, start + duration - base)
+        elif kind == "thread_name":
             index = thread_ids.get((pid, tid))
             if index is None and isinstance(tid, str) and tid.isdigit():
                 index = thread_ids.get((pid, int(tid)))
             if index is not None:
-                thread_names[index] = value
+                thread_names[index] = str(value)
         elif kind == "process_labels" or pid not in process_labels:
-            process_labels[pid] = value
+            process_labels[pid] = str(value)
     return ParsedTrace(
         path=label,
         names=built.names,
@@ -311,6 +319,7 @@ def _tables(
         top_level=top_level,
         process_labels=process_labels,
         base_us=base,
+        profiler_stop_us=profiler_stop,
         event_count=built.events,
         streamed=streamed,
         pieces_read=pieces_read,

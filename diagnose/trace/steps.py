@@ -38,6 +38,8 @@ OPTIMIZER_STEP_RANGE = re.compile(r"^Optimizer\.step#|optimizer_step", re.I)
 #: A final step shorter than this share of the median step is the stub that torch.profiler leaves
 #: when it stops (the range from the last ``step()`` call to ``stop()``), not a training step.
 _STUB_SHARE = 0.1
+#: Float rounding allowed (microseconds) between a range's end and the profiler's stop.
+_CUT_TOLERANCE_US = 1.0
 #: A step this many times the median is called out as warm-up or a stall.
 _SLOW_STEP = 2.0
 
@@ -250,6 +252,16 @@ def _micro_batch_markers(
     return per_step
 
 
+def cut_by_stop(trace: ParsedTrace, ends: npt.NDArray[np.float64]) -> npt.NDArray[np.bool_]:
+    """Which ranges ending at ``ends`` were still open when torch.profiler stopped: they end
+    after its own window (its "Trace" event), where it closed them, not where they ended. A
+    trace without that event has none known."""
+    stop = trace.profiler_stop_us
+    if stop is None:
+        return np.zeros(len(ends), dtype=bool)
+    return np.asarray(ends > stop + _CUT_TOLERANCE_US, dtype=bool)
+
+
 def _optimizer_step_ends(trace: ParsedTrace, structure: Structure) -> npt.NDArray[np.float64]:
     """When each optimizer step ended, in order: the outermost ``Optimizer.step#`` ranges on the
     main thread.
@@ -270,6 +282,11 @@ def _optimizer_step_ends(trace: ParsedTrace, structure: Structure) -> npt.NDArra
     order = index[np.argsort(host.ts[index], kind="stable")]
     starts = host.ts[order].astype(float)
     ends = starts + host.dur[order].astype(float)
+    # A step still open when the profiler stopped ends where it was closed, not where it did.
+    whole = ~cut_by_stop(trace, ends)
+    order, starts, ends = order[whole], starts[whole], ends[whole]
+    if not len(order):
+        return np.zeros(0)
     outer: list[int] = []
     reach = -np.inf
     for k in range(len(order)):

@@ -256,6 +256,9 @@ def _upcast_finding(
     table = _offender_table(ctx, fp32, cost)
     names = sorted({row["op"] for row in table})
     saving = seconds * (1 - 1 / ASSUMED_LOW_PRECISION_SPEEDUP)
+    # A CPU's bf16 speed depends on AMX/AVX-512 bf16: without them bf16 is slower than fp32, so
+    # the GPU's assumed speed-up is no estimate there.
+    on_cpu = ctx.device.info.kind == "cpu"
     top = table[0] if table else {}
     shares = components.op_shares(ctx, fp32, [float(cost[i]) / 1e6 for i in fp32])
     where = components.where(shares)
@@ -277,15 +280,20 @@ def _upcast_finding(
             "largest": top,
             **components.evidence(ctx, shares),
         },
-        saving=saving,
+        saving=None if on_cpu else saving,
         basis="estimated",
         detail=(
             _by_component(shares)
             + "These are the lowest-level compute ops of their calls, so autocast did not lower "
-            "them: their inputs really were fp32. At about "
-            f"{ASSUMED_LOW_PRECISION_SPEEDUP:.0f}x for {low_names} over fp32"
-            + (" (backward assumed 2x forward)" if ctx.is_training else "")
-            + f" the estimate is {ms(saving)} per step."
+            "them: their inputs really were fp32. "
+            + (
+                "On a CPU the gain depends on AMX/AVX-512 bf16 support (without it bf16 is "
+                "slower than fp32), so none is estimated."
+                if on_cpu
+                else f"At about {ASSUMED_LOW_PRECISION_SPEEDUP:.0f}x for {low_names} over fp32"
+                + (" (backward assumed 2x forward)" if ctx.is_training else "")
+                + f" the estimate is {ms(saving)} per step."
+            )
         ),
         source=f"trace:{RULE}",
     )
