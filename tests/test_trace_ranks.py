@@ -97,6 +97,49 @@ def test_a_rank_slow_in_its_forward_is_named_with_its_phase(runs: Path, tmp_path
     assert catalog.DATA_WAIT_IMBALANCE_ID not in _ids(record)
 
 
+def _first_steps(source: Path, into: Path, keep: int) -> Path:
+    """The rank traces of ``source`` with only their first ``keep`` ProfilerStep ranges: the
+    steps a shorter profile would have marked."""
+    into.mkdir()
+    for path in sorted(source.glob("rank*.json.gz")):
+        trace = json.loads(gzip.decompress(path.read_bytes()))
+        steps = sorted(
+            (e for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")),
+            key=lambda e: e["ts"],
+        )
+        dropped = {id(e) for e in steps[keep:]}
+        trace["traceEvents"] = [e for e in trace["traceEvents"] if id(e) not in dropped]
+        (into / path.name).write_bytes(gzip.compress(json.dumps(trace).encode()))
+    return into
+
+
+@pytest.mark.slow
+def test_a_straggler_in_too_few_steps_for_chance_to_be_ruled_out_is_not_named(
+    runs: Path, tmp_path: Path
+) -> None:
+    # Two ranks: one of them is last in every one of 3 steps 1 time in 4 by chance alone.
+    assert catalog.steps_to_name_a_straggler(2) > 3
+    short = _first_steps(runs / "slow_forward", tmp_path / "short", keep=3)
+    record = _trace(short, tmp_path)
+    assert not {catalog.STRAGGLER_ID, catalog.DATA_WAIT_IMBALANCE_ID} & _ids(record)
+    unjudged = [line for p in record.probes for line in unjudged_lines(p)]
+    assert any("rank 1 was the one waited for in all 3 profiled steps" in u for u in unjudged), (
+        unjudged
+    )
+
+
+def test_the_capture_profiles_as_many_steps_as_the_catalog_asks() -> None:
+    from diagnose.profile import capture
+
+    assert capture._STRAGGLER_CHANCE == catalog.STRAGGLER_CHANCE
+    for world in range(1, 17):
+        assert capture.steps_to_name_a_straggler(world) == catalog.steps_to_name_a_straggler(world)
+        steps = catalog.steps_to_name_a_straggler(world)
+        if world > 1:
+            assert catalog.chance_of_one_last(world, steps) <= catalog.STRAGGLER_CHANCE
+            assert catalog.chance_of_one_last(world, steps - 1) > catalog.STRAGGLER_CHANCE
+
+
 def _machine_was_busy(runs: Path, scenario: str) -> bool:
     """Whether other work competed for the cores while a scenario's ranks ran (the trainer
     records each rank's load beside the traces)."""

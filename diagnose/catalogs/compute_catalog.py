@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diagnose.catalogs import FindingSpec, in_trainers, tiny_model_only
+from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Finding
 from diagnose.trace.rules import ms, pct
 
@@ -27,7 +27,18 @@ LAUNCH_BOUND = FindingSpec(
         "kernels hide it"
     ),
 )
-SPECS = (LAUNCH_BOUND,)
+COMPILED_DURING_STEPS = FindingSpec(
+    "compute.compiled_during_steps",
+    "compute",
+    "torch.compile compiled code while the steps were timed: recompiles (changing shapes, guards "
+    "that fail), so the s/it holds compilation",
+    ("probe",),
+    severity_without_saving="warn",
+    at_full_size=carries_over(
+        "what makes dynamo recompile (shapes, guards, graph breaks) is the code's, at any size"
+    ),
+)
+SPECS = (LAUNCH_BOUND, COMPILED_DURING_STEPS)
 
 #: A finding is raised when the device waits for the host for at least this share of the step.
 RAISE_SHARE = 0.25
@@ -144,3 +155,45 @@ __all__ = [
     "SPECS",
     "launch_bound_finding",
 ]
+
+
+_RECOMPILE_FIX = in_trainers(
+    "Find what recompiles with TORCH_LOGS=recompiles (it names the failing guard). For changing "
+    "input shapes mark the varying dimension dynamic (torch._dynamo.mark_dynamic, or "
+    "torch.compile(dynamic=True)), or bucket inputs to a few fixed shapes; for a guard on a "
+    "Python value (a step counter, a flag) make it a tensor or move it out of the compiled code; "
+    "a warm-up that is still compiling needs more steps skipped (diagnose profile --skip-steps)",
+    kohya="with --torch_compile, keep bucketing (--enable_bucket) to few resolutions",
+    diffusers="with torch.compile(unet), use a fixed --resolution and no random crops of new sizes",
+)
+
+
+def compiled_during_steps_finding(
+    *,
+    frames: int,
+    graphs: int,
+    timed_steps: int,
+    graph_breaks: dict[str, int],
+    evidence: dict[str, Any],
+    source: str,
+) -> Finding:
+    """torch.compile compiled ``frames`` frames (``graphs`` new graphs) during the timed steps."""
+    per_step = frames / timed_steps if timed_steps else 0.0
+    breaks = sum(graph_breaks.values())
+    title = (
+        f"torch.compile compiled {frames} frame(s) during the {timed_steps} timed steps "
+        f"({per_step:.1f} per step): the s/it includes compilation"
+    )
+    detail = (
+        f"Dynamo's counters went up by {frames} compiled frame(s) and {graphs} new graph(s) "
+        f"between the first and the last timed step"
+        + (f", with {breaks} graph break(s)" if breaks else "")
+        + ". Compiling takes from tenths of a second to minutes a frame, so a step that compiles "
+        "is far slower than one that does not: with a recompile in every step the s/it is "
+        "mostly compilation; with a few, the median hides them but the run still pays them. "
+        "How much it costs is not measured here (the compiling steps cannot be timed without "
+        "compiling)."
+    )
+    return COMPILED_DURING_STEPS.build(
+        title, fix=_RECOMPILE_FIX, evidence=evidence, detail=detail, source=source
+    )

@@ -6,6 +6,8 @@ their findings here, so a straggler reads the same whichever way it was found.
 
 from __future__ import annotations
 
+import math
+
 from diagnose.catalogs import FindingSpec, tiny_model_only
 from diagnose.catalogs.dataloader_catalog import (
     CACHE_LATENTS_ADVICE,
@@ -55,6 +57,10 @@ EXPOSED_COMM_ID = EXPOSED_COMM.id
 
 #: Below this many seconds per step a difference between ranks is timer and scheduling noise.
 MIN_SECONDS = 1e-3
+#: A rank is named the straggler only when it being the one waited for in every profiled step
+#: would happen by chance at most this often, were each rank equally likely to be last in a step
+#: (a busy machine deschedules ranks at random).
+STRAGGLER_CHANCE = 0.05
 #: A phase is named as the straggler's when it holds at least this share of the others' wait.
 PHASE_EXPLAINS = 0.5
 
@@ -66,6 +72,20 @@ REPEATED_NOTE = (
     "the smallest per-step value, leaving out the single smallest when there are 3 or more "
     "steps: the findings are judged on what repeats in every step, not on one slow step"
 )
+
+
+def steps_to_name_a_straggler(world_size: int) -> int:
+    """The fewest profiled steps in which one rank being last in all of them is not chance:
+    ``world_size ** -(steps - 1) <= STRAGGLER_CHANCE`` (6 steps for 2 ranks, 4 for 4, 3 for 8).
+    diagnose/profile/capture.py computes the same in the user's processes."""
+    if world_size < 2:
+        return 1
+    return 1 + math.ceil(math.log(1 / STRAGGLER_CHANCE) / math.log(world_size) - 1e-9)
+
+
+def chance_of_one_last(world_size: int, steps: int) -> float:
+    """How often chance alone makes one rank the last in every one of ``steps`` steps."""
+    return float(world_size) ** -(steps - 1) if world_size > 1 and steps > 0 else 1.0
 
 
 def repeated(per_step: list[float]) -> float:
@@ -224,6 +244,16 @@ def inconclusive_straggler_line(median_wait: float, step_seconds: float, waited:
         f"ranks: inconclusive: ranks wait for each other {ms(median_wait)} per step on the median "
         f"({pct(share)}), but not for the same rank in every step (ranks {who} each waited in "
         "some): a busy machine, not a straggler, or too few steps to tell; profile more steps"
+    )
+
+
+def too_few_steps_straggler_line(rank: int, steps: int, world_size: int) -> str:
+    chance = chance_of_one_last(world_size, steps)
+    return (
+        f"ranks: inconclusive: rank {rank} was the one waited for in all {steps} profiled "
+        f"steps, which chance alone gives 1 time in {1 / chance:.0f} with {world_size} ranks; "
+        f"profile at least {steps_to_name_a_straggler(world_size)} steps to tell a straggler "
+        "from a busy machine"
     )
 
 

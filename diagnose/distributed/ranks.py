@@ -265,7 +265,17 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
     sure_share = catalog.repeated(per_step) / step if step else 0.0
     every_step = all(d > 0 for d in per_step)
     source = SOURCE
-    if every_step and others_wait >= catalog.MIN_SECONDS and sure_share >= catalog.RAISE_SHARE:
+    steps = len(per_step)
+    lasting = every_step and others_wait >= catalog.MIN_SECONDS
+    if (
+        lasting
+        and sure_share >= catalog.RAISE_SHARE
+        and catalog.chance_of_one_last(world, steps) > catalog.STRAGGLER_CHANCE
+    ):
+        result.checks.append(
+            _unjudged(catalog.too_few_steps_straggler_line(straggler.rank, steps, world))
+        )
+    elif lasting and sure_share >= catalog.RAISE_SHARE:
         result.pacing_rank = straggler.rank
         phase, excess = _slow_phase(stats, s, others)
         named = phase if excess >= catalog.PHASE_EXPLAINS * others_wait else None

@@ -8,6 +8,7 @@ the way a single-process run does (:func:`diagnose.run.finish_run`).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import traceback
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diagnose.catalogs.distributed_catalog import steps_to_name_a_straggler
 from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.inventory import collect_inventory
@@ -159,6 +161,14 @@ def execute_distributed(
     from diagnose.workload import build_workload
 
     _check_gpu_count(config, device)
+    # Enough profiled steps that a rank last in all of them is a straggler, not chance.
+    needed = steps_to_name_a_straggler(config.nproc)
+    if 0 < config.profiled_steps < needed:
+        say(
+            f"profiling {needed} steps per rank (--profiled-steps {config.profiled_steps}): fewer "
+            f"cannot tell a straggler among {config.nproc} ranks from a busy machine"
+        )
+        config = dataclasses.replace(config, profiled_steps=needed)
     trace_dir = out_dir / RANKS_DIR
     scratch = Path(tempfile.mkdtemp(prefix="diagnose-scratch-"))
     try:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import math
 import os
 import sys
 import threading
@@ -121,14 +122,32 @@ class Settings:
             except ValueError:
                 return default
 
+        profiled = count(ENV_PROFILED_STEPS, cls.profiled_steps)
+        world = count("WORLD_SIZE", 1)
+        if profiled:
+            # Enough that a rank last in all of them is a straggler, not chance.
+            profiled = max(profiled, steps_to_name_a_straggler(world))
         return cls(
             directory=directory,
             skip_steps=count(ENV_SKIP_STEPS, cls.skip_steps),
             timed_steps=count(ENV_TIMED_STEPS, cls.timed_steps),
-            profiled_steps=count(ENV_PROFILED_STEPS, cls.profiled_steps),
+            profiled_steps=profiled,
             stop_after=environ.get(ENV_STOP_AFTER, "") in {"1", "true", "yes"},
             py_spy=environ.get(ENV_PY_SPY, ""),
         )
+
+
+#: As diagnose.catalogs.distributed_catalog.STRAGGLER_CHANCE (this module imports nothing of
+#: diagnose's: it runs in the user's processes); a test keeps the two equal.
+_STRAGGLER_CHANCE = 0.05
+
+
+def steps_to_name_a_straggler(world_size: int) -> int:
+    """As the catalog's function of that name: the fewest profiled steps in which one of
+    ``world_size`` ranks being last in every one is not chance."""
+    if world_size < 2:
+        return 1
+    return 1 + math.ceil(math.log(1 / _STRAGGLER_CHANCE) / math.log(world_size) - 1e-9)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -358,6 +377,7 @@ class _Capture:
         self.optimizer_facts: dict[str, Any] = {}
         self.device: dict[str, Any] = {}
         self.dynamo_before: dict[str, dict[str, int]] | None = None
+        self.dynamo_timed_end: dict[str, dict[str, int]] | None = None
         self.profiler: Any = None
         self.profiler_active = False
         self.profiler_note: str | None = None
@@ -588,6 +608,7 @@ class _Capture:
 
     def _start_probe(self) -> None:
         self.timed_ended_unix = time.time()
+        self.dynamo_timed_end = _dynamo_counters()
         s = self.settings
         if s.profiled_steps:
             import torch
@@ -965,6 +986,8 @@ class _Capture:
                 "loaded": dynamo_after is not None,
                 "counters": dynamo_after or {},
                 "during_capture": _counter_delta(self.dynamo_before, dynamo_after),
+                # The steps the s/it is timed in: what compiled there is in the s/it.
+                "during_timed_steps": _counter_delta(self.dynamo_before, self.dynamo_timed_end),
             },
         }
 

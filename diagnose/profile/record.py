@@ -13,6 +13,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from diagnose.catalogs.compute_catalog import COMPILED_DURING_STEPS, compiled_during_steps_finding
 from diagnose.catalogs.precision_catalog import (
     FP32_TRAINING_ID,
     LOW_PRECISION_RUN_SHARE,
@@ -317,7 +318,60 @@ def capture_result(
     if claim is not None:
         probe.data["precision_claim"] = {"dtype": claim.dtype, "said": claim.said}
     _judge_precision_claim(probe, claim, facts, trace_findings, trace_precision)
+    _judge_compilation(probe, facts, len(pacing.timed_step_s))
     return probe
+
+
+def _judge_compilation(probe: ProbeResult, facts: Mapping[str, Any], timed: int) -> None:
+    """Whether torch.compile compiled anything while the s/it was timed (dynamo's counters at the
+    first and the last timed step)."""
+    check = COMPILED_DURING_STEPS.id
+    dynamo = facts.get("dynamo") or {}
+    ever = _count(dynamo.get("counters"), "frames", "total")
+    during = dynamo.get("during_timed_steps")
+    if not ever:
+        probe.add_ok(check, "compile: no code was compiled by torch.compile in this process")
+        return
+    if not isinstance(during, Mapping) or not timed:
+        probe.add_not_judged(
+            check, "compile: the capture has no count of compilation during the timed steps"
+        )
+        return
+    frames = _count(during, "frames", "total")
+    if not frames:
+        probe.add_ok(
+            check,
+            f"compile: nothing was compiled during the {timed} timed steps (torch.compile had "
+            f"compiled {ever} frame(s) before them)",
+        )
+        return
+    breaks = during.get("graph_break")
+    graph_breaks = (
+        {str(k): int(v) for k, v in breaks.items() if isinstance(v, int)}
+        if isinstance(breaks, Mapping)
+        else {}
+    )
+    probe.add_finding(
+        compiled_during_steps_finding(
+            frames=frames,
+            graphs=_count(during, "stats", "unique_graphs"),
+            timed_steps=timed,
+            graph_breaks=graph_breaks,
+            evidence={
+                "compiled_frames_during_timed_steps": frames,
+                "timed_steps": timed,
+                "dynamo_counters_during_timed_steps": dict(during),
+            },
+            source=CAPTURE_PROBE,
+        )
+    )
+
+
+def _count(counters: object, group: str, key: str) -> int:
+    """One of dynamo's counters as the capture recorded them (0 when absent)."""
+    table = counters.get(group) if isinstance(counters, Mapping) else None
+    value = table.get(key) if isinstance(table, Mapping) else None
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 def _read_samples(capture: RankCapture, result: LaunchResult) -> dict[str, Any]:
