@@ -173,22 +173,34 @@ def interleaved_steps(
 
 
 def _no_answer(
-    record: RunRecord, result: ProbeResult, said: str, ab: Mapping[str, Any] | None = None
+    record: RunRecord,
+    result: ProbeResult,
+    said: str,
+    ab: Mapping[str, Any] | None = None,
+    memory: str = "",
 ) -> None:
     """The probe has no answer of its own: the trace rule's reading of the profiled steps
-    stands and says why the A/B did not answer; without one, the question stays open."""
+    stands and says why the A/B did not answer; without one, the question stays open. What
+    each base needs in memory (``memory``, :func:`_memory_text`) is said either way: it is
+    measured or counted, not timed, and it is what decides which base to store."""
+    result.data["memory_text"] = memory
     traced = _trace_finding(record)
     if traced is None:
         trace = next((p for p in record.probes if p.name == "trace"), None)
         read = [c for c in trace.checks if c.id == catalog.DEQUANT_COST.id] if trace else []
         if read:  # the rule read a share too small to be a finding: that answer stands
             read[0].text = f"{read[0].text}; not measured against the unquantized base: {said}"
+            if memory:
+                read[0].text += f". {memory.rstrip('.')}"
         else:
-            result.add_not_judged(catalog.DEQUANT_COST.id, f"quantization: {said}")
+            text = f"quantization: {said}" + (f". {memory.rstrip('.')}" if memory else "")
+            result.add_not_judged(catalog.DEQUANT_COST.id, text)
         return
     if ab is not None:
         traced.evidence = {**traced.evidence, "measured_here": dict(ab)}
-    traced.detail = f"{traced.detail} Not measured against the unquantized base: {said}.".strip()
+    traced.detail = (
+        f"{traced.detail} Not measured against the unquantized base: {said}. {memory}".strip()
+    )
 
 
 def _trace_finding(record: RunRecord) -> Finding | None:
@@ -246,6 +258,7 @@ class QuantizationProbe:
                 f"the {unquantized_kind} base was not measured: it needs "
                 f"{twin_needs / GIB:.2f} GiB beside this run, and the device has "
                 f"{free / GIB:.2f} GiB free",
+                memory=_memory_text(storage, unquantized_kind, memory),
             )
             return result
         # Rounds of both bases' steps, at the headline's s/it: over the budget, the outputs are
@@ -283,6 +296,7 @@ class QuantizationProbe:
                 f"the steps were not timed against the {unquantized_kind} base: "
                 f"{MIN_ROUNDS} rounds of both at {headline:.3g} s/it take about "
                 f"{2 * MIN_ROUNDS * headline:.0f} s, over the {BUDGET_S:.0f} s this A/B may take",
+                memory=_memory_text(storage, unquantized_kind, result.data["memory"]),
             )
             return result
         self._judge_speed(
@@ -373,12 +387,20 @@ class QuantizationProbe:
             f"({ms(twin_step)} against {ms(stored_step)})"
         )
         if verdict.outcome == "inconclusive":
-            _no_answer(record, result, f"the A/B could not decide: {said}", ab)
+            _no_answer(
+                record,
+                result,
+                f"the A/B could not decide: {said}",
+                ab,
+                memory=_memory_text(storage, unquantized, memory),
+            )
             return
         if verdict.outcome == "not_faster":
+            memory_text = _memory_text(storage, unquantized, memory)
             result.add_ok(
                 catalog.DEQUANT_COST.id,
-                f"quantization: the {storage} base costs no real share of the step: {said}",
+                f"quantization: the {storage} base costs no real share of the step: {said}"
+                + (f". {memory_text.rstrip('.')}" if memory_text else ""),
             )
             return
         headline = step_seconds(record) or stored_step

@@ -203,6 +203,9 @@ def test_steps_too_slow_for_the_budget_are_not_timed_but_still_compared(nf4: Wor
     outcome, text = outcomes[DEQUANT_COST.id]
     assert outcome == "not_judged" and "over the" in text
     assert not result.findings
+    # What each base needs is measured, not timed: the page still says it, and what it advises.
+    assert "Here the frozen weights held" in text and "At full size the model needs" in text
+    assert result.data["memory_text"] and result.data["memory_text"].rstrip(".") in text
 
 
 def test_the_advice_follows_what_fits_the_gpu() -> None:
