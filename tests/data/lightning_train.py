@@ -3,6 +3,7 @@ AdamW, a DataLoader, and switches for what the tests plant or vary.
 
     python lightning_train.py [--steps N] [--accumulate N] [--manual] [--upcast]
                               [--precision P] [--profile-dir DIR] [--plain]
+    python lightning_train.py --variants DIR   # each of VARIANTS into DIR/<name>, one process
 
 --manual      manual optimization (the LightningModule steps the optimizer itself, no closure);
               by default Lightning's automatic optimization steps with a closure
@@ -21,7 +22,16 @@ import warnings
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-WIDTH = 384
+WIDTH = 256
+#: The runs the tests compare, by name: their options. One process runs them all with
+#: ``--variants`` (Lightning's import is most of a small run's time).
+VARIANTS: dict[str, list[str]] = {
+    "closure": [],
+    "manual": ["--manual"],
+    "accumulate": ["--accumulate", "2"],
+    "upcast": ["--upcast"],
+    "plain": ["--plain"],
+}
 
 
 def build_net() -> torch.nn.Module:
@@ -131,22 +141,38 @@ def run_plain(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    if args.variants:
+        for name, options in VARIANTS.items():
+            folder = os.path.join(args.variants, name)
+            os.makedirs(folder, exist_ok=True)
+            _train(parser.parse_args([*options, "--profile-dir", folder]))
+    else:
+        _train(args)
+    print("trained")
+
+
+def _train(args: argparse.Namespace) -> None:
+    if args.plain:
+        run_plain(args)
+    else:
+        run_lightning(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--upcast", action="store_true")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--profile-dir", default="")
     parser.add_argument("--plain", action="store_true")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    if args.plain:
-        run_plain(args)
-    else:
-        run_lightning(args)
-    print("trained")
+    parser.add_argument("--variants", default="")
+    return parser
 
 
 if __name__ == "__main__":
