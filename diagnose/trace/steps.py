@@ -231,8 +231,8 @@ def _micro_batch_markers(
     (an irregular pattern, such as a GradScaler skipping steps, is read as steps)."""
     starts = np.asarray([w.start_us for w in windows])
     ends = np.asarray([w.end_us for w in windows])
-    # An optimizer step still open when the profiler stopped ends where the trace does, not where
-    # the step did: only those that ended inside the marked span are whole.
+    # Only the optimizer steps that ended inside the marked span are held against the markers
+    # (in a trace without the profiler's own window, one cut by the stop ends after them).
     optimizer_ends = optimizer_ends[optimizer_ends <= ends[-1]]
     if len(optimizer_ends) < 2 or len(windows) < 2:
         return None
