@@ -95,9 +95,11 @@ def test_the_optimizer_phase_is_the_update_alone(records: dict[str, RunRecord], 
     # One trace, two readings of it: whatever the machine's load, they agree.
     assert phase == pytest.approx(referee, rel=0.2), (phase, referee)
     # In every step, the last one too: the profiler stops inside a step's optimizer.step(closure)
-    # with the forward recorded and not the backward, and that forward is not an update.
-    per_step = [s.phases.get("optimizer", 0.0) for s in records[run].timing.samples]
-    assert max(per_step) < 2 * phase, per_step
+    # with the forward recorded and not the backward, and that forward is not an update (it was
+    # read as one, leaving the last step no forward). A busy machine only lengthens a phase, so
+    # a floor on each step's forward holds whatever the load.
+    forwards = [s.phases.get("forward", 0.0) for s in records[run].timing.samples]
+    assert min(forwards) > 0.5 * statistics.median(forwards), forwards
 
 
 @pytest.mark.parametrize("run", ["closure", "manual"])
