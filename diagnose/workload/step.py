@@ -102,6 +102,13 @@ def _qwen_outputs(
     encoder: torch.nn.Module, tokens: TokenBatch, device: torch.device
 ) -> list[torch.Tensor]:
     """Z-Image: hidden_states[-2] of Qwen3, keeping only each caption's real tokens."""
+    if device.type == "meta":
+        # Counting memory needs only the shapes: Qwen3's mask code reads the mask's values,
+        # which the meta device does not have. Each caption's token count is known on the host.
+        counts = tokens.attention_mask.bool().sum(dim=1).tolist()
+        hidden_size = int(encoder.config.hidden_size)  # type: ignore[union-attr,arg-type]
+        dtype = next(encoder.parameters()).dtype
+        return [torch.empty(int(n), hidden_size, device=device, dtype=dtype) for n in counts]
     mask = tokens.attention_mask.to(device).bool()
     out = encoder(
         input_ids=tokens.input_ids.to(device), attention_mask=mask, output_hidden_states=True
@@ -665,7 +672,7 @@ class Workload:
         self._text_cache = other._text_cache
         self._text_list_keys = other._text_list_keys
 
-    def _cached_latents(self, batch: ImageBatch) -> torch.Tensor | None:
+    def cached_latents(self, batch: ImageBatch) -> torch.Tensor | None:
         if not self.config.cache_latents:
             return None
         keys = [(path, batch.resolution) for path in batch.paths]
@@ -684,13 +691,20 @@ class Workload:
 
     # ---------------------------------------------------------------- the step
 
-    def step(self, batch: ImageBatch, timer: PhaseTimer) -> float:
-        """One training iteration on ``batch``; returns the loss."""
+    def step(
+        self, batch: ImageBatch, timer: PhaseTimer, latents: torch.Tensor | None = None
+    ) -> float:
+        """One training iteration on ``batch``; returns the loss.
+
+        ``latents``: the batch's latents, encoded beforehand. An A/B whose arms share the VAE
+        passes them: its encode is the same work in both arms, and would only add time and
+        noise to the difference between them.
+        """
         device, policy = self.device, self.policy
-        cached_latents = self._cached_latents(batch)
+        cached_latents = latents if latents is not None else self.cached_latents(batch)
         cached_text = self._cached_text(batch)
         pixels: torch.Tensor | None = None
-        latents: torch.Tensor | None = None
+        latents = None
         cond: Conditioning | None = None
 
         with timer.phase("h2d"):
