@@ -9,6 +9,8 @@ and the base's storage, not the compute dtype, is under test.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,12 +19,14 @@ import pytest
 import torch
 
 from diagnose.catalogs.quantization_catalog import DEQUANT_COST, NUMERICS
+from diagnose.catalogs.quantization_catalog import MIN_SHARE as DEQUANT_COST_MIN_SHARE
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.probes.environment import preset_memory
 from diagnose.probes.quantization import QuantizationProbe, compare_outputs, held_bytes
 from diagnose.quantized_base import KINDS
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, new_record
+from diagnose.trace.rules import per_it
 from diagnose.workload import Workload, build_workload
 from diagnose.workload.data import generate_images
 
@@ -206,6 +210,84 @@ def test_steps_too_slow_for_the_budget_are_not_timed_but_still_compared(nf4: Wor
     # What each base needs is measured, not timed: the page still says it, and what it advises.
     assert "Here the frozen weights held" in text and "At full size the model needs" in text
     assert result.data["memory_text"] and result.data["memory_text"].rstrip(".") in text
+
+
+def test_a_step_that_is_mostly_the_vaes_encode_is_still_timed_and_judged_whole(
+    nf4: Workload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The VAE is not stored quantized: its encode is the same work in both arms. A step that is
+    mostly that encode (bf16 convolutions on a CPU without bf16 units, at 1024 px) is timed
+    past it, and a difference is still judged as a share of the whole step.
+
+    Planted: an encode that also sleeps, and an A/B budget that rounds of the whole step would
+    overrun but rounds past the encode fit."""
+    from diagnose.probes import quantization
+    from diagnose.record import Stats
+    from diagnose.timing import PhaseTimer
+
+    vae_seconds = 0.3
+    encode = nf4.encode_latents
+
+    def slow_encode(pixels: torch.Tensor) -> torch.Tensor:
+        time.sleep(vae_seconds)
+        return encode(pixels)
+
+    monkeypatch.setattr(nf4, "encode_latents", slow_encode)
+    snapshot = nf4.snapshot()
+    steps = []
+    for _ in range(3):
+        start = time.perf_counter()
+        nf4.step(next(nf4.batches()), PhaseTimer(lambda: None))
+        steps.append(time.perf_counter() - start)
+    snapshot.restore()
+    record = new_record("run")
+    record.timing.unprofiled = Stats.of(steps)
+    headline = statistics.median(steps)
+    # Half what the rounds of whole steps would take; the encode is most of each step.
+    monkeypatch.setattr(quantization, "BUDGET_S", quantization.MIN_ROUNDS * headline)
+
+    result = _probe(nf4, record)
+    assert result.status == "ok", result.reason or result.traceback
+    ab = result.data["ab"]
+    assert ab["vae_encode_seconds"] >= vae_seconds
+    # The timed steps left the encode out, every one of them.
+    assert max(ab["stored_step_seconds"] + ab["unquantized_step_seconds"]) < vae_seconds
+    stored_step = statistics.median(ab["stored_step_seconds"])
+    # A difference is judged as a share of the step the page leads with, the encode in it.
+    assert ab["judged_against_seconds"] == pytest.approx(headline)
+    found = [f for f in result.findings if f.id == DEQUANT_COST.id]
+    if ab["outcome"] == "faster":
+        (finding,) = found
+        saving = finding.est_seconds_saved_per_it
+        assert saving is not None and 0 < saving < stored_step
+        assert saving / headline > 0.5 * DEQUANT_COST_MIN_SHARE
+        assert "ran once before the timing" in finding.detail
+        text = finding.title
+    else:
+        assert not found
+        (check,) = [c for c in result.checks if c.id == DEQUANT_COST.id]
+        text = check.text
+    # The page says the steps were timed past the encode, with their own numbers.
+    assert per_it(stored_step) in text and "past the VAE's encode" in text, text
+
+
+def test_the_a_b_steps_on_batches_of_one_bucket(images: Path) -> None:
+    """With two resolution buckets, a round of a small batch and a large one would mix two
+    step times in one sample: the A/B's batches are all of the first batch's bucket."""
+    from diagnose.probes.quantization import shared_latents
+
+    workload = build_workload(_config(images, base="nf4", resolution=[64, 128]), CPU)
+    try:
+        seen = {next(workload.batches()).resolution for _ in range(6)}
+        assert seen == {64, 128}  # the loader really mixes them
+        shared = shared_latents(workload)
+    finally:
+        workload.close()
+    assert len(shared.batches) == 2
+    assert len({batch.resolution for batch in shared.batches}) == 1
+    pairs = zip(shared.latents, shared.batches, strict=True)
+    assert all(latent.shape[-1] * 8 == batch.resolution for latent, batch in pairs)
+    assert shared.encode_seconds > 0
 
 
 def test_the_advice_follows_what_fits_the_gpu() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding
-from diagnose.trace.rules import ms, pct
+from diagnose.trace.rules import ms, pct, per_it
 
 DEQUANT_COST = FindingSpec(
     "quantization.dequant_cost",
@@ -100,7 +100,9 @@ def measured_cost(
     unquantized: str,
     stored_step: float,
     unquantized_step: float,
+    whole_step: float,
     ratio: str,
+    encode_seconds: float,
     saving: float,
     sure: float,
     trace_share: float | None,
@@ -108,15 +110,19 @@ def measured_cost(
     evidence: Mapping[str, Any],
     source: str,
 ) -> Finding:
-    """The A/B's answer: the same step with the base unquantized measured faster."""
+    """The A/B's answer: the same step with the base unquantized measured faster. The steps
+    were timed past the VAE's encode when ``encode_seconds`` is not 0."""
     share = (
         f"; its quantized layers take {pct(trace_share)} of each profiled step"
         if trace_share is not None
         else ""
     )
+    part = " past the VAE's encode" if encode_seconds > 0 else ""
     return DEQUANT_COST.build(
-        f"The base stored as {storage} makes each step slower than the same base in "
-        f"{unquantized}: {ms(stored_step)} against {ms(unquantized_step)} measured{share}",
+        f"The base stored as {storage} makes each step {per_it(saving)} slower than the same "
+        f"base in {unquantized} ({pct(saving / whole_step if whole_step else 0.0)} of the "
+        f"step): {per_it(stored_step)} against {per_it(unquantized_step)} measured{part}"
+        f"{share}",
         fix=FIX,
         evidence=evidence,
         saving=saving,
@@ -125,8 +131,17 @@ def measured_cost(
         detail=(
             f"The same training step ran with the base stored as {storage} and as {unquantized} "
             f"(the same weights, the same batches), interleaved: the {unquantized} base took "
-            f"{ratio}. Every forward expands each quantized weight back to the compute dtype, "
-            "and every backward does again for the input's gradient. " + memory
+            f"{ratio}. "
+            + (
+                f"The VAE is stored alike in both: its encode of those batches ran once before "
+                f"the timing ({per_it(encode_seconds)} a batch), and the steps were timed past "
+                "it. "
+                if encode_seconds > 0
+                else ""
+            )
+            + "Every forward expands each quantized weight back to the compute dtype, and every "
+            "backward does again for the input's gradient: a cost per weight, the same at any "
+            "image size, so the difference is stated in seconds as measured. " + memory
         ).strip(),
         source=source,
     )
