@@ -40,9 +40,9 @@ TRAIN_LORA = textwrap.dedent(
 
     unet = UNet2DConditionModel(
         sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(64, 128), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=64,
-        attention_head_dim=16, norm_num_groups=16,
+        attention_head_dim=8, norm_num_groups=8,
     )
     unet.requires_grad_(False)
     unet.add_adapter(
