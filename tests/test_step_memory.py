@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from diagnose.config import RunConfig
 from diagnose.run import fit_before_running
 from diagnose.timing import PhaseTimer
-from diagnose.workload import build_workload
+from diagnose.workload import Workload, build_workload
 from diagnose.workload.data import generate_images
 from diagnose.workload.memory import step_memory
 
@@ -23,18 +23,20 @@ CPU = torch.device("cpu")
 GIB = 2**30
 
 
-def _measured_peak(config: RunConfig, folder: Path) -> int:
+def _measured_peak(config: RunConfig, folder: Path) -> tuple[int, int]:
     """The allocator's peak over one real training step (after a warm-up step): every byte
     allocated while profiling and not yet freed, at its highest. The latents are encoded and
     the captions' embeddings cached beforehand, as the count leaves out the encoders: at a tiny
     denoiser's size the VAE's encode of the full-resolution images can hold more than the
-    denoiser's whole step."""
+    denoiser's whole step. Also what the workload holds between steps (after the warm-up step:
+    the optimizer makes its state in its first step)."""
     workload = build_workload(dataclasses.replace(config, cache_text_embeddings=True), CPU)
     try:
         batch = next(workload.batches())
         latents = workload.encode_latents(batch.pixels)
         timer = PhaseTimer(lambda: None)
         workload.step(batch, timer, latents)
+        held = _held_between_steps(workload)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             workload.step(batch, timer, latents)
         path = folder / "memory.json"
@@ -44,7 +46,7 @@ def _measured_peak(config: RunConfig, folder: Path) -> int:
     events = json.loads(path.read_text())["traceEvents"]
     totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
     assert totals, "the profiler recorded no memory events"
-    return int(max(totals))
+    return int(max(totals)), held
 
 
 @pytest.mark.parametrize(
@@ -75,7 +77,7 @@ def test_the_counted_peak_matches_the_allocators_within_a_fifth(
         # Checkpointing keeps only the blocks' inputs: a real share of the activations goes.
         assert counted.checkpointed_peak_bytes < 0.7 * counted.peak_bytes
         predicted = counted.checkpointed_peak_bytes if checkpointing else counted.peak_bytes
-        peaks[batch] = (predicted, _measured_peak(config, tmp_path))
+        peaks[batch] = (predicted, _measured_peak(config, tmp_path)[0])
     predicted_growth = peaks[3][0] - peaks[1][0]
     measured_growth = peaks[3][1] - peaks[1][1]
     assert measured_growth > 0
@@ -156,3 +158,47 @@ def test_a_model_whose_text_encoder_reads_its_mask_is_counted_at_full_size() -> 
     assert static.static_bytes + counted.peak_bytes > card
     said = fit_before_running(config, "cuda", card)
     assert "1024 px, batch 1" in said and "--grad-checkpointing" in said
+
+
+def _held_between_steps(workload: Workload) -> int:
+    """Bytes the workload holds between steps, measured from its tensors: the frozen weights as
+    stored (quantization constants included), the LoRA weights and the optimizer's state."""
+    from diagnose.probes.quantization import held_bytes
+
+    frozen = held_bytes([workload.denoiser, *workload.text_encoders, workload.vae])
+    lora = sum(p.numel() * p.element_size() for p in workload.lora_parameters())
+    state = sum(
+        value.numel() * value.element_size()
+        for per_parameter in workload.optimizer.state.values()
+        for value in per_parameter.values()
+        if isinstance(value, torch.Tensor)
+    )
+    return frozen + lora + state
+
+
+@pytest.mark.parametrize(("preset", "base"), [("sd15", "int8"), ("zimage", "nf4")])
+def test_a_quantized_bases_whole_peak_is_predicted_within_a_fifth(
+    tmp_path: Path, preset: str, base: str
+) -> None:
+    """The whole prediction (the weights as stored, LoRA, gradients, optimizer state and one
+    step's activations) against what a real step of the tiny model holds at its peak: its
+    tensors between steps plus the allocator's peak over a step."""
+    from diagnose.probes.environment import preset_memory
+
+    generate_images(tmp_path / "images", count=3, seed=1, size=(160, 160))
+    config = RunConfig(
+        preset=preset,
+        size="tiny",
+        precision="fp32",
+        resolution=[128],
+        batch=2,
+        base=base,
+        data_dir=str(tmp_path / "images"),
+        workers=0,
+    )
+    predicted = preset_memory(config, preset, size="tiny", activations=True)
+    assert predicted is not None and predicted.activation_bytes is not None
+    step_peak, held = _measured_peak(config, tmp_path)
+    measured = held + step_peak
+    whole = predicted.static_bytes + predicted.activation_bytes
+    assert abs(whole - measured) / measured < 0.2, (whole, measured, held, step_peak)
