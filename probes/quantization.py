@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from diagnose import quantized_base as qb
+from diagnose.capture import input_shape
 from diagnose.catalogs import quantization_catalog as catalog
 from diagnose.environment_facts import GIB
 from diagnose.probes.base import ProbeContext, ProbeSkipped
@@ -203,6 +204,12 @@ def _whole_step(record: RunRecord, stored_times: Sequence[float], encode_seconds
     return step_seconds(record) or statistics.median(stored_times) + encode_seconds
 
 
+def _bucket_seconds(record: RunRecord, batch: ImageBatch) -> float | None:
+    """The run's s/it in ``batch``'s resolution bucket, when its steps recorded buckets."""
+    stats = record.timing.buckets().get(input_shape(tuple(batch.pixels.shape)))
+    return stats.median if stats is not None and stats.n else None
+
+
 def interleaved_steps(
     stored: Any,
     unquantized: Any,
@@ -335,10 +342,11 @@ class QuantizationProbe:
         try:
             shared = shared_latents(stored)
             result.data["vae_encode_seconds"] = shared.encode_seconds
-            # Rounds of both bases' steps, at the headline's s/it less the encode they share:
-            # over the budget, the outputs are still compared but the steps are not timed.
+            # Rounds of both bases' steps, at the s/it of the A/B's bucket less the encode they
+            # share: over the budget, the outputs are still compared but not timed.
             headline = step_seconds(ctx.record)
-            ab_step = None if headline is None else max(headline - shared.encode_seconds, 0.0)
+            bucket_step = _bucket_seconds(ctx.record, shared.batches[0]) or headline
+            ab_step = None if bucket_step is None else max(bucket_step - shared.encode_seconds, 0.0)
             timed = ab_step is None or 2 * MIN_ROUNDS * ab_step <= BUDGET_S
             twin = build_workload(twin_config, ctx.device)
             twin.share_caches(stored)

@@ -290,6 +290,28 @@ def test_the_a_b_steps_on_batches_of_one_bucket(images: Path) -> None:
     assert shared.encode_seconds > 0
 
 
+def test_the_budget_is_judged_on_the_a_b_buckets_own_step() -> None:
+    """With a small and a large bucket, the run's mixed s/it is not what a round of the A/B's
+    bucket costs: the budget is judged on that bucket's own s/it."""
+    from diagnose.probes.quantization import _bucket_seconds
+    from diagnose.record import StepSample
+    from diagnose.workload.data import ImageBatch
+
+    record = new_record("run")
+    for index, (bucket, seconds) in enumerate(
+        [("512x512", 16.0), ("1024x1024", 75.0), ("512x512", 16.4), ("1024x1024", 76.0)]
+    ):
+        record.timing.samples.append(StepSample(index=index, seconds=seconds, bucket=bucket))
+    record.timing.summarize()
+
+    def batch(side: int) -> ImageBatch:
+        return ImageBatch(torch.zeros(1, 3, side, side), ["a photo"], ["a.png"])
+
+    assert _bucket_seconds(record, batch(512)) == pytest.approx(16.2)
+    assert _bucket_seconds(record, batch(1024)) == pytest.approx(75.5)
+    assert _bucket_seconds(record, batch(768)) is None  # not a bucket of this run
+
+
 def test_the_advice_follows_what_fits_the_gpu() -> None:
     """bf16 when it fits, fp8 when only it fits, the quantized base when nothing else does."""
     from diagnose.probes.quantization import _memory_text
