@@ -29,7 +29,8 @@ from diagnose.probes.base import ProbeContext, ProbeSkipped
 from diagnose.record import Finding, ProbeResult, RunRecord
 from diagnose.stats import ab_verdict, sure_saving
 from diagnose.timing import PhaseTimer, device_synchronizer
-from diagnose.trace.rules import per_it
+from diagnose.trace.rules import pct, per_it
+from diagnose.trace.rules.quantization import RULE
 from diagnose.verdicts import step_seconds
 from diagnose.workload.data import ImageBatch
 from diagnose.workload.quantize import FLOAT_BASES
@@ -279,19 +280,27 @@ def _no_answer(
 
 
 def _trace_finding(record: RunRecord) -> Finding | None:
+    """The trace rule's finding: on the trace's result while a run's probes run, on the record
+    once a trace's analysis has handed it over."""
     trace = next((p for p in record.probes if p.name == "trace"), None)
-    if trace is None:
-        return None
-    return next((f for f in trace.findings if f.id == catalog.DEQUANT_COST.id), None)
+    findings = [*(trace.findings if trace is not None else []), *record.findings]
+    return next(
+        (f for f in findings if f.id == catalog.DEQUANT_COST.id and f.source.startswith("trace")),
+        None,
+    )
 
 
 def _trace_share(record: RunRecord) -> float | None:
-    """The share of the profiled steps the trace rule gave the quantized layers, if it read it."""
+    """The share of the profiled steps the trace rule gave the quantized layers, if it read it:
+    in its finding's evidence, or in the rule's data when the share was too small for one."""
     traced = _trace_finding(record)
-    trace = next((p for p in record.probes if p.name == "trace"), None)
-    evidence = traced.evidence if traced is not None else (trace.data if trace else {})
-    if traced is None:
-        evidence = evidence.get("quantization") or {}
+    if traced is not None:
+        evidence: object = traced.evidence
+    else:
+        trace = next((p for p in record.probes if p.name == "trace"), None)
+        rules = trace.data.get("rules") if trace is not None else None
+        rule = rules.get(RULE) if isinstance(rules, Mapping) else None
+        evidence = rule.get(RULE) if isinstance(rule, Mapping) else None
     share = evidence.get("share_of_step") if isinstance(evidence, Mapping) else None
     return float(share) if isinstance(share, (int, float)) else None
 
@@ -498,9 +507,16 @@ class QuantizationProbe:
             return
         if verdict.outcome == "not_faster":
             memory_text = _memory_text(storage, unquantized, memory)
+            share = _trace_share(record)
+            traced = (
+                f"; the trace gives its quantized layers {pct(share)} of each profiled step"
+                if share is not None
+                else ""
+            )
             result.add_ok(
                 catalog.DEQUANT_COST.id,
                 f"quantization: the {storage} base costs no real share of the step: {said}"
+                + traced
                 + (f". {memory_text.rstrip('.')}" if memory_text else ""),
             )
             return

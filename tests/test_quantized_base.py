@@ -60,8 +60,10 @@ def test_the_float_kinds_leave_the_linears_to_the_precision_cast() -> None:
     assert all(type(m) is not Float8StorageLinear for m in model)
 
 
-def _lora_trace(folder: Path, kind: str | None) -> Path:
-    """A real profiler trace of LoRA training steps on a frozen base stored as ``kind``."""
+def _lora_trace(folder: Path, kind: str | None, other_work: int = 0) -> Path:
+    """A real profiler trace of LoRA training steps on a frozen base stored as ``kind``; with
+    ``other_work``, each step also multiplies two unquantized matrices of that side (the rest
+    of a model, which dwarfs the quantized layers)."""
     from peft import LoraConfig, get_peft_model
 
     base = _frozen_mlp()
@@ -70,8 +72,11 @@ def _lora_trace(folder: Path, kind: str | None) -> Path:
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["0", "2"]))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     x = torch.randn(16, 256)
+    other = torch.randn(other_work, other_work)
 
     def step() -> None:
+        if other_work:
+            other @ other
         model(x).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -115,6 +120,24 @@ def test_a_4bit_base_is_found_expanding_its_weights_and_its_fp32_twin_is_quiet(
     twin, twin_check = _quantization_check(_lora_trace(tmp_path, None))
     assert twin is None
     assert twin_check["outcome"] == "ok" and "no quantized base" in str(twin_check["text"])
+
+
+@pytest.mark.parametrize(("other_work", "outcome"), [(0, "finding"), (2048, "ok")])
+def test_the_probe_reads_the_share_the_trace_rule_gave(
+    tmp_path: Path, other_work: int, outcome: str
+) -> None:
+    """The probe quotes the rule's share beside its A/B, from a finding or, when the matmuls
+    dwarf the expansion, from an ok check's data alike."""
+    from diagnose.probes.quantization import _trace_share
+    from diagnose.trace.rules import pct
+
+    path = _lora_trace(tmp_path, "nf4", other_work)
+    record = analysis_to_record(analyze_trace(path), path)
+    (check,) = [c for p in record.probes for c in p.checks if c.id == DEQUANT_COST.id]
+    assert check.outcome == outcome, check.text
+    share = _trace_share(record)
+    assert share is not None and 0 < share < 1
+    assert f"take {pct(share)} of each profiled step" in check.text, (check.text, share)
 
 
 @pytest.mark.parametrize(("kind", "storage"), [("int8", "int8"), ("fp8", "fp8")])

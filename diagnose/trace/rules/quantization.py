@@ -140,7 +140,7 @@ def check(ctx: TraceContext) -> ProbeResult:
             f"quantization: the base is stored as {storage}; its quantized layers take "
             f"{pct(share)} of each profiled step ({ms(seconds)}/step)",
         )
-        result.data["quantization"] = evidence
+        result.data[RULE] = evidence
         return result
     result.add_finding(
         catalog.dequant_cost(
