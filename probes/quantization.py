@@ -199,10 +199,12 @@ def min_relative(stored_times: Sequence[float], whole_step: float) -> float:
     return min(0.99, catalog.MIN_SHARE * max(whole_step, past_vae) / past_vae)
 
 
-def _whole_step(record: RunRecord, stored_times: Sequence[float], encode_seconds: float) -> float:
+def _whole_step(
+    headline: float | None, stored_times: Sequence[float], encode_seconds: float
+) -> float:
     """The step a difference is a share of: the headline's s/it, else the A/B's own step with
     the encode added back."""
-    return step_seconds(record) or statistics.median(stored_times) + encode_seconds
+    return headline or statistics.median(stored_times) + encode_seconds
 
 
 def _bucket_seconds(record: RunRecord, batch: ImageBatch) -> float | None:
@@ -216,7 +218,7 @@ def interleaved_steps(
     unquantized: Any,
     shared: SharedLatents,
     *,
-    whole_step: float | None = None,
+    headline: float | None = None,
     budget_s: float = BUDGET_S,
 ) -> tuple[list[float], list[float]]:
     """Seconds of training steps of each workload on the same batches and latents, alternating
@@ -241,7 +243,7 @@ def interleaved_steps(
             times[arm].append(time.perf_counter() - start)
         if round_index + 1 < MIN_ROUNDS:
             continue
-        whole = whole_step or statistics.median(times[0]) + shared.encode_seconds
+        whole = _whole_step(headline, times[0], shared.encode_seconds)
         verdict = ab_verdict(times[0], times[1], min_relative=min_relative(times[0], whole))
         if verdict.decided or time.perf_counter() - began > budget_s:
             break
@@ -370,7 +372,7 @@ class QuantizationProbe:
             if timed:
                 ctx.progress("quantization: timing steps of both bases, interleaved")
                 stored_times, twin_times = interleaved_steps(
-                    stored, twin, shared, whole_step=headline
+                    stored, twin, shared, headline=headline
                 )
         finally:
             if twin is not None:
@@ -475,7 +477,8 @@ class QuantizationProbe:
         The saving is their difference in seconds: expanding the weights costs the same at any
         image size, so it is not scaled to the headline's step, only kept within it."""
         stored_times, twin_times = times
-        whole = _whole_step(record, stored_times, encode_seconds)
+        whole = _whole_step(step_seconds(record), stored_times, encode_seconds)
+        memory_text = _memory_text(storage, unquantized, memory)
         verdict = ab_verdict(
             stored_times, twin_times, min_relative=min_relative(stored_times, whole)
         )
@@ -502,11 +505,10 @@ class QuantizationProbe:
                 result,
                 f"the A/B could not decide: {said}",
                 ab,
-                memory=_memory_text(storage, unquantized, memory),
+                memory=memory_text,
             )
             return
         if verdict.outcome == "not_faster":
-            memory_text = _memory_text(storage, unquantized, memory)
             share = _trace_share(record)
             traced = (
                 f"; the trace gives its quantized layers {pct(share)} of each profiled step"
@@ -534,7 +536,7 @@ class QuantizationProbe:
                 saving=saving,
                 sure=sure,
                 trace_share=_trace_share(record),
-                memory=_memory_text(storage, unquantized, memory),
+                memory=memory_text,
                 evidence={"ab": ab, "memory": dict(memory)},
                 source=SOURCE,
             )

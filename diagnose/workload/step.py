@@ -692,19 +692,19 @@ class Workload:
     # ---------------------------------------------------------------- the step
 
     def step(
-        self, batch: ImageBatch, timer: PhaseTimer, latents: torch.Tensor | None = None
+        self, batch: ImageBatch, timer: PhaseTimer, encoded: torch.Tensor | None = None
     ) -> float:
         """One training iteration on ``batch``; returns the loss.
 
-        ``latents``: the batch's latents, encoded beforehand. An A/B whose arms share the VAE
+        ``encoded``: the batch's latents, encoded beforehand. An A/B whose arms share the VAE
         passes them: its encode is the same work in both arms, and would only add time and
         noise to the difference between them.
         """
         device, policy = self.device, self.policy
-        cached_latents = latents if latents is not None else self.cached_latents(batch)
+        cached_latents = encoded if encoded is not None else self.cached_latents(batch)
         cached_text = self._cached_text(batch)
         pixels: torch.Tensor | None = None
-        latents = None
+        latents: torch.Tensor | None = None
         cond: Conditioning | None = None
 
         with timer.phase("h2d"):
