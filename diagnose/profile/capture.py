@@ -69,6 +69,10 @@ ENV_PROFILED_STEPS = "DIAGNOSE_PROFILE_PROFILED_STEPS"
 ENV_STOP_AFTER = "DIAGNOSE_PROFILE_STOP_AFTER"
 #: The py-spy executable that samples the profiled steps' Python stacks (unset: none).
 ENV_PY_SPY = "DIAGNOSE_PROFILE_PY_SPY"
+#: ``--strict``: its options, and the folder of the diagnose package for a Python that lacks it
+#: (as diagnose.strict.options.ENV_OPTIONS and ENV_PACKAGE; a test keeps them equal).
+ENV_STRICT = "DIAGNOSE_STRICT"
+ENV_STRICT_PACKAGE = "DIAGNOSE_STRICT_PACKAGE"
 
 FACTS_SUFFIX = ".capture.json"
 TRACE_SUFFIX = ".pt.trace.json.gz"
@@ -432,6 +436,8 @@ class _Capture:
         if len(self.optimizers_built) < 8:
             self.optimizers_built.append(_qualified(type(optimizer)))
         if self.optimizers_built_count == 1:
+            # Strict mode starts here, once torch is wholly imported and before the first step.
+            _ensure_strict(self)
             self.write_process()
 
     def pre_hook(self, optimizer: object, args: object, kwargs: object) -> None:
@@ -593,6 +599,7 @@ class _Capture:
         self._register_forward(collect=phase == "probe")
 
     def _start_capture(self) -> None:
+        _strict_event("capture_started")
         self.timed_started_unix = time.time()
         optimizer: Any = self._boundary_optimizer()
         if optimizer is not None:
@@ -1031,6 +1038,7 @@ class _Capture:
         self._remove_forward()
         self._write_facts(status)
         self._restore_sigterm()
+        _strict_event("capture_ended")
 
     def _progress(self) -> str:
         text = f"after {len(self.timed)} timed steps"
@@ -1134,6 +1142,46 @@ class _Capture:
 
 
 _capture: _Capture | None = None
+#: diagnose's strict mode in this process (``--strict``; see diagnose/strict/runtime.py), or None.
+_strict: Any = None
+
+
+def _start_strict(directory: str) -> Any:
+    """Strict mode for this process when ``--strict`` was given: diagnose.strict.runtime,
+    imported from the diagnose that launched the command when this Python has none."""
+    if not os.environ.get(ENV_STRICT):
+        return None
+    import importlib
+    import importlib.util
+
+    package = os.environ.get(ENV_STRICT_PACKAGE, "")
+    if "diagnose" not in sys.modules and importlib.util.find_spec("diagnose") is None and package:
+        spec = importlib.util.spec_from_file_location(
+            "diagnose", os.path.join(package, "__init__.py"), submodule_search_locations=[package]
+        )
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["diagnose"] = module
+            spec.loader.exec_module(module)
+    return importlib.import_module("diagnose.strict.runtime").start(os.environ, directory)
+
+
+def _ensure_strict(capture: _Capture) -> None:
+    global _strict
+    if _strict is None:
+        try:
+            _strict = _start_strict(capture.settings.directory)
+        except Exception as exc:
+            _strict = False
+            capture.error = f"strict mode: {_one_line(exc)}"
+
+
+def _strict_event(name: str) -> None:
+    """Tell strict mode that the capture's window of steps opened or closed."""
+    handler = getattr(_strict, name, None)
+    if handler is not None:
+        with contextlib.suppress(Exception):
+            handler()
 
 
 def _after_fork_in_child() -> None:

@@ -9,13 +9,14 @@ import dataclasses
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diagnose.output import TRACE_NAME
 from diagnose.profile.capture import TRACE_SUFFIX
 from diagnose.profile.launch import LaunchResult
-from diagnose.record import RunRecord
+from diagnose.record import ProbeResult, RunRecord
 
 if TYPE_CHECKING:
     import torch
@@ -136,13 +137,21 @@ def _measure_attention(record: RunRecord, device: torch.device, kind: str) -> No
     )
 
 
-def finish_profile(result: LaunchResult, out_dir: Path, *, redact_paths: bool) -> RunOutputs:
-    """Write record.json, report.html and the traces of a capture into ``out_dir``."""
+def finish_profile(
+    result: LaunchResult,
+    out_dir: Path,
+    *,
+    redact_paths: bool,
+    extra: Sequence[ProbeResult] = (),
+) -> RunOutputs:
+    """Write record.json, report.html and the traces of a capture into ``out_dir``; ``extra``:
+    results gathered beside the capture (strict mode's)."""
     from diagnose.profile.record import profile_record
     from diagnose.run import finish_run, redact_own_trace
 
     result, traces = _keep_traces(result, out_dir)
     record = profile_record(result)
+    record.probes.extend(extra)
     if traces is not None:
         record.trace_path = traces.name
     device, kind = _device_probes(record)

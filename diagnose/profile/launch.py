@@ -39,6 +39,7 @@ from typing import IO, Any
 
 from diagnose.profile import capture
 from diagnose.profile.device_telemetry import CommandTelemetry, DeviceWindow, SamplerFactory
+from diagnose.strict.options import StrictOptions
 
 #: The folder put first on ``PYTHONPATH``; its ``sitecustomize.py`` is the bootstrap.
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
@@ -67,6 +68,8 @@ class CaptureOptions:
     #: The py-spy executable each capturing process runs on itself during the probe and
     #: profiled steps ("": no stack sampling).
     py_spy: str = ""
+    #: ``--strict``: the checks each process runs on its watched steps (None: off).
+    strict: StrictOptions | None = None
 
     def __post_init__(self) -> None:
         for name in ("skip_steps", "timed_steps", "profiled_steps"):
@@ -164,6 +167,10 @@ def capture_environment(
         env[capture.ENV_PY_SPY] = options.py_spy
     else:
         env.pop(capture.ENV_PY_SPY, None)
+    env.pop(capture.ENV_STRICT, None)
+    if options.strict is not None:
+        env[capture.ENV_STRICT] = options.strict.to_env()
+        env[capture.ENV_STRICT_PACKAGE] = str(Path(capture.__file__).resolve().parent.parent)
     return env
 
 
