@@ -67,6 +67,15 @@ def ok_text(check: str, watched_steps: int, ops: int, claim: str) -> str:
     return f"strict attention: no attention ran unfused where a fused kernel runs ({steps})"
 
 
+def stopped_text(check: str, ops: int) -> str:
+    """The answer of a check that found nothing before another check's violation stopped the
+    run: the steps after the stop were never watched."""
+    return (
+        f"strict {check}: nothing found in the {ops} op(s) judged before the run was stopped at "
+        "another check's violation; the rest of the run was not watched"
+    )
+
+
 def no_claim_text() -> str:
     return (
         "strict precision: not judged, the run claimed no low precision (no bf16/fp16 autocast, "
@@ -139,5 +148,6 @@ __all__ = [
     "no_claim_text",
     "ok_text",
     "precision_fix",
+    "stopped_text",
     "strict_finding",
 ]

@@ -121,7 +121,7 @@ class ProfileCommand:
         from diagnose.output import default_out_dir, prepare_out_dir, remove_partial_outputs
         from diagnose.profile.finish import RANK_TRACES_FOLDER, finish_profile
         from diagnose.profile.launch import CaptureOptions, launch_profiled
-        from diagnose.strict.result import read_logs, strict_result, violation_count
+        from diagnose.strict.result import add_strict, read_logs, violation_count
 
         command = list(args.command)
         if command and command[0] == "--":
@@ -185,8 +185,12 @@ class ProfileCommand:
                 if result.timed_out or result.exit_code == 0:
                     return int(ExitCode.BAD_INPUT)
                 return result.exit_code
-            extra = [strict_result(strict, logs)] if strict is not None else []
-            outputs = finish_profile(result, out_dir, redact_paths=args.redact_paths, extra=extra)
+            outputs = finish_profile(
+                result,
+                out_dir,
+                redact_paths=args.redact_paths,
+                amend=None if strict is None else lambda record: add_strict(record, strict, logs),
+            )
         except BaseException:
             clean_up()
             raise

@@ -9,14 +9,14 @@ import dataclasses
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diagnose.output import TRACE_NAME
 from diagnose.profile.capture import TRACE_SUFFIX
 from diagnose.profile.launch import LaunchResult
-from diagnose.record import ProbeResult, RunRecord
+from diagnose.record import RunRecord
 
 if TYPE_CHECKING:
     import torch
@@ -142,16 +142,17 @@ def finish_profile(
     out_dir: Path,
     *,
     redact_paths: bool,
-    extra: Sequence[ProbeResult] = (),
+    amend: Callable[[RunRecord], None] | None = None,
 ) -> RunOutputs:
-    """Write record.json, report.html and the traces of a capture into ``out_dir``; ``extra``:
-    results gathered beside the capture (strict mode's)."""
+    """Write record.json, report.html and the traces of a capture into ``out_dir``; ``amend``
+    adds what was gathered beside the capture (strict mode's logs) to the record."""
     from diagnose.profile.record import profile_record
     from diagnose.run import finish_run, redact_own_trace
 
     result, traces = _keep_traces(result, out_dir)
     record = profile_record(result)
-    record.probes.extend(extra)
+    if amend is not None:
+        amend(record)
     if traces is not None:
         record.trace_path = traces.name
     device, kind = _device_probes(record)

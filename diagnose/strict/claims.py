@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from diagnose.precision_policy import requested_low_dtype
 from diagnose.strict.frames import describe_frame, user_frame
 from diagnose.strict.violations import Claim
 
@@ -40,6 +41,15 @@ def expected_claim(expect: str) -> Claim | None:
     if not expect:
         return None
     return Claim(expect, f"--expect {expect} (the loop casts its model by hand)", hand_cast=True)
+
+
+def run_claim(precision: str) -> Claim | None:
+    """The claim of ``diagnose run --precision`` (bf16-full casts the model by hand)."""
+    dtype = requested_low_dtype(precision)
+    if dtype is None:
+        return None
+    said = f"diagnose run --precision {precision}"
+    return Claim(dtype, said, hand_cast=precision.endswith("-full"))
 
 
 def _package(frame: FrameType) -> str:
@@ -167,4 +177,5 @@ __all__ = [
     "autocast_claim",
     "expected_claim",
     "lightning_claim",
+    "run_claim",
 ]

@@ -123,23 +123,33 @@ def _caller_of(call_impl: FrameType) -> FrameType | None:
     return caller
 
 
+def _attribute_holding(owner: object, module: torch.nn.Module) -> str | None:
+    children = getattr(owner, "_modules", None)
+    if isinstance(children, dict):
+        for name, value in children.items():
+            if value is module:
+                return str(name)
+    for name, value in getattr(owner, "__dict__", {}).items():
+        if value is module:
+            return str(name)
+    return None
+
+
 def _held_as(module: torch.nn.Module, caller: FrameType | None) -> str:
-    """The name the calling code holds ``module`` by: a local variable, or an attribute of its
-    ``self`` (``self.unet``); else the module's class name."""
+    """The name the calling code holds ``module`` by: a local variable, an attribute of its
+    ``self`` (``self.unet``) or of another local (``components.denoiser``: "denoiser"); else the
+    module's class name."""
     if caller is not None:
         local = caller.f_locals
         for name, value in local.items():
             if value is module and name != "self":
                 return name
-        owner = local.get("self")
-        children = getattr(owner, "_modules", None) if owner is not None else None
-        if isinstance(children, dict):
-            for name, value in children.items():
-                if value is module:
-                    return str(name)
-        for name, value in getattr(owner, "__dict__", {}).items():
-            if value is module:
-                return str(name)
+        owners = [local["self"]] if "self" in local else []
+        owners += [v for k, v in local.items() if k != "self" and hasattr(v, "__dict__")]
+        for owner in owners:
+            held = _attribute_holding(owner, module)
+            if held is not None:
+                return held
     return type(module).__name__
 
 

@@ -23,12 +23,13 @@ written into the log and the checks stop.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -203,6 +204,21 @@ class StrictSession:
             mode.__exit__(None, None, None)
         else:
             mode.retired = True
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Watch every op of this thread in the block, counting its optimizer steps (how
+        ``diagnose run`` watches the steps it measures)."""
+        import torch.optim.optimizer as optimizer
+
+        self.begin()
+        handle = optimizer.register_optimizer_step_post_hook(lambda *_: self.step_ended())
+        self.install()
+        try:
+            yield
+        finally:
+            handle.remove()
+            self.uninstall()
 
     def step_ended(self) -> None:
         """An optimizer step ended (a watched step when installed)."""
@@ -432,4 +448,18 @@ class StrictSession:
         raise StrictViolation(entry)
 
 
-__all__ = ["RANK_AUTOCAST", "RANK_EXPECT", "RANK_TRAINER", "StrictSession"]
+@contextlib.contextmanager
+def strict_watch(options: StrictOptions | None, precision: str) -> Iterator[StrictLog | None]:
+    """``diagnose run --strict``: its own steps watched, the claim its ``--precision``; yields the
+    log (None without ``options``)."""
+    if options is None:
+        yield None
+        return
+    from diagnose.strict.claims import run_claim
+
+    session = StrictSession(options, claim=run_claim(precision), claim_rank=RANK_TRAINER)
+    with session.watching():
+        yield session.log
+
+
+__all__ = ["RANK_AUTOCAST", "RANK_EXPECT", "RANK_TRAINER", "StrictSession", "strict_watch"]

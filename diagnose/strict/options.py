@@ -129,8 +129,10 @@ def parse_strict(text: str) -> tuple[tuple[Check, ...], Mode]:
     return tuple(checks) or CHECKS, mode
 
 
-def add_strict_options(parser: argparse.ArgumentParser) -> None:
-    """--strict, --strict-window, --strict-allow and --expect, as `profile` and `run` take them."""
+def add_strict_options(parser: argparse.ArgumentParser, *, own_workload: bool = False) -> None:
+    """--strict, --strict-window, --strict-allow and --expect, as `profile` takes them;
+    ``own_workload`` (`diagnose run`): --strict and --strict-allow only, since diagnose's own step
+    knows its precision and watches every step it measures."""
     group = parser.add_argument_group("strict mode (a silent upcast or fallback stops the run)")
     group.add_argument(
         "--strict",
@@ -141,13 +143,14 @@ def add_strict_options(parser: argparse.ArgumentParser) -> None:
         "where a fused kernel runs); add 'warn' to record every violation and go on instead of "
         "stopping at the first (e.g. --strict precision,attention,warn)",
     )
-    group.add_argument(
-        "--strict-window",
-        choices=WINDOWS,
-        default="all",
-        help="the steps watched: all (every step after the first) or capture (the timed and "
-        "profiled steps only) (default: all)",
-    )
+    if not own_workload:
+        group.add_argument(
+            "--strict-window",
+            choices=WINDOWS,
+            default="all",
+            help="the steps watched: all (every step after the first) or capture (the timed and "
+            "profiled steps only) (default: all)",
+        )
     group.add_argument(
         "--strict-allow",
         action="append",
@@ -156,12 +159,13 @@ def add_strict_options(parser: argparse.ArgumentParser) -> None:
         help="accept violations of this op (addmm, convolution) or in modules matching this glob "
         "(vae.*, *.ff.net.2); repeatable; written into the record",
     )
-    group.add_argument(
-        "--expect",
-        choices=EXPECTED_DTYPES,
-        help="the precision a loop that casts its model by hand computes in (no autocast, no "
-        "trainer setting to read it from); used by --strict",
-    )
+    if not own_workload:
+        group.add_argument(
+            "--expect",
+            choices=EXPECTED_DTYPES,
+            help="the precision a loop that casts its model by hand computes in (no autocast, "
+            "no trainer setting to read it from); used by --strict",
+        )
 
 
 def strict_options_of(args: argparse.Namespace) -> StrictOptions | None:
@@ -178,9 +182,9 @@ def strict_options_of(args: argparse.Namespace) -> StrictOptions | None:
     return StrictOptions(
         checks=checks,
         mode=mode,
-        window=args.strict_window,
+        window=getattr(args, "strict_window", None) or "all",
         allow=tuple(args.strict_allow or ()),
-        expect=args.expect or "",
+        expect=getattr(args, "expect", None) or "",
     )
 
 

@@ -9,8 +9,14 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from diagnose.catalogs.strict_catalog import CHECK_IDS, no_claim_text, ok_text, strict_finding
-from diagnose.record import ProbeResult
+from diagnose.catalogs.strict_catalog import (
+    CHECK_IDS,
+    no_claim_text,
+    ok_text,
+    stopped_text,
+    strict_finding,
+)
+from diagnose.record import ProbeResult, RunRecord
 from diagnose.strict.options import StrictOptions
 from diagnose.strict.violations import LOG_PREFIX, LOG_SUFFIX, StrictLog, Violation
 
@@ -85,6 +91,8 @@ def strict_result(options: StrictOptions, logs: Sequence[StrictLog]) -> ProbeRes
             )
         elif errors:
             probe.add_not_judged(check_id, f"strict {check}: strict mode failed: {errors[0]}")
+        elif stopped:
+            probe.add_not_judged(check_id, stopped_text(check, ops))
         elif not logs or (not watched and not stopped):
             probe.add_not_judged(
                 check_id, f"strict {check}: no watched step ended (the run stopped before)"
@@ -103,6 +111,28 @@ def strict_result(options: StrictOptions, logs: Sequence[StrictLog]) -> ProbeRes
     return probe
 
 
+def add_strict(record: RunRecord, options: StrictOptions, logs: Sequence[StrictLog]) -> None:
+    """Put strict mode's result into ``record``, with notes on what it did to the steps."""
+    record.probes.append(strict_result(options, logs))
+    stopped = next((log for log in logs if log.stopped), None)
+    if stopped is not None:
+        record.notes.append(
+            f"--strict stopped the run at its first violation, in watched step "
+            f"{max(1, stopped.watched_steps + 1)}: the steps after it were not measured."
+        )
+    elif record.timing.samples and any(log.watched_steps for log in logs):
+        record.notes.append(
+            "The steps were measured with --strict's checks installed: the s/it includes their "
+            "cost on every op (see README, strict mode); measure without --strict for the run's "
+            "own s/it."
+        )
+
+
+def has_violations(record: RunRecord) -> bool:
+    """Whether ``record``'s strict result holds a violation (accepted ones do not count)."""
+    return any(p.checks_with("finding") for p in record.probes if p.name == STRICT_PROBE)
+
+
 def summary_line(logs: Sequence[StrictLog]) -> str:
     """One line for the terminal: how many violations, and the first."""
     found = _merged([v for log in logs for v in log.violations])
@@ -113,4 +143,12 @@ def summary_line(logs: Sequence[StrictLog]) -> str:
     return f"strict: {len(found)} violation(s): {first.check}: {first.headline()}{more}"
 
 
-__all__ = ["STRICT_PROBE", "read_logs", "strict_result", "summary_line", "violation_count"]
+__all__ = [
+    "STRICT_PROBE",
+    "add_strict",
+    "has_violations",
+    "read_logs",
+    "strict_result",
+    "summary_line",
+    "violation_count",
+]
