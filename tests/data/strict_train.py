@@ -57,7 +57,7 @@ class Block(torch.nn.Module):
             return self.proj(x.float()).to(x.dtype)  # the planted fp32 block (hand cast)
         if args.plant == "fp32":
             with torch.autocast("cpu", enabled=False):
-                return self.proj(x.float())  # the planted fp32 block
+                return self.proj(x.float())  # the planted fp32 block (autocast)
         return self.proj(x)
 
 
