@@ -117,6 +117,24 @@ def test_its_clean_twin_trains_to_the_end_with_exit_0(
     assert "over 5 watched step(s)" in checks[PRECISION_ID]["text"]
 
 
+def test_warn_in_the_capture_window_counts_its_steps_only_and_goes_on(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    # Two steps skipped, one timed, the probe step: the capture's window is steps 3 and 4.
+    options = ["--skip-steps", "2", "--steps", "1", "--profile-steps", "0"]
+    strict = ["--strict", "precision,warn", "--strict-window", "capture"]
+    command = [sys.executable, str(SCRIPT), "--plant", "fp32"]
+    code = main(["profile", "--out", str(out), *options, *strict, "--", *command])
+    assert code == ExitCode.STRICT_VIOLATION
+    assert "trained 6" in capfd.readouterr().out
+    record = _record(out)
+    (violation,) = _violations(record)
+    (strict_result,) = [p for p in record["probes"] if p["name"] == "strict"]
+    assert strict_result["data"]["processes"][0]["watched_steps"] == 2
+    assert violation["count"] == 2 and violation["first_step"] == 1
+
+
 # --------------------------------------------------------------------------------------------
 # Attention
 

@@ -57,6 +57,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor, session: StrictSession) -> No
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(x).float().pow(2).mean()
     loss.backward()
+    session.step_reached()
     session.step_ended()
 
 

@@ -212,18 +212,27 @@ class StrictSession:
         import torch.optim.optimizer as optimizer
 
         self.begin()
-        handle = optimizer.register_optimizer_step_post_hook(lambda *_: self.step_ended())
+        handles = [
+            optimizer.register_optimizer_step_pre_hook(lambda *_: self.step_reached()),
+            optimizer.register_optimizer_step_post_hook(lambda *_: self.step_ended()),
+        ]
         self.install()
         try:
             yield
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
             self.uninstall()
 
-    def step_ended(self) -> None:
-        """An optimizer step ended (a watched step when installed)."""
+    def step_reached(self) -> None:
+        """An optimizer step is about to update: its forward and backward ran, watched when the
+        checks are installed now. (Counted here, not after the step: the window opens and
+        closes at steps' ends, before or after any post hook of ours.)"""
         if self.installed:
             self.log.watched_steps += 1
+
+    def step_ended(self) -> None:
+        """An optimizer step ended: a run stopped by a violation is no longer watched."""
         if self.stopped:
             self.uninstall()
 

@@ -10,7 +10,7 @@ opens and closes. The rest it sees for itself:
 - at the end of the first optimizer step, the trainer's own setting (Lightning's trainer on the
   stack, accelerate's state), and, with ``--strict-window all``, the checks are installed for
   every step from there on; with ``capture``, for the capture's steps only;
-- each optimizer step's end is counted as a watched step;
+- each optimizer step reached with the checks installed is counted as a watched step;
 - a forked child (a DataLoader worker) carries none of it;
 - the log is written to ``strict-<pid>.json`` in the capture folder at the first violation (fail
   mode), when the capture's window closes and when the process ends.
@@ -44,17 +44,24 @@ class ProcessStrict:
             log_path=os.path.join(directory, f"{LOG_PREFIX}{self.pid}{LOG_SUFFIX}"),
         )
         self.stepped = False
-        self._hook: Any = None
+        self._hooks: list[Any] = []
 
     def start(self) -> None:
         import torch.optim.optimizer as optimizer
 
         self.session.begin()
-        self._hook = optimizer.register_optimizer_step_post_hook(self._step_ended)
+        self._hooks = [
+            optimizer.register_optimizer_step_pre_hook(self._step_reached),
+            optimizer.register_optimizer_step_post_hook(self._step_ended),
+        ]
         atexit.register(self.at_exit)
         os.register_at_fork(after_in_child=self._after_fork_in_child)
 
     # -- events ---------------------------------------------------------------------------
+
+    def _step_reached(self, optimizer: object, args: object, kwargs: object) -> None:
+        if os.getpid() == self.pid:
+            self.session.step_reached()
 
     def _step_ended(self, optimizer: object, args: object, kwargs: object) -> None:
         if os.getpid() != self.pid:
