@@ -38,6 +38,9 @@ Files in the capture folder (``DIAGNOSE_PROFILE_DIR``):
 - ``rank<R>.pt.trace.json.gz``: the Kineto trace of the profiled steps.
 - ``rank<R>.pyspy.txt``: py-spy's stacks of the probe and profiled steps, when the parent named a
   py-spy (``DIAGNOSE_PROFILE_PY_SPY``; see ``stack_sampler.py``, loaded from beside this file).
+- ``strict-<pid>.json``: strict mode's log (``--strict``: ``DIAGNOSE_STRICT``), written by
+  ``diagnose.strict.runtime``, which this module starts at the first optimizer's construction and
+  tells when the capture's window opens and closes.
 
 Nothing here raises into the user's program: a failure is recorded in the facts' status
 (``error: …``) and disables the capture. ``KeyboardInterrupt`` and ``SystemExit`` are never

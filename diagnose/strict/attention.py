@@ -92,7 +92,9 @@ def _try_fused(signature: Any, device: torch.device, switches: dict[str, bool]) 
 
     kind = device_kind(device)
     arch = _arch(device)
-    devices = [device] if device.type == "cuda" else []
+    devices: list[int] = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     # A trial with dropout draws from the generators: the user's run must not see it.
     with torch.random.fork_rng(devices=devices, device_type=device.type):
         trials = [try_backend(b, signature, device)[0] for b in FUSED_BACKENDS]
