@@ -28,6 +28,7 @@ import torch
 
 from diagnose.precision_policy import requested_low_dtype
 from diagnose.strict.frames import describe_frame, user_frame
+from diagnose.strict.torch_internals import autocast_request
 from diagnose.strict.violations import Claim
 
 _LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -151,9 +152,9 @@ class AutocastWatch:
         def __enter__(context: Any) -> Any:
             entered = original(context)
             try:
-                dtype = _LOW.get(context.fast_dtype) if context._enabled else None
+                enabled, fast_dtype, device = autocast_request(context)
+                dtype = _LOW.get(fast_dtype) if enabled and fast_dtype is not None else None
                 if dtype is not None:
-                    device = str(context.device)
                     watch.stop()
                     watch._on_claim(autocast_claim(dtype, device, sys._getframe(1)))
             except Exception:  # never into the user's program

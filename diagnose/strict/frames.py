@@ -26,12 +26,10 @@ from typing import Any
 
 import torch
 
+from diagnose.strict.torch_internals import module_call_codes
 from diagnose.strict.violations import StrictViolation
 
-_CALL_IMPL = getattr(torch.nn.Module, "_call_impl", None)
-_CALL_IMPL_CODE = getattr(_CALL_IMPL, "__code__", None)
-_WRAPPED = getattr(torch.nn.Module, "_wrapped_call_impl", None)
-_WRAPPED_CODE = getattr(_WRAPPED, "__code__", None)
+_CALL_IMPL_CODE, _WRAPPED_CODE = module_call_codes()
 #: Child names found per (parent, child) object pair (a module tree does not change mid-run).
 _CHILD_NAMES: dict[tuple[int, int], str | None] = {}
 _LIBRARY_DIRS: tuple[str, ...] | None = None

@@ -6,7 +6,11 @@ project's torch compatibility layer).
 - ``torch.utils._python_dispatch._get_current_dispatch_mode``: whether ours is the innermost
   mode, so it is only popped when it is on top;
 - ``torch._C._current_autograd_node``: non-None while the autograd engine runs a backward node
-  (torch 2.1+); strict mode judges forward ops only.
+  (torch 2.1+); strict mode judges forward ops only;
+- ``nn.Module._call_impl`` / ``_wrapped_call_impl``: the frames of a module call, read at a
+  violation to name the module;
+- ``torch.autocast``'s ``_enabled`` and ``fast_dtype``: what an autocast context being entered
+  asks for.
 
 Every accessor degrades: a torch without one of them makes strict mode report "not judged",
 never crash the trainer.
@@ -48,4 +52,24 @@ def innermost_dispatch_mode() -> object | None:
     return _get_current_dispatch_mode()  # type: ignore[no-any-return]
 
 
-__all__ = ["DISPATCH_MODE_ERROR", "DispatchModeBase", "in_backward", "innermost_dispatch_mode"]
+def module_call_codes() -> tuple[Any, Any]:
+    """The code objects of ``nn.Module._call_impl`` (its frame's ``self`` is the module called)
+    and of ``_wrapped_call_impl`` (the frame between it and the caller); None when absent."""
+    call = getattr(torch.nn.Module, "_call_impl", None)
+    wrapped = getattr(torch.nn.Module, "_wrapped_call_impl", None)
+    return getattr(call, "__code__", None), getattr(wrapped, "__code__", None)
+
+
+def autocast_request(context: Any) -> tuple[bool, torch.dtype | None, str]:
+    """(enabled, dtype, device type) a ``torch.autocast`` context asks for."""
+    return bool(context._enabled), context.fast_dtype, str(context.device)
+
+
+__all__ = [
+    "DISPATCH_MODE_ERROR",
+    "DispatchModeBase",
+    "autocast_request",
+    "in_backward",
+    "innermost_dispatch_mode",
+    "module_call_codes",
+]
