@@ -161,6 +161,25 @@ def test_a_hand_written_attention_is_found_and_a_classifier_softmax_is_not(
     assert session.log.ops_judged == 5
 
 
+def test_sdpa_math_is_judged_on_the_calls_own_layout(
+    session_of: Callable[..., StrictSession],
+) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    session = session_of(claim=None, mode="warn", checks=("attention",))
+    three_d = torch.randn(2, 16, 8, requires_grad=True)
+    # No fused kernel takes 3-D inputs: SDPA ran math by necessity, said and not counted.
+    F.scaled_dot_product_attention(three_d, three_d, three_d).sum().backward()
+    assert not session.log.violations
+    (note,) = session.log.not_judged
+    assert "4 dimensional" in note.text
+    four_d = torch.randn(1, 2, 16, 8, requires_grad=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        F.scaled_dot_product_attention(four_d, four_d, four_d).sum().backward()
+    (violation,) = session.log.violations
+    assert violation.ran == "math" and any("switched off" in r for r in violation.reasons)
+
+
 def test_uninstalled_nothing_is_watched(session_of: Callable[..., StrictSession]) -> None:
     session = session_of(mode="fail")
     session.uninstall()

@@ -76,16 +76,25 @@ class FusedPaths:
     cache: dict[tuple[Any, ...], FusedVerdict] = field(default_factory=dict)
 
     def verdict(
-        self, signature: Any, device: torch.device, switches: dict[str, bool]
+        self,
+        signature: Any,
+        device: torch.device,
+        switches: dict[str, bool],
+        call: SdpaCall | None = None,
     ) -> FusedVerdict:
-        key = (signature, str(device), tuple(sorted(switches.items())))
+        """The verdict at ``signature``; with ``call``, tried on inputs laid out as the call's
+        own (its dims and strides decide too: no fused kernel takes 3-D inputs)."""
+        layout = call.layout() if call is not None else ()
+        key = (signature, layout, str(device), tuple(sorted(switches.items())))
         found = self.cache.get(key)
         if found is None:
-            found = self.cache[key] = _try_fused(signature, device, switches)
+            found = self.cache[key] = _try_fused(signature, device, switches, call)
         return found
 
 
-def _try_fused(signature: Any, device: torch.device, switches: dict[str, bool]) -> FusedVerdict:
+def _try_fused(
+    signature: Any, device: torch.device, switches: dict[str, bool], call: SdpaCall | None
+) -> FusedVerdict:
     from diagnose.probes.attention_bench import SignatureTrials, can_use_reasons, try_backend
     from diagnose.probes.attention_environment import rocm_experimental_missing, rocm_facts
     from diagnose.probes.attention_judging import PathGroup, why_not_fused
@@ -97,7 +106,8 @@ def _try_fused(signature: Any, device: torch.device, switches: dict[str, bool]) 
         devices = [device.index if device.index is not None else torch.cuda.current_device()]
     # A trial with dropout draws from the generators: the user's run must not see it.
     with torch.random.fork_rng(devices=devices, device_type=device.type):
-        trials = [try_backend(b, signature, device)[0] for b in FUSED_BACKENDS]
+        inputs = call.trial_inputs(signature) if call is not None else None
+        trials = [try_backend(b, signature, device, inputs)[0] for b in FUSED_BACKENDS]
         can_use = can_use_reasons(signature, device)
     group = PathGroup(signature, ap.MATH, "torch SDPA")
     group.switches_off = {name for name, on in switches.items() if not on}
@@ -151,6 +161,34 @@ class SdpaCall:
         if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             return q, k, v  # type: ignore[return-value]
         return None
+
+    def layout(self) -> tuple[Any, ...]:
+        """Shapes and strides of q, k, v (what a fused kernel's checks read beside the
+        signature)."""
+        found = self.tensors()
+        if found is None:
+            return ()
+        return tuple((tuple(t.shape), tuple(t.stride())) for t in found)
+
+    def trial_inputs(self, signature: Any) -> Any:
+        """Random inputs laid out as this call's own, in the signature's dtype, for a trial."""
+        from diagnose.probes.attention_bench import Inputs
+        from diagnose.probes.attention_calls import tensor_or_none
+
+        found = self.tensors()
+        assert found is not None
+        q, k, v = found
+        dtype = getattr(torch, signature.dtype)
+
+        def like(t: torch.Tensor) -> torch.Tensor:
+            return torch.randn_like(t, dtype=dtype).requires_grad_(signature.backward)
+
+        mask = tensor_or_none(self.bound.get("attn_mask"))
+        grad_out = None
+        if signature.backward:
+            shape = (*q.shape[:-1], v.shape[-1])
+            grad_out = torch.randn(shape, dtype=dtype, device=q.device)
+        return Inputs(like(q), like(k), like(v), None if mask is None else mask.detach(), grad_out)
 
     def signature(self, dtype: torch.dtype) -> Any:
         """The attention probe's signature of this call, at the dtype it computed in."""

@@ -389,24 +389,31 @@ class StrictSession:
                         inputs.append(f"(computed in {short} under autocast)")
                     self._precision_violation(SDPA_OP, short or "", inputs, claim)
             if self.attention:
-                self._unfused(call.signature(dtype), query.device, manual=False)
+                self._unfused(call.signature(dtype), query.device, manual=False, call=call)
         except StrictViolation:
             raise
         except Exception as exc:
             self.fail(f"strict check of an SDPA call: {type(exc).__name__}: {exc}")
 
     def _unfused(
-        self, signature: Any, device: torch.device, *, manual: bool, tried: Any = None
+        self,
+        signature: Any,
+        device: torch.device,
+        *,
+        manual: bool,
+        tried: Any = None,
+        call: SdpaCall | None = None,
     ) -> None:
         """Attention ran unfused (SDPA's math path, or by hand): a violation when a fused kernel
         runs the same inputs here (``tried``: the signature to try them at, default
-        ``signature``); otherwise noted as not judged, with why."""
+        ``signature``; ``call``: an SDPA call, whose own layout is tried); otherwise noted as not
+        judged, with why."""
         from diagnose.probes.attention_calls import sdpa_switches
 
         op = MANUAL_OP if manual else SDPA_OP
         self.busy = True
         try:
-            verdict = self._fused.verdict(tried or signature, device, sdpa_switches())
+            verdict = self._fused.verdict(tried or signature, device, sdpa_switches(), call)
         finally:
             self.busy = False
         if not verdict.exists:
