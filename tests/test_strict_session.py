@@ -218,6 +218,45 @@ def test_the_capture_and_the_options_name_the_same_variables() -> None:
     assert (capture.ENV_STRICT, capture.ENV_STRICT_PACKAGE) == (ENV_OPTIONS, ENV_PACKAGE)
 
 
+def test_a_python_without_diagnose_imports_strict_mode_from_the_launchers(tmp_path: Path) -> None:
+    """The capture's loader, in a child whose import system cannot find diagnose (its editable
+    finder taken out), imports strict mode and the attention probe's modules from the folders
+    the launcher names."""
+    import os
+    import subprocess
+    import sys
+
+    from diagnose.profile.launch import diagnose_search_path
+
+    child = f"""
+import importlib.util, os, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != {str(Path.cwd())!r}]
+for name in [n for n in sys.modules if n == "diagnose" or n.startswith("diagnose.")]:
+    del sys.modules[name]
+assert importlib.util.find_spec("diagnose") is None, "diagnose is still importable"
+spec = importlib.util.spec_from_file_location("capture_under_test", {capture.__file__!r})
+module = sys.modules["capture_under_test"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+assert module._start_strict({str(tmp_path)!r}) is not None
+import diagnose.probes.attention_calls
+print("loaded from", diagnose.__file__)
+"""
+    env = dict(os.environ)
+    env[ENV_OPTIONS] = StrictOptions().to_env()
+    env[ENV_PACKAGE] = os.pathsep.join(diagnose_search_path())
+    done = subprocess.run(
+        [sys.executable, "-c", child],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded from" in done.stdout
+
+
 def _violation(check: str, module: str, count: int) -> Violation:
     return Violation(check=check, op="addmm", module=module, ran="fp32", count=count)
 

@@ -72,8 +72,9 @@ ENV_PROFILED_STEPS = "DIAGNOSE_PROFILE_PROFILED_STEPS"
 ENV_STOP_AFTER = "DIAGNOSE_PROFILE_STOP_AFTER"
 #: The py-spy executable that samples the profiled steps' Python stacks (unset: none).
 ENV_PY_SPY = "DIAGNOSE_PROFILE_PY_SPY"
-#: ``--strict``: its options, and the folder of the diagnose package for a Python that lacks it
-#: (as diagnose.strict.options.ENV_OPTIONS and ENV_PACKAGE; a test keeps them equal).
+#: ``--strict``: its options, and where the diagnose package's modules are for a Python that
+#: lacks it (its folder first; as diagnose.strict.options.ENV_OPTIONS and ENV_PACKAGE, a test keeps
+#: them equal).
 ENV_STRICT = "DIAGNOSE_STRICT"
 ENV_STRICT_PACKAGE = "DIAGNOSE_STRICT_PACKAGE"
 
@@ -1157,15 +1158,19 @@ def _start_strict(directory: str) -> Any:
     import importlib
     import importlib.util
 
-    package = os.environ.get(ENV_STRICT_PACKAGE, "")
-    if "diagnose" not in sys.modules and importlib.util.find_spec("diagnose") is None and package:
+    path = [p for p in os.environ.get(ENV_STRICT_PACKAGE, "").split(os.pathsep) if p]
+    if "diagnose" not in sys.modules and importlib.util.find_spec("diagnose") is None and path:
         spec = importlib.util.spec_from_file_location(
-            "diagnose", os.path.join(package, "__init__.py"), submodule_search_locations=[package]
+            "diagnose", os.path.join(path[0], "__init__.py"), submodule_search_locations=path
         )
         if spec is not None and spec.loader is not None:
             module = importlib.util.module_from_spec(spec)
             sys.modules["diagnose"] = module
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop("diagnose", None)
+                raise
     return importlib.import_module("diagnose.strict.runtime").start(os.environ, directory)
 
 

@@ -149,6 +149,23 @@ class LaunchResult:
         return bool(self.captures)
 
 
+def diagnose_search_path() -> list[str]:
+    """Where ``diagnose``'s modules are found, its own folder first: a process whose Python lacks
+    diagnose imports strict mode from there. In a source checkout ``diagnose.probes`` lies
+    beside the package, not in it, so the folder that holds it is added."""
+    import importlib.util
+
+    import diagnose
+
+    path = [str(Path(p).resolve()) for p in diagnose.__path__]
+    probes = importlib.util.find_spec("diagnose.probes")
+    for location in (probes.submodule_search_locations or []) if probes is not None else []:
+        holder = str(Path(location).resolve().parent)
+        if holder not in path:
+            path.append(holder)
+    return path
+
+
 def capture_environment(
     capture_dir: Path, options: CaptureOptions, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
@@ -170,7 +187,7 @@ def capture_environment(
     env.pop(capture.ENV_STRICT, None)
     if options.strict is not None:
         env[capture.ENV_STRICT] = options.strict.to_env()
-        env[capture.ENV_STRICT_PACKAGE] = str(Path(capture.__file__).resolve().parent.parent)
+        env[capture.ENV_STRICT_PACKAGE] = os.pathsep.join(diagnose_search_path())
     return env
 
 

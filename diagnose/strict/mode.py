@@ -348,7 +348,11 @@ class StrictSession:
         def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
             if session.busy or session.stopped or threading.get_ident() != session._thread:
                 return original(*args, **kwargs)
-            call = SdpaCall.of(args, kwargs)
+            try:
+                call = SdpaCall.of(args, kwargs)
+            except Exception as exc:  # ours: never into the user's program
+                session.fail(f"strict check of an SDPA call: {type(exc).__name__}: {exc}")
+                return original(*args, **kwargs)
             session._calls.append(call)
             try:
                 out = original(*args, **kwargs)

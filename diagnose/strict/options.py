@@ -30,7 +30,8 @@ EXPECTED_DTYPES: tuple[str, ...] = ("bf16", "fp16")
 
 #: The environment variable that carries the options into every process of the command.
 ENV_OPTIONS = "DIAGNOSE_STRICT"
-#: The folder of the ``diagnose`` package, for a process whose Python does not have it installed.
+#: Where the ``diagnose`` package's modules are (os.pathsep-separated, its own folder first), for a
+#: process whose Python does not have it installed.
 ENV_PACKAGE = "DIAGNOSE_STRICT_PACKAGE"
 
 
