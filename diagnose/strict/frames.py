@@ -15,6 +15,7 @@ worked out from the frames at a violation, so watching a step costs no module ho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import site
 import sys
@@ -204,7 +205,8 @@ def install_exception_hooks() -> None:
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if isinstance(value, StrictViolation):
-            tb = trim_traceback(tb)
+            with contextlib.suppress(Exception):
+                tb = trim_traceback(tb)
         previous(kind, value, tb)
 
     sys.excepthook = excepthook
@@ -212,7 +214,8 @@ def install_exception_hooks() -> None:
 
     def thread_hook(args: Any) -> None:
         if isinstance(args.exc_value, StrictViolation):
-            trim_traceback(args.exc_traceback)
+            with contextlib.suppress(Exception):
+                trim_traceback(args.exc_traceback)
         previous_thread(args)
 
     threading.excepthook = thread_hook
