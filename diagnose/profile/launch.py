@@ -185,6 +185,7 @@ def capture_environment(
     else:
         env.pop(capture.ENV_PY_SPY, None)
     env.pop(capture.ENV_STRICT, None)
+    env.pop(capture.ENV_STRICT_PACKAGE, None)
     if options.strict is not None:
         env[capture.ENV_STRICT] = options.strict.to_env()
         env[capture.ENV_STRICT_PACKAGE] = os.pathsep.join(diagnose_search_path())
