@@ -11,9 +11,9 @@ first source wins:
 3. the first ``torch.autocast`` entered with bf16/fp16, named by the code that entered it
    (Lightning's precision plugin, accelerate, or the user's line).
 
-``torch.autocast.__enter__`` is wrapped from the start of the process until a claim is known (one
-Python call per autocast entry, nothing after), so a claim made in the first, unwatched step is
-known when the watched steps begin.
+``torch.autocast.__enter__`` is wrapped from strict mode's start (the first optimizer's
+construction, before any step) until a claim is known (one Python call per autocast entry, nothing
+after), so a claim made in the first, unwatched step is known when the watched steps begin.
 """
 
 from __future__ import annotations
