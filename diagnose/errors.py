@@ -29,6 +29,8 @@ class ExitCode(IntEnum):
     REGRESSION = 6
     #: A correctness check failed (`diagnose triton`: a kernel computed a wrong answer).
     CHECK_FAILED = 7
+    #: ``--strict``: an op left the precision or the fused attention path the run asked for.
+    STRICT_VIOLATION = 8
     #: Interrupted by the user (Ctrl-C).
     INTERRUPTED = 130
     #: Stopped by SIGTERM (a job scheduler's cancel, ``kill``): 128 + SIGTERM.

@@ -30,6 +30,9 @@ from diagnose.output import RECORD_NAME, REPORT_NAME, TRACE_NAME
 from diagnose.probes import REGISTRY, Probe, ProbeContext, run_probes
 from diagnose.record import Finding, HostLoad, ProbeResult, RunRecord, new_record
 from diagnose.redact import redact_record
+from diagnose.strict import StrictOptions, StrictViolation
+from diagnose.strict.mode import strict_watch
+from diagnose.strict.result import add_strict
 from diagnose.telemetry import TelemetrySampler
 from diagnose.verdicts import settle
 
@@ -242,8 +245,10 @@ def execute_run(
     redact_paths: bool = False,
     probes: Sequence[Probe] | None = None,
     progress: Progress | None = None,
+    strict: StrictOptions | None = None,
 ) -> RunOutputs:
-    """Measure, analyse and record one run into ``out_dir`` (which must already exist)."""
+    """Measure, analyse and record one run into ``out_dir`` (which must already exist);
+    ``strict``: the steps measured are watched by strict mode (``--strict``)."""
     from diagnose.workload import build_workload
 
     say = progress or (lambda message: None)
@@ -302,18 +307,24 @@ def execute_run(
         record.config["resolution"] = list(workload.resolutions)
         record.config["data"] = dataclasses.asdict(workload.data_info)
         most_steps, budget_s = config.timed_step_plan()
-        measurement = measure(
-            workload,
-            steps=most_steps,
-            warmup=config.warmup,
-            profiled_steps=config.profiled_steps,
-            trace_path=trace_path,
-            progress=say,
-            telemetry=TelemetrySampler(device_info),
-            budget_s=budget_s,
-            min_steps=MIN_BUDGETED_STEPS,
-            cycle=len(workload.resolutions),
-        )
+        try:
+            with strict_watch(strict, config.precision) as strict_log:
+                measurement = measure(
+                    workload,
+                    steps=most_steps,
+                    warmup=config.warmup,
+                    profiled_steps=config.profiled_steps,
+                    trace_path=trace_path,
+                    progress=say,
+                    telemetry=TelemetrySampler(device_info),
+                    budget_s=budget_s,
+                    min_steps=MIN_BUDGETED_STEPS,
+                    cycle=len(workload.resolutions),
+                )
+        except StrictViolation:
+            assert strict is not None and strict_log is not None
+            add_strict(record, strict, [strict_log])
+            return finish_run(record, out_dir, None, redact_paths=redact_paths, say=say)
         record.timing = measurement.timing
         record.breakdown = measurement.breakdown
         wall.update(measurement.wall_seconds)
@@ -352,6 +363,8 @@ def execute_run(
         for result in results:
             if result.duration_seconds:
                 wall[f"probe {result.name}"] = result.duration_seconds
+        if strict is not None and strict_log is not None:
+            add_strict(record, strict, [strict_log])
     finally:
         workload.close()
         shutil.rmtree(scratch, ignore_errors=True)

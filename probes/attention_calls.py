@@ -9,6 +9,7 @@ Shared by the recorder (:mod:`diagnose.probes.attention_capture`), the profiler 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +157,26 @@ def sdpa_switches() -> dict[str, bool]:
     }
 
 
+#: scaled_dot_product_attention's parameters, in positional order.
+SDPA_PARAMS = (
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+)
+
+
+def bind_sdpa_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """An SDPA call's arguments by parameter name."""
+    bound = dict(zip(SDPA_PARAMS, args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
 def tensor_or_none(value: object) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
@@ -200,9 +221,11 @@ __all__ = [
     "MODULE_RANGE",
     "OP_RANGE",
     "PROFILER_DTYPES",
+    "SDPA_PARAMS",
     "SDPA_SWITCHES",
     "AttentionCall",
     "Signature",
+    "bind_sdpa_args",
     "dtype_name",
     "sdpa_signature",
     "sdpa_switches",

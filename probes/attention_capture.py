@@ -35,6 +35,7 @@ from diagnose.probes.attention_calls import (
     SDPA_SWITCHES,
     AttentionCall,
     Signature,
+    bind_sdpa_args,
     dtype_name,
     sdpa_signature,
     sdpa_switches,
@@ -45,16 +46,6 @@ from diagnose.workload.untouched import steps_without_update
 # --------------------------------------------------------------------------------------------
 # Python-level recording: module hooks and a TorchFunctionMode
 
-_SDPA_PARAMS = (
-    "query",
-    "key",
-    "value",
-    "attn_mask",
-    "dropout_p",
-    "is_causal",
-    "scale",
-    "enable_gqa",
-)
 _MATMULS: frozenset[Any] = frozenset(
     {
         torch.bmm,
@@ -212,8 +203,7 @@ class AttentionRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _sdpa(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        bound = dict(zip(_SDPA_PARAMS, args, strict=False))
-        bound.update(kwargs)
+        bound = bind_sdpa_args(args, kwargs)
         query, key, value = (tensor_or_none(bound.get(n)) for n in ("query", "key", "value"))
         frame = self._stack[-1] if self._stack else None
         call = AttentionCall(

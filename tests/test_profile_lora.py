@@ -34,6 +34,7 @@ TRAIN_LORA = textwrap.dedent(
     parser.add_argument("--max_train_steps", type=int, default=8)
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--upcast_mid_block", action="store_true")
+    parser.add_argument("--fp32_module", default="")
     args = parser.parse_args()
     torch.manual_seed(0)
     accelerator = Accelerator()
@@ -55,6 +56,14 @@ TRAIN_LORA = textwrap.dedent(
             with torch.autocast(accelerator.device.type, enabled=False):
                 return inner(*[up(v) for v in a], **{n: up(v) for n, v in k.items()})
         unet.mid_block.forward = fp32_mid_block
+    if args.fp32_module:
+        # One module left in fp32 inside the bf16 run, as a hand-made upcast leaves it.
+        planted = unet.get_submodule(args.fp32_module)
+        plain = planted.forward
+        def fp32_module(x, *a, **k):
+            with torch.autocast(accelerator.device.type, enabled=False):
+                return plain(x.float(), *a, **k)
+        planted.forward = fp32_module
     scheduler = DDPMScheduler(num_train_timesteps=1000)
 
     class Latents(Dataset):

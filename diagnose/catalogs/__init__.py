@@ -68,6 +68,7 @@ CONCERN_MODULES: tuple[str, ...] = (
     "diagnose.catalogs.triton_catalog",
     "diagnose.catalogs.distributed_catalog",
     "diagnose.catalogs.quantization_catalog",
+    "diagnose.catalogs.strict_catalog",
 )
 
 

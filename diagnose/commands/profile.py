@@ -13,9 +13,14 @@ import argparse
 import shutil
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from diagnose.commands import add_output_options
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.strict.options import add_strict_options, strict_options_of
+
+if TYPE_CHECKING:
+    from diagnose.strict.violations import StrictLog
 
 #: The capture folder inside --out while the command runs (removed when the outputs are written).
 CAPTURE_FOLDER = ".diagnose-capture"
@@ -39,6 +44,18 @@ def _positive_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
     return value
+
+
+def _strict_exit(logs: list[StrictLog], command_exit: int) -> int:
+    """A strict violation decides the exit code, whatever the command's own was."""
+    from diagnose.strict.result import summary_line
+
+    print(
+        f"diagnose: {summary_line(logs)}; the command exited with code {command_exit}; "
+        f"diagnose exits with {int(ExitCode.STRICT_VIOLATION)} (strict violation)",
+        file=sys.stderr,
+    )
+    return int(ExitCode.STRICT_VIOLATION)
 
 
 class ProfileCommand:
@@ -91,6 +108,7 @@ class ProfileCommand:
             metavar="S",
             help="stop the command when no optimizer step has ended S seconds after its start",
         )
+        add_strict_options(parser)
         add_output_options(parser)
         parser.add_argument(
             "command",
@@ -103,6 +121,7 @@ class ProfileCommand:
         from diagnose.output import default_out_dir, prepare_out_dir, remove_partial_outputs
         from diagnose.profile.finish import RANK_TRACES_FOLDER, finish_profile
         from diagnose.profile.launch import CaptureOptions, launch_profiled
+        from diagnose.strict.result import add_strict, read_logs, violation_count
 
         command = list(args.command)
         if command and command[0] == "--":
@@ -115,12 +134,14 @@ class ProfileCommand:
             )
         from diagnose.sampling import find_py_spy
 
+        strict = strict_options_of(args)
         options = CaptureOptions(
             skip_steps=args.skip_steps,
             timed_steps=args.steps,
             profiled_steps=args.profile_steps,
             stop_after=args.stop_after,
             py_spy="" if args.no_stacks else (find_py_spy() or ""),
+            strict=strict,
         )
         out_dir = args.out if args.out is not None else default_out_dir("profile")
         created = not out_dir.exists()
@@ -130,8 +151,9 @@ class ProfileCommand:
         shutil.rmtree(capture_dir, ignore_errors=True)  # a stale one of an interrupted profile
         print(
             f"diagnose: profiling `{' '.join(command)}`: {options.timed_steps} timed and "
-            f"{options.profiled_steps} profiled step(s) after {options.skip_steps}; "
-            "its output follows",
+            f"{options.profiled_steps} profiled step(s) after {options.skip_steps}"
+            + (f"; strict: {strict.describe()}" if strict is not None else "")
+            + "; its output follows",
             file=sys.stderr,
             flush=True,
         )
@@ -154,13 +176,21 @@ class ProfileCommand:
                 raise DiagnoseError(
                     f"cannot start {command[0]}: {exc.strerror or exc}", ExitCode.BAD_INPUT
                 ) from None
+            logs = read_logs(capture_dir) if strict is not None else []
             if not result.captures:
                 clean_up()
                 print(f"diagnose: {result.message}; nothing was written", file=sys.stderr)
+                if violation_count(logs):
+                    return _strict_exit(logs, result.exit_code)
                 if result.timed_out or result.exit_code == 0:
                     return int(ExitCode.BAD_INPUT)
                 return result.exit_code
-            outputs = finish_profile(result, out_dir, redact_paths=args.redact_paths)
+            outputs = finish_profile(
+                result,
+                out_dir,
+                redact_paths=args.redact_paths,
+                amend=None if strict is None else lambda record: add_strict(record, strict, logs),
+            )
         except BaseException:
             clean_up()
             raise
@@ -169,6 +199,8 @@ class ProfileCommand:
 
         print(terminal_summary(outputs.record))
         print(f"\nreport: {outputs.report_path}\nrecord: {outputs.record_path}")
+        if violation_count(logs):
+            return _strict_exit(logs, result.exit_code)
         if result.exit_code != 0:
             print(
                 f"diagnose: the command exited with code {result.exit_code}; so does diagnose",

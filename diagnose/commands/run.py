@@ -22,6 +22,7 @@ from diagnose.config import (
 )
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.quantized_base import BASE_KINDS
+from diagnose.strict.options import add_strict_options, strict_options_of
 
 
 def _str_list(text: str) -> list[str]:
@@ -136,6 +137,7 @@ class RunCommand:
         measure.add_argument(
             "--skip", action="append", default=[], metavar="PROBE", help="turn a probe off"
         )
+        add_strict_options(parser, own_workload=True)
         output = parser.add_argument_group("output")
         output.add_argument("--out", type=Path, metavar="DIR", help="output folder (default: new)")
         output.add_argument(
@@ -262,6 +264,7 @@ class RunCommand:
                     force=args.force,
                     redact_paths=args.redact_paths,
                     progress=progress,
+                    strict=strict_options_of(args),
                 )
         except BaseException:
             # A run that did not finish leaves nothing half-written: a trace without its record
@@ -299,6 +302,11 @@ class RunCommand:
             print(f"trace:  {outputs.trace_path} (open it in Perfetto or chrome://tracing)")
         if refused is not None:
             raise refused
+        from diagnose.strict.result import has_violations
+
+        if has_violations(outputs.record):
+            print("diagnose: --strict found a violation (see above); exit 8", file=sys.stderr)
+            return int(ExitCode.STRICT_VIOLATION)
         if outcome is None:
             return int(ExitCode.OK)
         from diagnose.commands.compare import print_gate

@@ -38,6 +38,9 @@ Files in the capture folder (``DIAGNOSE_PROFILE_DIR``):
 - ``rank<R>.pt.trace.json.gz``: the Kineto trace of the profiled steps.
 - ``rank<R>.pyspy.txt``: py-spy's stacks of the probe and profiled steps, when the parent named a
   py-spy (``DIAGNOSE_PROFILE_PY_SPY``; see ``stack_sampler.py``, loaded from beside this file).
+- ``strict-<pid>.json``: strict mode's log (``--strict``: ``DIAGNOSE_STRICT``), written by
+  ``diagnose.strict.runtime``, which this module starts at the first optimizer's construction and
+  tells when the capture's window opens and closes.
 
 Nothing here raises into the user's program: a failure is recorded in the facts' status
 (``error: …``) and disables the capture. ``KeyboardInterrupt`` and ``SystemExit`` are never
@@ -69,6 +72,11 @@ ENV_PROFILED_STEPS = "DIAGNOSE_PROFILE_PROFILED_STEPS"
 ENV_STOP_AFTER = "DIAGNOSE_PROFILE_STOP_AFTER"
 #: The py-spy executable that samples the profiled steps' Python stacks (unset: none).
 ENV_PY_SPY = "DIAGNOSE_PROFILE_PY_SPY"
+#: ``--strict``: its options, and where the diagnose package's modules are for a Python that
+#: lacks it (its folder first; as diagnose.strict.options.ENV_OPTIONS and ENV_PACKAGE, a test keeps
+#: them equal).
+ENV_STRICT = "DIAGNOSE_STRICT"
+ENV_STRICT_PACKAGE = "DIAGNOSE_STRICT_PACKAGE"
 
 FACTS_SUFFIX = ".capture.json"
 TRACE_SUFFIX = ".pt.trace.json.gz"
@@ -432,6 +440,8 @@ class _Capture:
         if len(self.optimizers_built) < 8:
             self.optimizers_built.append(_qualified(type(optimizer)))
         if self.optimizers_built_count == 1:
+            # Strict mode starts here, once torch is wholly imported and before the first step.
+            _ensure_strict(self)
             self.write_process()
 
     def pre_hook(self, optimizer: object, args: object, kwargs: object) -> None:
@@ -593,6 +603,7 @@ class _Capture:
         self._register_forward(collect=phase == "probe")
 
     def _start_capture(self) -> None:
+        _strict_event("capture_started")
         self.timed_started_unix = time.time()
         optimizer: Any = self._boundary_optimizer()
         if optimizer is not None:
@@ -1031,6 +1042,7 @@ class _Capture:
         self._remove_forward()
         self._write_facts(status)
         self._restore_sigterm()
+        _strict_event("capture_ended")
 
     def _progress(self) -> str:
         text = f"after {len(self.timed)} timed steps"
@@ -1134,6 +1146,50 @@ class _Capture:
 
 
 _capture: _Capture | None = None
+#: diagnose's strict mode in this process (``--strict``; see diagnose/strict/runtime.py), or None.
+_strict: Any = None
+
+
+def _start_strict(directory: str) -> Any:
+    """Strict mode for this process when ``--strict`` was given: diagnose.strict.runtime,
+    imported from the diagnose that launched the command when this Python has none."""
+    if not os.environ.get(ENV_STRICT):
+        return None
+    import importlib
+    import importlib.util
+
+    path = [p for p in os.environ.get(ENV_STRICT_PACKAGE, "").split(os.pathsep) if p]
+    if "diagnose" not in sys.modules and importlib.util.find_spec("diagnose") is None and path:
+        spec = importlib.util.spec_from_file_location(
+            "diagnose", os.path.join(path[0], "__init__.py"), submodule_search_locations=path
+        )
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["diagnose"] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop("diagnose", None)
+                raise
+    return importlib.import_module("diagnose.strict.runtime").start(os.environ, directory)
+
+
+def _ensure_strict(capture: _Capture) -> None:
+    global _strict
+    if _strict is None:
+        try:
+            _strict = _start_strict(capture.settings.directory)
+        except Exception as exc:
+            _strict = False
+            capture.error = f"strict mode: {_one_line(exc)}"
+
+
+def _strict_event(name: str) -> None:
+    """Tell strict mode that the capture's window of steps opened or closed."""
+    handler = getattr(_strict, name, None)
+    if handler is not None:
+        with contextlib.suppress(Exception):
+            handler()
 
 
 def _after_fork_in_child() -> None:

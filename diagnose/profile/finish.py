@@ -9,6 +9,7 @@ import dataclasses
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,13 +137,22 @@ def _measure_attention(record: RunRecord, device: torch.device, kind: str) -> No
     )
 
 
-def finish_profile(result: LaunchResult, out_dir: Path, *, redact_paths: bool) -> RunOutputs:
-    """Write record.json, report.html and the traces of a capture into ``out_dir``."""
+def finish_profile(
+    result: LaunchResult,
+    out_dir: Path,
+    *,
+    redact_paths: bool,
+    amend: Callable[[RunRecord], None] | None = None,
+) -> RunOutputs:
+    """Write record.json, report.html and the traces of a capture into ``out_dir``; ``amend``
+    adds what was gathered beside the capture (strict mode's logs) to the record."""
     from diagnose.profile.record import profile_record
     from diagnose.run import finish_run, redact_own_trace
 
     result, traces = _keep_traces(result, out_dir)
     record = profile_record(result)
+    if amend is not None:
+        amend(record)
     if traces is not None:
         record.trace_path = traces.name
     device, kind = _device_probes(record)

@@ -39,6 +39,7 @@ from typing import IO, Any
 
 from diagnose.profile import capture
 from diagnose.profile.device_telemetry import CommandTelemetry, DeviceWindow, SamplerFactory
+from diagnose.strict.options import StrictOptions
 
 #: The folder put first on ``PYTHONPATH``; its ``sitecustomize.py`` is the bootstrap.
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
@@ -67,6 +68,8 @@ class CaptureOptions:
     #: The py-spy executable each capturing process runs on itself during the probe and
     #: profiled steps ("": no stack sampling).
     py_spy: str = ""
+    #: ``--strict``: the checks each process runs on its watched steps (None: off).
+    strict: StrictOptions | None = None
 
     def __post_init__(self) -> None:
         for name in ("skip_steps", "timed_steps", "profiled_steps"):
@@ -146,6 +149,23 @@ class LaunchResult:
         return bool(self.captures)
 
 
+def diagnose_search_path() -> list[str]:
+    """Where ``diagnose``'s modules are found, its own folder first: a process whose Python lacks
+    diagnose imports strict mode from there. In a source checkout ``diagnose.probes`` lies
+    beside the package, not in it, so the folder that holds it is added."""
+    import importlib.util
+
+    import diagnose
+
+    path = [str(Path(p).resolve()) for p in diagnose.__path__]
+    probes = importlib.util.find_spec("diagnose.probes")
+    for location in (probes.submodule_search_locations or []) if probes is not None else []:
+        holder = str(Path(location).resolve().parent)
+        if holder not in path:
+            path.append(holder)
+    return path
+
+
 def capture_environment(
     capture_dir: Path, options: CaptureOptions, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
@@ -164,6 +184,11 @@ def capture_environment(
         env[capture.ENV_PY_SPY] = options.py_spy
     else:
         env.pop(capture.ENV_PY_SPY, None)
+    env.pop(capture.ENV_STRICT, None)
+    env.pop(capture.ENV_STRICT_PACKAGE, None)
+    if options.strict is not None:
+        env[capture.ENV_STRICT] = options.strict.to_env()
+        env[capture.ENV_STRICT_PACKAGE] = os.pathsep.join(diagnose_search_path())
     return env
 
 
