@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from diagnose import torch_compat
 from diagnose.capture import measure
 from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.contention import LoadWindow, threads_for_load
@@ -302,18 +303,28 @@ def execute_run(
         record.config["resolution"] = list(workload.resolutions)
         record.config["data"] = dataclasses.asdict(workload.data_info)
         most_steps, budget_s = config.timed_step_plan()
-        measurement = measure(
-            workload,
-            steps=most_steps,
-            warmup=config.warmup,
-            profiled_steps=config.profiled_steps,
-            trace_path=trace_path,
-            progress=say,
-            telemetry=TelemetrySampler(device_info),
-            budget_s=budget_s,
-            min_steps=MIN_BUDGETED_STEPS,
-            cycle=len(workload.resolutions),
-        )
+        try:
+            measurement = measure(
+                workload,
+                steps=most_steps,
+                warmup=config.warmup,
+                profiled_steps=config.profiled_steps,
+                trace_path=trace_path,
+                progress=say,
+                telemetry=TelemetrySampler(device_info),
+                budget_s=budget_s,
+                min_steps=MIN_BUDGETED_STEPS,
+                cycle=len(workload.resolutions),
+            )
+        except TypeError as exc:
+            if "enable_gqa" not in str(exc) or torch_compat.sdpa_takes_enable_gqa():
+                raise
+            raise DiagnoseError(
+                f"{workload.model_info.class_name} cannot train under torch {torch.__version__}: "
+                "diffusers' attention passes enable_gqa to scaled_dot_product_attention, which "
+                "torch has from 2.5 on (install torch>=2.5, or use --preset sd15, sdxl or sd3)",
+                ExitCode.UNSUPPORTED,
+            ) from exc
         record.timing = measurement.timing
         record.breakdown = measurement.breakdown
         wall.update(measurement.wall_seconds)

@@ -16,6 +16,7 @@ by file path inside the user's program, where diagnose may not be installed.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import sys
@@ -330,6 +331,18 @@ def fused_cpu_attention_op() -> Callable[..., Any]:
     return op  # type: ignore[no-any-return]
 
 
+@functools.cache
+def sdpa_takes_enable_gqa() -> bool:
+    """Whether ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch 2.5 on): diffusers'
+    attention dispatch (Flux, Z-Image) passes it on every call."""
+    tiny = torch.zeros(1, 1, 1, 1)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(tiny, tiny, tiny, enable_gqa=False)
+    except TypeError:
+        return False
+    return True
+
+
 #: Softmax entry points below the public ones (``torch._softmax``), where this torch has them.
 PRIVATE_SOFTMAXES: tuple[Any, ...] = tuple(
     f for f in (getattr(torch, "_softmax", None),) if f is not None
@@ -441,6 +454,7 @@ __all__ = [
     "note_lack",
     "profiler_is_running",
     "raw_events",
+    "sdpa_takes_enable_gqa",
     "tree_leaves",
     "tree_map",
 ]
