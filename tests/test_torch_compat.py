@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 import tokenize
 from pathlib import Path
 from typing import Any
@@ -309,3 +310,18 @@ def test_autocast_state_and_profiler_state() -> None:
     assert torch_compat.profiler_is_running() is False
     with torch.profiler.profile():
         assert torch_compat.profiler_is_running() is True
+
+
+def test_a_diffusers_that_does_not_import_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # diffusers 0.37 on fails while importing under torch 2.4 (the matrix runs it for real); a
+    # module that cannot be imported stands for it here.
+    from diagnose.errors import DiagnoseError, ExitCode
+    from diagnose.workload.models import build_scheduler
+
+    monkeypatch.setitem(sys.modules, "diffusers", None)
+    with pytest.raises(DiagnoseError) as raised:
+        build_scheduler("DDPMScheduler", {})
+    assert raised.value.code == ExitCode.UNSUPPORTED
+    message = str(raised.value)
+    assert message.startswith("diffusers ") and f"under torch {torch.__version__}" in message
+    assert "\n" not in message
