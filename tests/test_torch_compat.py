@@ -325,3 +325,22 @@ def test_a_diffusers_that_does_not_import_is_one_line(monkeypatch: pytest.Monkey
     message = str(raised.value)
     assert message.startswith("diffusers ") and f"under torch {torch.__version__}" in message
     assert "\n" not in message
+
+
+def test_optimizer_sync_count_reads_torchs_events_when_the_raw_results_are_gone() -> None:
+    # The optimizer probe counts scalar reads from the raw results; a torch without readable raw
+    # results gives the same count from its FunctionEvents.
+    from diagnose.probes.optimizer_syncs import PROBE_STEP_SPAN, _events_of, count_step_syncs
+
+    weights = [torch.randn(4) for _ in range(3)]
+    with torch.profiler.profile() as prof:
+        for _ in range(2):
+            with torch.profiler.record_function(PROBE_STEP_SPAN):
+                for w in weights:
+                    w.sum().item()
+    prof.events()
+    raw = count_step_syncs(_events_of(prof))
+    prof.profiler.kineto_results = None
+    fallback = count_step_syncs(_events_of(prof))
+    assert (raw.steps, raw.scalar_reads) == (2, 2 * len(weights))
+    assert (fallback.steps, fallback.scalar_reads) == (raw.steps, raw.scalar_reads)
