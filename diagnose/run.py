@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from diagnose import torch_compat
 from diagnose.capture import measure
 from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.contention import LoadWindow, threads_for_load
@@ -321,6 +322,15 @@ def execute_run(
                     min_steps=MIN_BUDGETED_STEPS,
                     cycle=len(workload.resolutions),
                 )
+        except TypeError as exc:
+            if "enable_gqa" not in str(exc) or torch_compat.sdpa_takes_enable_gqa():
+                raise
+            raise DiagnoseError(
+                f"{workload.model_info.class_name} cannot train under torch {torch.__version__}: "
+                "diffusers' attention passes enable_gqa to scaled_dot_product_attention, which "
+                "torch has from 2.5 on (install torch>=2.5, or use --preset sd15, sdxl or sd3)",
+                ExitCode.UNSUPPORTED,
+            ) from exc
         except StrictViolation:
             assert strict is not None and strict_log is not None
             add_strict(record, strict, [strict_log])

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from diagnose import torch_compat
 from diagnose.attention_paths import classify_op
 from diagnose.probes.attention_calls import (
     CALL_RANGE,
@@ -32,7 +33,7 @@ _BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 
 @dataclass
 class ProfEvent:
-    """One profiler event, copied from torch's FunctionEvent (times in microseconds)."""
+    """One profiler event, copied from torch's (times in microseconds)."""
 
     id: int
     name: str
@@ -74,45 +75,40 @@ def events_from_profiler(prof: Any, on_device: bool = False) -> list[ProfEvent]:
     through correlation ids), so it reads ``prof.events()``, as does a torch without raw results.
     """
     if not on_device:
-        results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-        raw = getattr(results, "events", None)
-        if callable(raw):
-            try:
-                return events_from_raw(raw())
-            except (AttributeError, TypeError, RuntimeError):
-                pass  # raw accessors this code does not know: torch's own tree below
-    return _events_from_function_events(prof.events(), on_device)
-
-
-def _events_from_function_events(events: Any, on_device: bool) -> list[ProfEvent]:
-    """Device times and kernels are read only for a GPU run, input shapes and dtypes only for
-    attention ops (the only ones read later): both are slow to compute for every event."""
-    copied: list[ProfEvent] = []
-    for event in events:
-        parent = event.cpu_parent
-        name = str(event.name)
-        is_attention = classify_op(name) is not None
-        copied.append(
-            ProfEvent(
-                id=int(event.id),
-                name=name,
-                parent=int(parent.id) if parent is not None else None,
-                start_us=float(event.time_range.start),
-                end_us=float(event.time_range.end),
-                cpu_us=float(event.time_range.end - event.time_range.start),
-                device_us=float(event.self_device_time_total or 0.0) if on_device else 0.0,
-                sequence_nr=int(event.sequence_nr),
-                thread=int(event.thread),
-                fwd_thread=int(event.fwd_thread or 0),
-                input_dtypes=list(event.input_dtypes or []) if is_attention else [],
-                input_shapes=list(event.input_shapes or []) if is_attention else [],
-                kernels=[str(k.name) for k in event.kernels] if on_device else [],
-            )
+        raw = torch_compat.raw_events(prof, keep=_is_listed, inputs_of=_is_attention)
+        if raw is not None:
+            return events_from_raw(raw)
+    return [
+        ProfEvent(
+            id=op.id,
+            name=op.name,
+            parent=op.parent,
+            start_us=op.start_us,
+            end_us=op.end_us,
+            cpu_us=op.end_us - op.start_us,
+            device_us=op.device_us,
+            sequence_nr=op.sequence_nr,
+            thread=op.thread,
+            fwd_thread=op.fwd_thread,
+            input_dtypes=op.input_dtypes or [],
+            input_shapes=op.input_shapes or [],
+            kernels=op.kernels or [],
         )
-    return copied
+        # Device times and kernels only for a GPU run, input shapes and dtypes only for
+        # attention ops (the only ones read later): both are slow to read for every event.
+        for op in torch_compat.function_ops(prof, device=on_device, inputs_of=_is_attention)
+    ]
 
 
-def events_from_raw(raw_events: Sequence[Any]) -> list[ProfEvent]:
+def _is_attention(name: str) -> bool:
+    return classify_op(name) is not None
+
+
+def _is_listed(name: str) -> bool:
+    return name not in _UNLISTED_NAMES
+
+
+def events_from_raw(raw_events: Sequence[torch_compat.RawEvent]) -> list[ProfEvent]:
     """CPU events from the profiler's raw results, with parents found as torch finds them.
 
     An event's parent is the innermost event on the same thread whose interval holds its own;
@@ -123,29 +119,25 @@ def events_from_raw(raw_events: Sequence[Any]) -> list[ProfEvent]:
     copied: list[ProfEvent] = []
     nestable: list[ProfEvent] = []
     for raw in raw_events:
-        name = str(raw.name())
-        if name in _UNLISTED_NAMES or raw.is_hidden_event():
+        if raw.hidden or not raw.on_cpu or not _is_listed(raw.name):
             continue
-        if str(raw.device_type()) != "DeviceType.CPU":
-            continue
-        start_us = raw.start_ns() / 1000.0
-        end_us = raw.end_ns() / 1000.0
-        is_attention = classify_op(name) is not None
+        start_us = raw.start_ns / 1000.0
+        end_us = raw.end_ns / 1000.0
         event = ProfEvent(
             id=len(copied),
-            name=name,
+            name=raw.name,
             parent=None,
             start_us=start_us,
             end_us=end_us,
             cpu_us=end_us - start_us,
-            sequence_nr=int(raw.sequence_nr()),
-            thread=int(raw.start_thread_id()),
-            fwd_thread=int(raw.fwd_thread_id() or 0),
-            input_dtypes=list(raw.dtypes() or []) if is_attention else [],
-            input_shapes=list(raw.shapes() or []) if is_attention else [],
+            sequence_nr=raw.sequence_nr,
+            thread=raw.thread,
+            fwd_thread=raw.fwd_thread,
+            input_dtypes=raw.input_dtypes or [],
+            input_shapes=raw.input_shapes or [],
         )
         copied.append(event)
-        if not raw.is_async() and raw.start_thread_id() == raw.end_thread_id():
+        if not raw.is_async and not raw.crosses_threads:
             nestable.append(event)
     _link_parents(nestable)
     return _fold_repeated_ops(copied)

@@ -41,6 +41,7 @@ from diagnose.probes.attention_calls import (
     sdpa_switches,
     tensor_or_none,
 )
+from diagnose.torch_compat import PRIVATE_SOFTMAXES
 from diagnose.workload.untouched import steps_without_update
 
 # --------------------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ _MATMULS: frozenset[Any] = frozenset(
     }
 )
 _SOFTMAXES: frozenset[Any] = frozenset(
-    {torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax, torch._softmax}
+    {torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax, *PRIVATE_SOFTMAXES}
 )
 
 

@@ -151,11 +151,16 @@ def _run_alone(probe: Probe, ctx: ProbeContext) -> ProbeResult:
         return done(
             ProbeResult(status="skipped", reason=f"package not installed: {', '.join(missing)}")
         )
+    from diagnose import torch_compat  # imports torch: only once a probe runs
+
+    lacks: list[torch_compat.Lack] = []
     try:
-        with _torch_state_restored():
+        with _torch_state_restored(), torch_compat.lacks_met() as lacks:
             result = probe.run(ctx)
     except ProbeSkipped as exc:
         return done(ProbeResult(status="skipped", reason=str(exc) or "nothing to judge here"))
+    except torch_compat.TorchLacks as exc:
+        return done(_not_judged_for(probe, lacks, ProbeResult(status="skipped", reason=str(exc))))
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a probe's SystemExit or MemoryError must not end the run either
@@ -174,7 +179,14 @@ def _run_alone(probe: Probe, ctx: ProbeContext) -> ProbeResult:
                 reason=f"probe returned {type(result).__name__}, not a ProbeResult",
             )
         )
-    return done(result)
+    return done(_not_judged_for(probe, lacks, result))
+
+
+def _not_judged_for(probe: Probe, lacks: Sequence[Any], result: ProbeResult) -> ProbeResult:
+    """One ``not_judged`` check for each part of torch the probe needed and this torch lacks."""
+    for lack in lacks:
+        result.add_not_judged(f"{probe.name}.{lack.check_id}", f"{probe.name}: {lack.text()}")
+    return result
 
 
 def run_probes(

@@ -7,7 +7,6 @@ catalog words fixes by key, so a fix never proposes the optimizer the run alread
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from diagnose import torch_compat
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.quiet import capture_output
 from diagnose.record import Finding
@@ -333,18 +333,14 @@ def _native_library(lib: object) -> dict[str, Any]:
 
 
 def _registered_kernels() -> dict[str, list[str]]:
-    """Dispatch keys with a kernel for bitsandbytes' optimizer ops (private torch API: guarded)."""
+    """Dispatch keys with a kernel for bitsandbytes' optimizer ops."""
     found: dict[str, list[str]] = {}
-    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
-    if has_kernel is None:
-        return found
     for op in ("optimizer_update_8bit_blockwise", "optimizer_update_32bit"):
-        keys = []
-        for key in ("CPU", "CUDA", "XPU", "MPS"):
-            with contextlib.suppress(Exception):
-                if has_kernel(f"bitsandbytes::{op}", key):
-                    keys.append(key)
-        found[op] = keys
+        found[op] = [
+            key
+            for key in ("CPU", "CUDA", "XPU", "MPS")
+            if torch_compat.has_kernel_for(f"bitsandbytes::{op}", key)
+        ]
     return found
 
 

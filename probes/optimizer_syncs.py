@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from diagnose import torch_compat
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.quiet import native_stderr_filtered
 from diagnose.record import Finding
@@ -212,34 +213,17 @@ def _events_of(prof: Any) -> list[ProfiledEvent]:
     nesting) in Python: on a CPU-bound step that parse cost more than the steps themselves, and
     the count needs only the names, times and threads of a few kinds of event.
     """
-    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    raw = getattr(results, "events", None)
-    if callable(raw):
-        try:
-            kept: list[ProfiledEvent] = []
-            for e in raw():
-                name = e.name()
-                if _counted(name):
-                    start_ns = e.start_ns()
-                    kept.append(
-                        ProfiledEvent(
-                            name=name,
-                            start_us=start_ns / 1000.0,
-                            end_us=(start_ns + e.duration_ns()) / 1000.0,
-                            thread=int(e.start_thread_id()),
-                        )
-                    )
-            return kept
-        except (AttributeError, TypeError, RuntimeError):
-            pass  # an older or newer torch without these accessors: the slow path below
+    raw = torch_compat.raw_events(prof, keep=_counted)
+    if raw is not None:
+        return [
+            ProfiledEvent(
+                name=e.name, start_us=e.start_ns / 1000.0, end_us=e.end_ns / 1000.0, thread=e.thread
+            )
+            for e in raw
+        ]
     return [
-        ProfiledEvent(
-            name=e.name,
-            start_us=float(e.time_range.start),
-            end_us=float(e.time_range.end),
-            thread=int(e.thread),
-        )
-        for e in prof.events()
+        ProfiledEvent(name=e.name, start_us=e.start_us, end_us=e.end_us, thread=e.thread)
+        for e in torch_compat.function_ops(prof, device=False)
         if _counted(e.name)
     ]
 

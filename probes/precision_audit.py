@@ -40,8 +40,6 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from diagnose.precision_policy import (
     ATTENTION_FUNCTIONS,
@@ -64,6 +62,13 @@ from diagnose.probes.precision_audit_log import (
 )
 from diagnose.probes.precision_weights import workload_components
 from diagnose.timing import PhaseTimer
+from diagnose.torch_compat import (
+    TorchDispatchMode,
+    current_autograd_node_reader,
+    is_autocast_enabled,
+    tree_leaves,
+    tree_map,
+)
 from diagnose.workload.untouched import steps_without_update
 
 #: Key under which an autograd node carries the forward call that made it.
@@ -127,7 +132,7 @@ def _spec_of(value: Any) -> Any:
 def _signature_key(op: str, args: Any, kwargs: Any) -> str:
     """Op + the shapes, strides and dtypes of its tensors + its other arguments."""
     parts = [op]
-    for leaf in pytree.tree_leaves((args, kwargs)):
+    for leaf in tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor):
             parts.append(
                 f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}/{list(leaf.stride())}"
@@ -221,7 +226,7 @@ class _Auditor:
         self._warnings: dict[tuple[str, str, Site, str], CapturedWarning] = {}
         self._op_names: dict[Any, tuple[str, OpKind]] = {}
         self._deliberate_of: dict[tuple[str | None, Site], str] = {}
-        self._node_of: Callable[[], Any] | None = getattr(torch._C, "_current_autograd_node", None)
+        self._node_of = current_autograd_node_reader()
         self.log.node_attribution = self._node_of is not None
 
     # ------------------------------------------------------------ module hooks
@@ -366,7 +371,7 @@ class _Auditor:
                 key=key,
                 op=op,
                 func=func,
-                template=pytree.tree_map(_spec_of, (args, kwargs)),
+                template=tree_map(_spec_of, (args, kwargs)),
                 dtype=dtype,
                 torch_dtype=torch_dtype,
                 shapes=_shape_text(tensors),
@@ -461,7 +466,7 @@ class _CallTracker(TorchFunctionMode):
         if name in _ATTRIBUTE_FUNCTIONS:
             return func(*args, **kwargs)
         auditor = self.auditor
-        autocast = torch.is_autocast_enabled(auditor.device_type)
+        autocast = is_autocast_enabled(auditor.device_type)
         auditor.calls.append((name, autocast))
         warned = len(auditor.caught)
         start = time.perf_counter()

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from diagnose.probes.precision_audit_log import ReplaySpec, TensorSpec, dtype_name
 from diagnose.record import Stats
 from diagnose.stats import SAVING_SIGNIFICANCE, minimum_samples
+from diagnose.torch_compat import tree_map
 
 #: Calls per dtype a benchmark makes even past its budget: fewer and no A/B on them can ever be
 #: sure of a difference (see :func:`diagnose.stats.minimum_samples`).
@@ -62,7 +62,7 @@ def replay_arguments(spec: ReplaySpec, dtype: torch.dtype | None) -> tuple[Any, 
             return _materialise(value, target, generators)
         return value
 
-    args, kwargs = pytree.tree_map(make, spec.template, is_leaf=lambda v: isinstance(v, TensorSpec))
+    args, kwargs = tree_map(make, spec.template, is_leaf=lambda v: isinstance(v, TensorSpec))
     return args, kwargs
 
 

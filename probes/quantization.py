@@ -19,7 +19,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from diagnose import quantized_base as qb
 from diagnose.capture import input_shape
@@ -29,6 +28,7 @@ from diagnose.probes.base import ProbeContext, ProbeSkipped
 from diagnose.record import Finding, ProbeResult, RunRecord
 from diagnose.stats import ab_verdict, sure_saving
 from diagnose.timing import PhaseTimer, device_synchronizer
+from diagnose.torch_compat import tree_leaves
 from diagnose.trace.rules import pct, per_it
 from diagnose.trace.rules.quantization import RULE
 from diagnose.verdicts import step_seconds

@@ -21,9 +21,11 @@ _ENV_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 def _torch_switches() -> dict[str, object]:
     import torch
 
+    from diagnose.torch_compat import is_autocast_enabled
+
     switches: dict[str, object] = {
         "grad": torch.is_grad_enabled(),
-        "autocast_cpu": torch.is_autocast_enabled("cpu"),
+        "autocast_cpu": is_autocast_enabled("cpu"),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
         "threads": torch.get_num_threads(),
@@ -40,12 +42,12 @@ def _global_state_guard() -> Iterator[None]:
     pyinstrument's conftest does the same: one leaking test would otherwise make later ones
     measure something else.
     """
-    import torch
+    from diagnose.torch_compat import profiler_is_running
 
     env_before = dict(os.environ)
     switches_before = _torch_switches()
     yield
-    assert torch.autograd.profiler._is_profiler_enabled is False, "a profiler is still running"
+    assert profiler_is_running() is not True, "a profiler is still running"
     assert _torch_switches() == switches_before, "torch switches were not restored"
     changed = {
         k

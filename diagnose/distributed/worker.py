@@ -11,7 +11,6 @@ exit code that goes with it, which the parent shows.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from diagnose.config import RunConfig
 from diagnose.distributed.launch import RankSpec
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import new_record
+from diagnose.torch_compat import fsdp1_class, fsdp2_fully_shard
 
 
 class _DenoiserDDP(DistributedDataParallel):
@@ -42,21 +42,6 @@ class _DenoiserDDP(DistributedDataParallel):
             if name == "module":
                 raise
             return getattr(self.module, name)
-
-
-def _fsdp2_fully_shard() -> Any:
-    """FSDP2's ``fully_shard`` (public from torch 2.6, in ``_composable`` before), or None."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-
-        return fully_shard
-    except ImportError:
-        pass
-    try:
-        composable = importlib.import_module("torch.distributed._composable.fsdp")
-    except ImportError:
-        return None
-    return getattr(composable, "fully_shard", None)
 
 
 def _is_block(module: torch.nn.Module) -> bool:
@@ -74,19 +59,17 @@ def wrap_denoiser(
         return _DenoiserDDP(module, device_ids=device_ids), "DistributedDataParallel"
     if strategy != "fsdp":
         raise DiagnoseError(f"unknown strategy {strategy!r}", ExitCode.USAGE)
-    fully_shard = _fsdp2_fully_shard()
-    if fully_shard is not None:
+    shard = fsdp2_fully_shard()
+    if shard is not None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (world_size,))
         blocks = [m for m in module.modules() if _is_block(m)]
         for block in blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(module, mesh=mesh)
+            shard(block, mesh=mesh)
+        shard(module, mesh=mesh)
         return module, f"FSDP2 fully_shard ({len(blocks)} transformer blocks, then the root)"
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    wrapped = FullyShardedDataParallel(
+    wrapped = fsdp1_class()(
         module,
         use_orig_params=True,
         device_id=device if device.type == "cuda" else None,

@@ -246,28 +246,49 @@ class _Tally:
         row["elements"] += elements
 
 
-def _autocast_state(torch_module: Any) -> dict[str, dict[str, Any]]:
+def _load_by_path(name: str, path: str) -> ModuleType:
+    """A module of diagnose's loaded from its file, under a private name, once per process
+    (the user's Python may not have diagnose installed, or another one)."""
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        return loaded
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as the import system does, so that dataclasses can resolve it.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _torch_compat() -> Any:
+    """``diagnose/torch_compat.py``: every private or version-dependent part of torch."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "torch_compat.py")
+    return _load_by_path("_diagnose_profile_torch_compat", path)
+
+
+def _autocast_state() -> dict[str, dict[str, Any]]:
     """Whether autocast is on for CUDA (ROCm too) and CPU, and its dtype, right now."""
+    compat = _torch_compat()
     state: dict[str, dict[str, Any]] = {}
     for device in ("cuda", "cpu"):
-        try:
-            enabled = bool(torch_module.is_autocast_enabled(device))
-            dtype = torch_module.get_autocast_dtype(device) if enabled else None
-        except (TypeError, AttributeError):  # torch without the device_type overloads
-            if device == "cuda":
-                enabled = bool(torch_module.is_autocast_enabled())
-                dtype = torch_module.get_autocast_gpu_dtype() if enabled else None
-            else:
-                enabled = bool(torch_module.is_autocast_cpu_enabled())
-                dtype = torch_module.get_autocast_cpu_dtype() if enabled else None
+        enabled = compat.is_autocast_enabled(device)
+        dtype = compat.autocast_dtype(device) if enabled else None
         state[device] = {"enabled": enabled, "dtype": _dtype_name(dtype) if enabled else None}
     return state
 
 
 def _dynamo_counters() -> dict[str, dict[str, int]] | None:
-    """``torch._dynamo.utils.counters`` when dynamo is loaded (never imported here)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None) if utils is not None else None
+    """``torch._dynamo``'s counters when dynamo is loaded (never imported here)."""
+    counters = _torch_compat().dynamo_counters()
     if counters is None:
         return None
     out: dict[str, dict[str, int]] = {}
@@ -622,9 +643,7 @@ class _Capture:
         self.dynamo_timed_end = _dynamo_counters()
         s = self.settings
         if s.profiled_steps:
-            import torch
-
-            if torch.autograd.profiler._is_profiler_enabled:
+            if _torch_compat().profiler_is_running():
                 self.profiler_note = "the program runs its own torch.profiler: no trace taken"
             else:
                 self.profiler = self._make_profiler(s.profiled_steps)
@@ -638,15 +657,12 @@ class _Capture:
     def _start_sampler(self) -> None:
         if not self.settings.py_spy or self.stem is None:
             return
-        import importlib.util
-
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stack_sampler.py")
-        spec = importlib.util.spec_from_file_location("_diagnose_profile_stack_sampler", path)
-        if spec is None or spec.loader is None:
+        try:
+            module = _load_by_path("_diagnose_profile_stack_sampler", path)
+        except ImportError:
             self.stacks = {"error": f"cannot load {path}"}
             return
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
         output = os.path.join(self.settings.directory, self.stem + STACKS_SUFFIX)
         self.sampler = module.StackSampler(self.settings.py_spy, output)
         self.sampler.start()
@@ -701,9 +717,7 @@ class _Capture:
                 return
             self._remove_forward()
             if os.getpid() == self.pid and not self.off:
-                import torch
-
-                self.autocast_samples.append(_autocast_state(torch))
+                self.autocast_samples.append(_autocast_state())
         except Exception as exc:
             self._fail(exc)
 
@@ -712,9 +726,7 @@ class _Capture:
         try:
             called = self.called
             if id(module) not in called and os.getpid() == self.pid:
-                import torch
-
-                called[id(module)] = (module, _autocast_state(torch))
+                called[id(module)] = (module, _autocast_state())
         except Exception as exc:
             self._fail(exc)
 

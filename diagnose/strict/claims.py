@@ -28,8 +28,8 @@ import torch
 
 from diagnose.precision_policy import requested_low_dtype
 from diagnose.strict.frames import describe_frame, user_frame
-from diagnose.strict.torch_internals import autocast_request
 from diagnose.strict.violations import Claim
+from diagnose.torch_compat import autocast_request
 
 _LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _TORCH_NAME = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}

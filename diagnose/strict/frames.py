@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from diagnose.strict.torch_internals import module_call_codes
 from diagnose.strict.violations import StrictViolation
+from diagnose.torch_compat import module_call_codes
 
 _CALL_IMPL_CODE, _WRAPPED_CODE = module_call_codes()
 #: Child names found per (parent, child) object pair (a module tree does not change mid-run).

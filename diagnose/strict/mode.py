@@ -60,13 +60,15 @@ from diagnose.strict.attention import (
 from diagnose.strict.claims import AutocastWatch
 from diagnose.strict.frames import describe_frame, install_exception_hooks, module_path, user_frame
 from diagnose.strict.options import StrictOptions
-from diagnose.strict.torch_internals import (
+from diagnose.strict.violations import Claim, StrictLog, StrictViolation, Violation
+from diagnose.torch_compat import (
     DISPATCH_MODE_ERROR,
-    DispatchModeBase,
+    TorchDispatchMode,
+    autocast_dtype,
     in_backward,
     innermost_dispatch_mode,
+    is_autocast_enabled,
 )
-from diagnose.strict.violations import Claim, StrictLog, StrictViolation, Violation
 from diagnose.trainers import speak_to
 
 #: What the dispatch mode does with an op: judge it as one of these kinds, or pass it on (None).
@@ -96,14 +98,18 @@ def _described(tensors: list[torch.Tensor]) -> list[str]:
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast lowers to on ``device_type`` right now, or None when it is off."""
     try:
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
+        if is_autocast_enabled(device_type):
+            return autocast_dtype(device_type)
     except (TypeError, AttributeError, RuntimeError):  # a torch without the device overloads
         return None
     return None
 
 
-class _StrictDispatch(DispatchModeBase):  # type: ignore[misc]
+#: The base of the op watcher, untyped: torch's dispatch mode class is not annotated.
+_DispatchBase: Any = TorchDispatchMode
+
+
+class _StrictDispatch(_DispatchBase):  # type: ignore[misc]
     """Sees every aten op; hands the watched ones to the session before they run."""
 
     def __init__(self, session: StrictSession) -> None:

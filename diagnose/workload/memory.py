@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from diagnose.torch_compat import TorchDispatchMode, fused_cpu_attention_op, tree_leaves
 
 
 class LiveStorageBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -79,7 +79,7 @@ def _fused_sdpa(
         attn_mask = torch.zeros(
             attn_mask.shape, dtype=query.dtype, device=attn_mask.device
         ).masked_fill(~attn_mask, float("-inf"))
-    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    fused = fused_cpu_attention_op()
     out: torch.Tensor = fused(
         query, key, value, float(dropout_p), bool(is_causal), attn_mask=attn_mask, scale=scale
     )[0]

@@ -269,14 +269,35 @@ def construct_on(device: torch.device | str, dtype: torch.dtype) -> Iterator[Non
 
 
 def _diffusers_class(name: str, allowed: Sequence[str], what: str) -> Any:
-    import diffusers
-
     if name not in allowed:
         raise DiagnoseError(
             f"{what} class {name!r} is not supported (supported: {', '.join(allowed)})",
             ExitCode.BAD_INPUT,
         )
-    return getattr(diffusers, name)
+    return _from_diffusers(name)
+
+
+def _from_diffusers(name: str) -> Any:
+    """``diffusers.<name>``. A diffusers made for a newer torch fails while it imports (it calls
+    what this torch lacks): that is said in one line, not as a crash of diagnose."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        import diffusers
+
+        return getattr(diffusers, name)
+    except (ImportError, AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        try:
+            installed = version("diffusers")
+        except PackageNotFoundError:
+            installed = "(not installed)"
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise DiagnoseError(
+            f"diffusers {installed} cannot give {name} under torch {torch.__version__} "
+            f"({type(exc).__name__}: {reason}); install a diffusers made for this torch "
+            "(torch 2.4: diffusers 0.36)",
+            ExitCode.UNSUPPORTED,
+        ) from exc
 
 
 def _transformers_class(name: str) -> Any:
@@ -312,13 +333,11 @@ def build_vae(preset: Preset) -> torch.nn.Module:
 
 
 def build_scheduler(class_name: str, config: dict[str, Any]) -> Any:
-    import diffusers
-
     if class_name not in ("DDPMScheduler", "FlowMatchEulerDiscreteScheduler"):
         raise DiagnoseError(
             f"training scheduler {class_name!r} is not supported", ExitCode.BAD_INPUT
         )
-    return getattr(diffusers, class_name).from_config(config)
+    return _from_diffusers(class_name).from_config(config)
 
 
 def count_parameters(module: torch.nn.Module) -> int:

@@ -360,10 +360,9 @@ def is_fatal_device_error(message: str) -> bool:
 def inductor_cpu_unavailable(candidates: Sequence[str | None] | None = None) -> str | None:
     """Why inductor's CPU backend cannot build here (no C++ compiler), or None if it can."""
     if candidates is None:
-        from torch._inductor import config as inductor_config
+        from diagnose.torch_compat import inductor_cxx_compilers
 
-        cxx = inductor_config.cpp.cxx
-        candidates = tuple(cxx) if isinstance(cxx, (list, tuple)) else (cxx,)
+        candidates = inductor_cxx_compilers()
     names = [c for c in candidates if c]
     if any(shutil.which(name) for name in names):
         return None
