@@ -8,6 +8,8 @@
   end), at most :data:`MAX_RECORD_BYTES`, UTF-8 with or without a byte-order mark, JSON nested at
   most :data:`MAX_DEPTH` deep (Python's parser would raise RecursionError on 100,000 levels, and
   everything that walks a record recursively would later), integers within 64 bits.
+* the record is redacted (:func:`diagnose.redact.redact_record`) as diagnose redacts what it
+  writes itself, so no re-rendering shows a secret a record from elsewhere holds;
 * :func:`screen_steps`: impossible step times (zero, negative, NaN, infinite, longer than a
   day) are left out of the document before the record is built, so no summary is "-1.00 s/it"
   and no sum overflows; :func:`validate_record` says so in a counted note, and requires every
@@ -29,6 +31,7 @@ from typing import Any
 
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import RankStat, RunRecord
+from diagnose.redact import redact_record
 
 #: Real records are KB to a few MB (a trace record lists kernels and rules' tables).
 MAX_RECORD_BYTES = 256 << 20
@@ -59,7 +62,9 @@ def load_record(path: Path, from_dict: Callable[[Mapping[str, Any]], RunRecord])
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
         # The schema migrations walk the raw document before any type is checked.
         raise _fail(path, f"malformed record: {' '.join(str(exc).split())}") from None
-    return record
+    # A record may come from another machine, an older diagnose or a hand edit: whatever renders
+    # it (report, compare, a gated run) gets it redacted, as diagnose writes its own.
+    return redact_record(record, redact_paths=False)
 
 
 def _fail(path: Path, problem: str) -> DiagnoseError:

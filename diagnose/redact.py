@@ -35,9 +35,9 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from diagnose.secret_shapes import (
     HOST_KEYS,
@@ -268,6 +268,12 @@ def redactor_for(redact_paths: bool, *, secrets: Iterable[str] = ()) -> Redactor
 _D = TypeVar("_D")
 
 
+def redact_dataclass(obj: _D, redactor: Redactor | None = None) -> _D:
+    """A copy of dataclass ``obj`` (a record, a sweep) with every string inside it redacted;
+    fields keep their names, numbers are untouched. ``redactor``: default, secrets only."""
+    return _redact_dataclass(obj, redactor or make_redactor())
+
+
 def _redact_dataclass(obj: _D, redactor: Redactor) -> _D:
     """A copy of dataclass ``obj`` with every string inside it redacted (fields keep their names:
     a schema field is never dropped, whatever it is called)."""
@@ -292,6 +298,62 @@ def _redact_value(value: Any, redactor: Redactor) -> Any:
         # keys (masked) so the record keeps its shape.
         return redactor.obj(value, mask_secret_keys=True)
     return value
+
+
+class RedactedStream:
+    """A text stream that redacts each line written to it before passing it on: diagnose's own
+    terminal output. Lines are redacted whole (``print("--password", x)`` writes its parts one by
+    one), so text is held until a line ends (``\\n`` or ``\\r``, a progress line), the stream is
+    flushed, or :data:`_HELD_AT_MOST` characters wait. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream: TextIO, redactor: Redactor) -> None:
+        self._stream = stream
+        self._redactor = redactor
+        self._held = ""
+
+    def write(self, text: str) -> int:
+        held = self._held + text
+        end = max(held.rfind("\n"), held.rfind("\r")) + 1
+        if end == 0 and len(held) > _HELD_AT_MOST:
+            end = len(held)
+        self._held = held[end:]
+        if end:
+            self._stream.write(self._redactor.text(held[:end]))
+        return len(text)
+
+    def flush(self) -> None:
+        held, self._held = self._held, ""
+        if held:
+            self._stream.write(self._redactor.text(held))
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+#: Characters a :class:`RedactedStream` holds back at most while it waits for a line to end.
+_HELD_AT_MOST = 1 << 16
+
+
+@contextlib.contextmanager
+def redacted_terminal() -> Iterator[None]:
+    """Meanwhile, everything this process prints to ``sys.stdout`` and ``sys.stderr`` is
+    redacted (one redactor: the secrets of the environment now). A child process's output, which
+    goes to the terminal without passing through this process, is left as it is."""
+    import sys
+
+    redactor = make_redactor()
+    saved = sys.stdout, sys.stderr
+    sys.stdout = RedactedStream(saved[0], redactor)  # type: ignore[assignment]
+    sys.stderr = RedactedStream(saved[1], redactor)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        wrapped = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = saved
+        for stream in wrapped:
+            with contextlib.suppress(Exception):
+                stream.flush()
 
 
 def redact_trace_file(path: Path, redactor: Redactor) -> None:
@@ -334,15 +396,18 @@ def redact_record(
 __all__ = [
     "MASK",
     "MIN_SECRET_LENGTH",
+    "RedactedStream",
     "Redactor",
     "is_secret_name",
     "is_secret_option",
     "make_redactor",
     "redact_command",
+    "redact_dataclass",
     "redact_obj",
     "redact_record",
     "redact_text",
     "redact_trace_file",
+    "redacted_terminal",
     "redactor_for",
     "secret_env_values",
 ]

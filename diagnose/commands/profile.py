@@ -128,8 +128,10 @@ class ProfileCommand:
         prepare_out_dir(out_dir, force=args.force)
         capture_dir = out_dir / CAPTURE_FOLDER
         shutil.rmtree(capture_dir, ignore_errors=True)  # a stale one of an interrupted profile
+        from diagnose.redact import redact_command
+
         print(
-            f"diagnose: profiling `{' '.join(command)}`: {options.timed_steps} timed and "
+            f"diagnose: profiling `{redact_command(command)}`: {options.timed_steps} timed and "
             f"{options.profiled_steps} profiled step(s) after {options.skip_steps}; "
             "its output follows",
             file=sys.stderr,

@@ -277,8 +277,10 @@ def write_outputs(sweep: Sweep, out: Path) -> None:
     """sweep.json, sweep.csv and report.html, each replaced atomically (json first: the page is
     the one that could fail, and the numbers must not depend on it)."""
     from diagnose.output import write_text_atomic
+    from diagnose.redact import redact_dataclass
     from diagnose.reports.sweep import render_sweep_html, sweep_csv
 
+    sweep = redact_dataclass(sweep)  # its command line and the points' failure lines
     write_text_atomic(out / SWEEP_JSON, sweep.to_json())
     write_text_atomic(out / SWEEP_CSV, sweep_csv(sweep))
     write_text_atomic(out / SWEEP_REPORT, render_sweep_html(sweep))

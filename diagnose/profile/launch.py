@@ -39,6 +39,7 @@ from typing import IO, Any
 
 from diagnose.profile import capture
 from diagnose.profile.device_telemetry import CommandTelemetry, DeviceWindow, SamplerFactory
+from diagnose.redact import redact_command
 
 #: The folder put first on ``PYTHONPATH``; its ``sitecustomize.py`` is the bootstrap.
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
@@ -369,7 +370,7 @@ def _what_was_seen(processes: list[ProcessSeen]) -> str:
     else:
         shown = [p for p in processes if not p.multiprocessing_child][:4]
         workers = sum(p.multiprocessing_child for p in processes)
-        names = "; ".join(f"pid {p.pid}: {' '.join(p.argv)[:80]}" for p in shown)
+        names = "; ".join(f"pid {p.pid}: {redact_command(p.argv)[:80]}" for p in shown)
         text = f"{len(processes)} Python process(es) imported torch ({names}"
         text += f"; {workers} multiprocessing child(ren))" if workers else ")"
         built = [p for p in processes if p.optimizers_built]

@@ -9,7 +9,6 @@ line claims.
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from diagnose.profile.device_telemetry import rank_telemetry
 from diagnose.profile.launch import LaunchResult, RankCapture
 from diagnose.profile.stacks import name_loading_frames, read_stacks
 from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, new_record
+from diagnose.redact import redact_command
 from diagnose.sampling import INSTALL_HINT
 from diagnose.trainers import SIGNS, speak_to_record, trainer_in_packages
 
@@ -59,7 +59,9 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
     if trace_probe is not None:
         trace_probe.findings = record.findings
         record.findings = []
-    record.command = shlex.join(result.command)
+    # Quoted for a shell after each element is redacted (a secret option masks the element after
+    # it), as the record's own redaction could not see through shell quotes.
+    record.command = redact_command(result.command)
     traced_trainer = record.config.get("trainer")
     record.config = _setup_seen(pacing.facts)
     if len(result.captures) > 1 and not record.ranks:
