@@ -225,6 +225,11 @@ def drop_impossible_values(record: RunRecord) -> list[str]:
         _drop_shares(finding.evidence, f"findings[{index}].evidence", dropped)
     for index, probe in enumerate(record.probes):
         _drop_shares(probe.data, f"probes[{index}].data", dropped)
+    utilisation = record.utilisation
+    if utilisation is not None and not utilisation.misread and (why := utilisation.above_peak()):
+        # A count no device could run in the step: said to be a misread, as diagnose says it.
+        utilisation.mark_misread(why)
+        dropped.append("utilisation.spec/measured.mfu (above the peak: a misread count)")
     _drop_typed(record, "", dropped)
     return dropped
 

@@ -21,7 +21,7 @@ import pytest
 from diagnose.cli import main
 from diagnose.record import RunRecord
 from diagnose.record_validation import LEFT_OUT, left_out_notes
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, SHARED, percentages
 
 SOURCE = FIXTURES / "compare" / "same_config.json"
 BASELINE = FIXTURES / "compare" / "baseline.json"
@@ -117,12 +117,6 @@ def _run(argv: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def percentages(text: str) -> list[float]:
-    """Every percentage a text states ("12%", "1,260%", "−78%")."""
-    found = re.findall(r"([−-]?[0-9][0-9,]*(?:\.[0-9]+)?)\s?%", text)
-    return [float(p.replace(",", "").replace("−", "-")) for p in found]
-
-
 @pytest.mark.parametrize(
     ("planted", "edit", "field", "shown"), IMPOSSIBLE, ids=[c[0] for c in IMPOSSIBLE]
 )
@@ -158,8 +152,7 @@ def test_the_savings_that_remain_are_the_records_own(tmp_path: Path) -> None:
 def test_records_diagnose_writes_have_nothing_left_out() -> None:
     """The clean twin: every record of the project's fixtures reads with no note (the rules
     catch impossible numbers, not numbers the tool writes)."""
-    shared = FIXTURES.parent.parent / "shared" / "gpu-evidence"
-    paths = [*FIXTURES.rglob("*.json"), *shared.rglob("record.json")]
+    paths = [*FIXTURES.rglob("*.json"), *(SHARED / "gpu-evidence").rglob("record.json")]
     records = []
     for path in paths:
         try:
