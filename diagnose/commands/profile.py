@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import time
 
 from diagnose.commands import add_output_options
 from diagnose.errors import DiagnoseError, ExitCode
@@ -100,8 +99,8 @@ class ProfileCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from diagnose.output import default_out_dir, prepare_out_dir, remove_partial_outputs
-        from diagnose.profile.finish import RANK_TRACES_FOLDER, finish_profile
+        from diagnose.output import created_files, default_out_dir, prepare_out_dir
+        from diagnose.profile.finish import finish_profile
         from diagnose.profile.launch import CaptureOptions, launch_profiled
 
         command = list(args.command)
@@ -123,49 +122,44 @@ class ProfileCommand:
             py_spy="" if args.no_stacks else (find_py_spy() or ""),
         )
         out_dir = args.out if args.out is not None else default_out_dir("profile")
-        created = not out_dir.exists()
-        started = time.time()
-        prepare_out_dir(out_dir, force=args.force)
         capture_dir = out_dir / CAPTURE_FOLDER
-        shutil.rmtree(capture_dir, ignore_errors=True)  # a stale one of an interrupted profile
         from diagnose.redact import redact_command
 
-        print(
-            f"diagnose: profiling `{redact_command(command)}`: {options.timed_steps} timed and "
-            f"{options.profiled_steps} profiled step(s) after {options.skip_steps}; "
-            "its output follows",
-            file=sys.stderr,
-            flush=True,
-        )
+        with created_files() as written:
+            prepare_out_dir(out_dir, force=args.force)
+            shutil.rmtree(capture_dir, ignore_errors=True)  # a stale one of an interrupted profile
+            print(
+                f"diagnose: profiling `{redact_command(command)}`: {options.timed_steps} timed "
+                f"and {options.profiled_steps} profiled step(s) after {options.skip_steps}; "
+                "its output follows",
+                file=sys.stderr,
+                flush=True,
+            )
 
-        rank_traces = out_dir / RANK_TRACES_FOLDER
-        ours = not rank_traces.exists()  # a folder of an earlier profile (--force) is left alone
+            def clean_up() -> None:
+                """Leave nothing half-written and take nothing that was not ours: the capture
+                folder, the files this profile wrote, the folders it made once empty. The
+                command's own files in --out (it may write there too) stay."""
+                shutil.rmtree(capture_dir, ignore_errors=True)
+                written.remove()
 
-        def clean_up() -> None:
-            """Leave nothing half-written: the capture, this profile's files, and the folder
-            when this profile created it (remove_partial_outputs removes it once empty)."""
-            shutil.rmtree(capture_dir, ignore_errors=True)
-            if ours:
-                shutil.rmtree(rank_traces, ignore_errors=True)
-            remove_partial_outputs(out_dir, created=created, since=started)
-
-        try:
             try:
-                result = launch_profiled(command, capture_dir, options, timeout_s=args.timeout)
-            except OSError as exc:
-                raise DiagnoseError(
-                    f"cannot start {command[0]}: {exc.strerror or exc}", ExitCode.BAD_INPUT
-                ) from None
-            if not result.captures:
+                try:
+                    result = launch_profiled(command, capture_dir, options, timeout_s=args.timeout)
+                except OSError as exc:
+                    raise DiagnoseError(
+                        f"cannot start {command[0]}: {exc.strerror or exc}", ExitCode.BAD_INPUT
+                    ) from None
+                if not result.captures:
+                    clean_up()
+                    print(f"diagnose: {result.message}; nothing was written", file=sys.stderr)
+                    if result.timed_out or result.exit_code == 0:
+                        return int(ExitCode.BAD_INPUT)
+                    return result.exit_code
+                outputs = finish_profile(result, out_dir, redact_paths=args.redact_paths)
+            except BaseException:
                 clean_up()
-                print(f"diagnose: {result.message}; nothing was written", file=sys.stderr)
-                if result.timed_out or result.exit_code == 0:
-                    return int(ExitCode.BAD_INPUT)
-                return result.exit_code
-            outputs = finish_profile(result, out_dir, redact_paths=args.redact_paths)
-        except BaseException:
-            clean_up()
-            raise
+                raise
         shutil.rmtree(capture_dir, ignore_errors=True)
         from diagnose.reports import terminal_summary
 
