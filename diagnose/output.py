@@ -158,11 +158,11 @@ def check_writable_file(path: Path, *, force: bool, option: str) -> None:
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
     try:
+        if a.resolve() == b.resolve():
+            return True
         return os.path.samefile(a, b)  # hard links
-    except OSError:
+    except (OSError, RuntimeError):  # a symlink loop: resolve raises RuntimeError
         return False
 
 

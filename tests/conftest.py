@@ -18,6 +18,14 @@ SHARED_TRACES = SHARED / "gpu-traces"
 FIXTURES = REPO_ROOT / "fixtures"
 
 
+def shares(text: str) -> list[float]:
+    """Every unsigned percentage a text states ("12%", "1,260%"): a share of something. A signed
+    one ("+28%", "−5%") is a change and a spread ("the interquartile range is 145% of the
+    median") a ratio, either of which may be any size."""
+    found = re.findall(r"(?<![+−\-0-9.,])([0-9][0-9,]*(?:\.[0-9]+)?)\s?%(?! of the median)", text)
+    return [float(p.replace(",", "")) for p in found]
+
+
 def percentages(text: str) -> list[float]:
     """Every percentage a text states ("12%", "1,260%", "−78%"): what a reader takes as a share."""
     found = re.findall(r"([−-]?[0-9][0-9,]*(?:\.[0-9]+)?)\s?%", text)

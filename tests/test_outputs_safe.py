@@ -16,6 +16,7 @@ from diagnose.cli import main
 from diagnose.errors import ExitCode
 from diagnose.output import write_bytes_atomic, write_text_atomic
 from tests.conftest import FIXTURES
+from tests.fuzz_corpus import special_file
 
 TRACE = FIXTURES / "traces" / "cpu_train_loop.json.gz"
 
@@ -103,25 +104,13 @@ def test_a_fifo_is_not_read(tmp_path: Path, capsys: Any) -> None:
     assert not (tmp_path / "out").exists()
 
 
-# --- outputs only to regular files or new paths ----------------------------------------------------
+# --- outputs only to regular files or new paths ------------------------------------------------
 
 
 def _special(tmp_path: Path, kind: str) -> Path:
-    """A device node, a FIFO or a socket at a path where an output could be asked for."""
-    import socket
-
-    path = tmp_path / f"{kind}-target"
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "socket":
-        server = socket.socket(socket.AF_UNIX)
-        server.bind(str(path))
-        server.close()  # the socket file stays
-    else:
-        try:  # a node like /dev/null's (1, 3); only where this user may make one
-            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
-        except PermissionError:
-            pytest.skip("this user cannot make a device node")
+    path = special_file(tmp_path, kind)
+    if path is None:
+        pytest.skip("this user cannot make a device node")
     return path
 
 

@@ -23,14 +23,11 @@ import pytest
 
 from diagnose.cli import main
 from tests.conftest import FIXTURES
+from tests.fuzz_corpus import AWS, DB_PASSWORD, HF, PASSWORD, SECRET_PARTS
+from tests.fuzz_records import plant_secrets
 
-HF = "hf_" + "Pq7Rs8Tu9Vw0Xy1Za2Bc3De4Fg5Hi6"
-GHP = "ghp_" + "Jk7Lm8No9Pq0Rs1Tu2Vw3Xy4Za5Bc6De7Fg8"
-AWS = "AKIA" + "QWERTYUIOPASDFGH"
-PASSWORD = "Sup3rS3cretPw2"
-DB_PASSWORD = "Sup3rS3cretPw3"
 #: What must never reach a file diagnose writes or a line of its own.
-SECRETS = (HF[3:], GHP[4:], AWS[4:], PASSWORD, DB_PASSWORD)
+SECRETS = SECRET_PARTS
 
 TRAINER_ARGS = [
     "--hub_token",
@@ -118,18 +115,7 @@ def _planted_record(source: Path) -> dict[str, Any]:
     """A record from elsewhere (another machine, an older diagnose, a hand edit): secrets in the
     command line, a note, the device name, a probe's error and traceback, an argv list."""
     doc: dict[str, Any] = json.loads(source.read_text())
-    doc["command"] = f"python train.py --hub_token {HF} --password {PASSWORD}"
-    doc["notes"] = [*doc.get("notes", []), f"pushed with {GHP}"]
-    doc["device"]["name"] = f"GPU {AWS}"
-    doc["probes"].append(
-        {
-            "name": "leaky",
-            "status": "error",
-            "reason": f"cannot reach postgres://admin:{DB_PASSWORD}@db/x",
-            "traceback": f'  File "train.py"\n    login("{HF}")\nConnectionError: {GHP}\n',
-            "data": {"command": ["python", "train.py", "--password", PASSWORD]},
-        }
-    )
+    plant_secrets(doc)
     return doc
 
 

@@ -260,7 +260,10 @@ def refuse_outputs_over_inputs(outputs: Sequence[Path], records: Sequence[Path])
 def _refuse_duplicate_outputs(paths: Sequence[Path]) -> None:
     seen: set[Path] = set()
     for path in paths:
-        resolved = path.resolve()
+        try:
+            resolved = path.resolve()
+        except RuntimeError:  # a symlink loop: replaced, as any symlink, when written
+            resolved = path.absolute()
         if resolved in seen:
             raise DiagnoseError(f"{path}: named for two outputs", ExitCode.USAGE)
         seen.add(resolved)

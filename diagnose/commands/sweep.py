@@ -235,8 +235,12 @@ class SweepCommand:
 
 def _prepare_sweep_dir(out: Path) -> None:
     """Create the sweep folder; an existing one is resumed, any other non-empty folder refused."""
+    from diagnose.output import refuse_special_file
+
     if out.exists() and not out.is_dir():
         raise DiagnoseError(f"--out {out}: exists and is not a folder", ExitCode.OUTPUT_EXISTS)
+    for name in (SWEEP_JSON, SWEEP_CSV, SWEEP_REPORT):
+        refuse_special_file(out / name, "--out")  # a FIFO by an output's name: never replaced
     is_sweep = (out / SWEEP_JSON).is_file() or (out / POINTS_DIR).is_dir()
     if out.is_dir() and any(out.iterdir()) and not is_sweep:
         raise DiagnoseError(
