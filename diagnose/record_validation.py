@@ -249,7 +249,9 @@ def _is_fraction(value: object) -> bool:
 
 def _drop_shares(data: Any, where: str, dropped: list[str]) -> None:
     """Shares (keys named ``*_share``, ``share_of_*``, ``*_fraction*``, ``mfu``) outside [0, 1]
-    anywhere in free-form data (a finding's evidence, a probe's data)."""
+    anywhere in free-form data (a finding's evidence, a probe's data). A share-named key may hold
+    a number, or a list or map of numbers (``{"bf16": 0.7, ...}``), each a share; what lies
+    deeper (rows of a table) is judged by its own keys."""
     stack: list[tuple[Any, str, bool]] = [(data, where, False)]
     while stack:
         node, at, share = stack.pop()
@@ -259,16 +261,17 @@ def _drop_shares(data: Any, where: str, dropped: list[str]) -> None:
                 if (share or _is_share(key)) and not _is_fraction(value):
                     del node[key]
                     dropped.append(f"{here} (a share outside 0-1)")
-                else:
-                    stack.append((value, here, share or _is_share(key)))
+                elif isinstance(value, (dict, list)):
+                    stack.append((value, here, _is_share(key) and not share))
         elif isinstance(node, list):
             kept = []
             for index, value in enumerate(node):
                 if share and not _is_fraction(value):
                     dropped.append(f"{at}[{index}] (a share outside 0-1)")
-                else:
-                    kept.append(value)
-                    stack.append((value, f"{at}[{index}]", share))
+                    continue
+                kept.append(value)
+                if isinstance(value, (dict, list)):
+                    stack.append((value, f"{at}[{index}]", False))
             node[:] = kept
 
 
