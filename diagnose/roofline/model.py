@@ -85,7 +85,12 @@ class Utilisation:
         an older diagnose), or "" when none is."""
         for peak in (self.spec, self.measured):
             if peak is not None and peak.mfu is not None and peak.mfu > 1:
-                return f"the counted FLOPs need longer at the {peak.basis} peak than the step took"
+                at = f"the {peak.device}'s dense peak" if peak.device else f"the {peak.basis} peak"
+                need = f" ({peak.seconds_at_peak:.3g} s)" if peak.seconds_at_peak else ""
+                return (
+                    f"at {at} the counted FLOPs need longer{need} than the measured "
+                    f"{self.step_seconds:.3g} s step"
+                )
         for row in self.classes:
             if row.op_class != "memory" and row.share_of_peak is not None and row.share_of_peak > 1:
                 return f"the {row.op_class} work needs longer at its peak than its own time"

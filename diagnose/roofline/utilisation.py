@@ -256,8 +256,9 @@ def _beyond_every_device(result: Utilisation) -> str:
     fastest = fastest_known_rate()
     if result.achieved_flops_per_s > fastest * MAX_ABOVE_KNOWN_DEVICES:
         return (
-            f"that is more than {MAX_ABOVE_KNOWN_DEVICES:g}x the fastest dense peak of any "
-            f"device diagnose knows ({fastest / 1e12:.0f} TFLOP/s) in the measured step"
+            f"in the measured {result.step_seconds:.3g} s step that is more than "
+            f"{MAX_ABOVE_KNOWN_DEVICES:g}x the fastest dense peak of any device diagnose knows "
+            f"({fastest / 1e12:.0f} TFLOP/s)"
         )
     return ""
 
