@@ -32,6 +32,16 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from diagnose.redact import redacted_terminal
+
+    # Terminal output is pasted into tickets as often as the report is attached: every line of
+    # ours is redacted (a child's output, such as the trainer `diagnose profile` runs, is not ours
+    # and goes to the terminal untouched).
+    with redacted_terminal():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

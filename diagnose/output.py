@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
+import stat
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -14,6 +16,8 @@ from diagnose.errors import DiagnoseError, ExitCode
 RECORD_NAME = "record.json"
 REPORT_NAME = "report.html"
 TRACE_NAME = "trace.json.gz"
+#: The files diagnose writes into an output folder.
+OUTPUT_NAMES = (RECORD_NAME, REPORT_NAME, TRACE_NAME)
 #: gzip level of a trace diagnose writes. torch's own .gz export compresses at level 9 line by
 #: line: several times slower for a file about 12% smaller than this level gives.
 TRACE_GZIP_LEVEL = 6
@@ -31,11 +35,28 @@ def default_out_dir(prefix: str, base: Path | None = None) -> Path:
     return candidate
 
 
+def refuse_special_file(path: Path, option: str) -> None:
+    """An output replaces only a regular file (or a symlink, replaced and not followed): a device
+    node, a FIFO or a socket at ``path`` is refused, ``--force`` or not (ExitCode.USAGE). The
+    atomic rename would otherwise put a file where ``/dev/...`` or a pipe's reader was."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError:  # nothing there (or nothing this user may see): a new path
+        return
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
+        return
+    raise DiagnoseError(
+        f"{option} {path}: not a regular file (a device, FIFO or socket); "
+        "write the output to a file",
+        ExitCode.USAGE,
+    )
+
+
 def prepare_out_dir(path: Path, *, force: bool) -> Path:
     """Create ``path``; refuse an existing non-empty folder unless ``force``.
 
     With ``force`` only the files diagnose writes are replaced: other files in the folder are left
-    alone.
+    alone, and a device, FIFO or socket by the name of one of diagnose's files is refused.
     """
     if path.exists() and not path.is_dir():
         raise DiagnoseError(f"--out {path}: exists and is not a folder", ExitCode.OUTPUT_EXISTS)
@@ -44,34 +65,86 @@ def prepare_out_dir(path: Path, *, force: bool) -> Path:
             f"--out {path}: folder exists and is not empty; choose another or add --force",
             ExitCode.OUTPUT_EXISTS,
         )
+    for name in OUTPUT_NAMES:
+        refuse_special_file(path / name, "--out")
+    missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DiagnoseError(
             f"--out {path}: cannot create: {exc.strerror}", ExitCode.BAD_INPUT
         ) from None
+    for folder in reversed(missing):  # outermost first, so clean-up removes it last
+        note_created(folder)
     return path
 
 
-def remove_partial_outputs(out_dir: Path, *, created: bool, since: float) -> None:
-    """After a run that did not finish: remove the files it wrote (those diagnose writes,
-    changed since ``since``, a ``time.time()``), and the folder when this run created it and
-    nothing else is in it. An earlier run's files in the folder are left as they were."""
-    for path in [
-        *(out_dir / n for n in (TRACE_NAME, RECORD_NAME, REPORT_NAME)),
-        *out_dir.glob(".*.tmp"),
-    ]:
+class CreatedFiles:
+    """What one command created: the files it wrote (each with the identity of the file it
+    wrote, so a file someone else put there since is not taken for it) and the folders it made.
+
+    Clean-up after a failure or a signal (:meth:`remove`) removes exactly these; a file the
+    command found, whatever its name or age (a trainer's checkpoint ``.tmp`` in ``--out``, an
+    earlier run's record), is never removed. Filled by :func:`note_created`, which the writers
+    here call while the ledger is open (:func:`created_files`)."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, tuple[int, ...]] = {}
+        self._folders: list[Path] = []
+
+    def add(self, path: Path) -> None:
         try:
-            if path.stat().st_mtime >= since - 1.0:  # file systems keep coarse times
-                path.unlink()
-        except FileNotFoundError:
-            continue
-    if created and out_dir.is_dir() and not any(out_dir.iterdir()):
-        out_dir.rmdir()
+            info = path.lstat()
+        except OSError:
+            return
+        if stat.S_ISDIR(info.st_mode):
+            self._folders.append(path)
+        else:
+            self._files[path] = _identity(info)
+
+    def remove(self) -> None:
+        """Remove the files still as written, then the folders left empty, newest first."""
+        for path, identity in reversed(self._files.items()):
+            try:
+                if _identity(path.lstat()) == identity:
+                    path.unlink()
+            except OSError:
+                continue
+        for folder in reversed(self._folders):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty: another's file inside keeps it
+
+
+def _identity(info: os.stat_result) -> tuple[int, ...]:
+    """Which file this is: its inode, and its size and time, since a freed inode is soon reused."""
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+_open_ledgers: list[CreatedFiles] = []
+
+
+@contextlib.contextmanager
+def created_files() -> Iterator[CreatedFiles]:
+    """Meanwhile, every file and folder this process creates through :mod:`diagnose.output` (and
+    every path given to :func:`note_created`) is noted in the ledger yielded."""
+    ledger = CreatedFiles()
+    _open_ledgers.append(ledger)
+    try:
+        yield ledger
+    finally:
+        _open_ledgers.remove(ledger)
+
+
+def note_created(path: Path) -> None:
+    """``path`` (a file or a folder) was just made by this command: the open ledgers note it."""
+    for ledger in _open_ledgers:
+        ledger.add(path)
 
 
 def check_writable_file(path: Path, *, force: bool, option: str) -> None:
-    """Refuse to overwrite an existing file unless ``force``, or to write where no folder is."""
+    """Refuse to overwrite an existing file unless ``force``, to write where no folder is, or
+    to replace anything but a regular file (:func:`refuse_special_file`)."""
+    refuse_special_file(path, option)
     if path.is_dir():
         raise DiagnoseError(f"{option} {path}: is a folder", ExitCode.BAD_INPUT)
     if not path.parent.is_dir():
@@ -85,11 +158,11 @@ def check_writable_file(path: Path, *, force: bool, option: str) -> None:
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
     try:
+        if a.resolve() == b.resolve():
+            return True
         return os.path.samefile(a, b)  # hard links
-    except OSError:
+    except (OSError, RuntimeError):  # a symlink loop: resolve raises RuntimeError
         return False
 
 
@@ -135,6 +208,7 @@ def write_stream_atomic(path: Path, fill: Callable[[BinaryIO], object]) -> None:
         with os.fdopen(fd, "wb") as handle:
             fill(handle)
         os.replace(tmp, path)
+        note_created(path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -8,6 +8,8 @@
   end), at most :data:`MAX_RECORD_BYTES`, UTF-8 with or without a byte-order mark, JSON nested at
   most :data:`MAX_DEPTH` deep (Python's parser would raise RecursionError on 100,000 levels, and
   everything that walks a record recursively would later), integers within 64 bits.
+* the record is redacted (:func:`diagnose.redact.redact_record`) as diagnose redacts what it
+  writes itself, so no re-rendering shows a secret a record from elsewhere holds;
 * :func:`screen_steps`: impossible step times (zero, negative, NaN, infinite, longer than a
   day) are left out of the document before the record is built, so no summary is "-1.00 s/it"
   and no sum overflows; :func:`validate_record` says so in a counted note, and requires every
@@ -29,6 +31,7 @@ from typing import Any
 
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import RankStat, RunRecord
+from diagnose.redact import redact_record
 
 #: Real records are KB to a few MB (a trace record lists kernels and rules' tables).
 MAX_RECORD_BYTES = 256 << 20
@@ -59,7 +62,9 @@ def load_record(path: Path, from_dict: Callable[[Mapping[str, Any]], RunRecord])
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
         # The schema migrations walk the raw document before any type is checked.
         raise _fail(path, f"malformed record: {' '.join(str(exc).split())}") from None
-    return record
+    # A record may come from another machine, an older diagnose or a hand edit: whatever renders
+    # it (report, compare, a gated run) gets it redacted, as diagnose writes its own.
+    return redact_record(record, redact_paths=False)
 
 
 def _fail(path: Path, problem: str) -> DiagnoseError:
@@ -170,6 +175,14 @@ def validate_record(record: RunRecord, left_out: Mapping[str, int] | None = None
     _check_map(record.wall_seconds, "wall_seconds")
     for index, rank in enumerate(record.ranks):
         _check_rank(rank, f"ranks[{index}]")
+    dropped = drop_impossible_values(record)
+    if dropped:
+        shown = "; ".join(dropped[:_NAMED_AT_MOST])
+        more = len(dropped) - _NAMED_AT_MOST
+        record.notes.append(
+            f"{LEFT_OUT}{len(dropped)} number{'s' if len(dropped) != 1 else ''} no run can have: "
+            f"{shown}{f'; and {more} more' if more > 0 else ''}."
+        )
     if left_out:
         left = sum(left_out.values())
         kept = len(record.timing.samples)
@@ -178,6 +191,130 @@ def validate_record(record: RunRecord, left_out: Mapping[str, int] | None = None
             f"{LEFT_OUT}{left} step sample{'s' if left != 1 else ''} with an impossible time "
             f"({tally}); {kept} valid step{'s' if kept != 1 else ''} remain."
         )
+
+
+#: Fields a note names one by one; the rest are counted.
+_NAMED_AT_MOST = 4
+#: Words of a key that make its number a share of something: a fraction in [0, 1].
+_SHARE_WORDS = frozenset({"share", "shares", "fraction", "fractions", "mfu"})
+#: Counts that are at least one (a job of no rank, a step of no micro-batch does not exist).
+_AT_LEAST_ONE = frozenset({"world_size", "micro_batches_per_step"})
+#: Summaries recomputed from the samples when a record is built: never read from the file.
+_DERIVED = frozenset({"unprofiled", "profiled"})
+
+
+def drop_impossible_values(record: RunRecord) -> list[str]:
+    """Remove, in place, the numbers of a built record that no run can have, and say where each
+    was (field and why): a saving below zero or above the step, a share outside [0, 1], a
+    negative duration, a negative count. A dropped saving becomes None ("not quantified"), a
+    dropped duration NaN or None ("not measured"), a map entry or a list element goes, a count
+    takes its default. Numbers of the right kind are never touched."""
+    dropped: list[str] = []
+    step = record.timing.per_iteration if record.timing.headline.n else math.nan
+    # Without a step time a saving is bounded by the longest step there is.
+    bound = step if math.isfinite(step) and step > 0 else MAX_STEP_SECONDS
+    for index, finding in enumerate(record.findings):
+        for name in ("est_seconds_saved_per_it", "sure_seconds_saved_per_it"):
+            value = getattr(finding, name)
+            if value is None or math.isnan(value):
+                continue
+            why = "below zero" if value < 0 else "more than the step" if value > bound else ""
+            if why:
+                setattr(finding, name, None)
+                dropped.append(f"findings[{index}].{name} of {finding.id or 'a finding'} ({why})")
+        _drop_shares(finding.evidence, f"findings[{index}].evidence", dropped)
+    for index, probe in enumerate(record.probes):
+        _drop_shares(probe.data, f"probes[{index}].data", dropped)
+    utilisation = record.utilisation
+    if utilisation is not None and not utilisation.misread and (why := utilisation.above_peak()):
+        # A count no device could run in the step: said to be a misread, as diagnose says it.
+        utilisation.mark_misread(why)
+        dropped.append("utilisation.spec/measured.mfu (above the peak: a misread count)")
+    _drop_typed(record, "", dropped)
+    return dropped
+
+
+def _is_share(key: object) -> bool:
+    return isinstance(key, str) and not _SHARE_WORDS.isdisjoint(key.lower().split("_"))
+
+
+def _is_fraction(value: object) -> bool:
+    return (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or math.isnan(value)
+        or 0.0 <= value <= 1.0
+    )
+
+
+def _drop_shares(data: Any, where: str, dropped: list[str]) -> None:
+    """Shares (keys named ``*_share``, ``share_of_*``, ``*_fraction*``, ``mfu``) outside [0, 1]
+    anywhere in free-form data (a finding's evidence, a probe's data). A share-named key may hold
+    a number, or a list or map of numbers (``{"bf16": 0.7, ...}``), each a share; what lies
+    deeper (rows of a table) is judged by its own keys."""
+    stack: list[tuple[Any, str, bool]] = [(data, where, False)]
+    while stack:
+        node, at, share = stack.pop()
+        if isinstance(node, dict):
+            for key in list(node):
+                value, here = node[key], f"{at}[{key!r}]"
+                if (share or _is_share(key)) and not _is_fraction(value):
+                    del node[key]
+                    dropped.append(f"{here} (a share outside 0-1)")
+                elif isinstance(value, (dict, list)):
+                    stack.append((value, here, _is_share(key) and not share))
+        elif isinstance(node, list):
+            kept = []
+            for index, value in enumerate(node):
+                if share and not _is_fraction(value):
+                    dropped.append(f"{at}[{index}] (a share outside 0-1)")
+                    continue
+                kept.append(value)
+                if isinstance(value, (dict, list)):
+                    stack.append((value, f"{at}[{index}]", False))
+            node[:] = kept
+
+
+def _is_duration(name: str) -> bool:
+    return "seconds" in name or name.endswith("_s")
+
+
+def _drop_typed(item: Any, at: str, dropped: list[str]) -> None:
+    """The record's own fields, by what their names say they hold: durations (``*seconds*``,
+    ``*_s``) are at least zero, shares at most one, counts (int fields) at least zero."""
+    for f in dataclasses.fields(item):
+        value, here = getattr(item, f.name), f"{at}.{f.name}".lstrip(".")
+        if f.name in _DERIVED or f.name in ("evidence", "data"):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _drop_typed(value, here, dropped)
+        elif isinstance(value, list):
+            for index, element in enumerate(value):
+                if dataclasses.is_dataclass(element) and not isinstance(element, type):
+                    _drop_typed(element, f"{here}[{index}]", dropped)
+            if _is_duration(f.name) and any(_negative(v) for v in value):
+                dropped.append(f"{here} (a negative duration)")
+                value[:] = [v for v in value if not _negative(v)]
+        elif isinstance(value, dict) and _is_duration(f.name):
+            for key in [k for k, v in value.items() if _negative(v)]:
+                del value[key]
+                dropped.append(f"{here}[{key!r}] (a negative duration)")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        elif isinstance(value, int) and value < (1 if f.name in _AT_LEAST_ONE else 0):
+            setattr(item, f.name, default)
+            dropped.append(f"{here} (a count below {1 if f.name in _AT_LEAST_ONE else 0})")
+        elif isinstance(value, float) and _is_duration(f.name) and value < 0:
+            setattr(item, f.name, math.nan if default is not None else None)
+            dropped.append(f"{here} (a negative duration)")
+        elif isinstance(value, float) and _is_share(f.name) and not _is_fraction(value):
+            setattr(item, f.name, math.nan if default is not None else None)
+            dropped.append(f"{here} (a share outside 0-1)")
+
+
+def _negative(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0
 
 
 def left_out_notes(record: RunRecord) -> list[str]:

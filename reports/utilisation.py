@@ -98,7 +98,12 @@ def build_utilisation(record: RunRecord) -> UtilisationView | None:
     at_least = "at least " if u.lower_bound else ""
     counted = f"This step does {at_least}{format_flops(u.flops_per_step)} (counted from {u.basis})"
     peak = u.headline_peak
-    if peak is None:
+    if u.misread:
+        line = (
+            f"{counted}: {u.misread}, so the count is a misread of the trace (shapes recorded "
+            "wrong, or work counted twice), not a utilisation; no MFU is given."
+        )
+    elif peak is None:
         line = (
             f"{counted}, {format_flops(u.achieved_flops_per_s, per_second=True)} at the measured "
             f"{format_seconds(u.step_seconds)}; no peak of this device is known or was measured."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,25 @@ from typing import Any
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_TRACES = REPO_ROOT.parent / "shared" / "gpu-traces"
+#: The project's shared data beside the repository (real GPU traces and evidence); tests that
+#: read it skip when it is absent.
+SHARED = REPO_ROOT.parent / "shared"
+SHARED_TRACES = SHARED / "gpu-traces"
 FIXTURES = REPO_ROOT / "fixtures"
+
+
+def shares(text: str) -> list[float]:
+    """Every unsigned percentage a text states ("12%", "1,260%"): a share of something. A signed
+    one ("+28%", "−5%") is a change and a spread ("the interquartile range is 145% of the
+    median") a ratio, either of which may be any size."""
+    found = re.findall(r"(?<![+−\-0-9.,])([0-9][0-9,]*(?:\.[0-9]+)?)\s?%(?! of the median)", text)
+    return [float(p.replace(",", "")) for p in found]
+
+
+def percentages(text: str) -> list[float]:
+    """Every percentage a text states ("12%", "1,260%", "−78%"): what a reader takes as a share."""
+    found = re.findall(r"([−-]?[0-9][0-9,]*(?:\.[0-9]+)?)\s?%", text)
+    return [float(p.replace(",", "").replace("−", "-")) for p in found]
 
 
 #: Variables that pytest or torch itself set (torch.profiler sets the inductor cache folder).

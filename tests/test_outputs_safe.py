@@ -16,6 +16,7 @@ from diagnose.cli import main
 from diagnose.errors import ExitCode
 from diagnose.output import write_bytes_atomic, write_text_atomic
 from tests.conftest import FIXTURES
+from tests.fuzz_corpus import special_file
 
 TRACE = FIXTURES / "traces" / "cpu_train_loop.json.gz"
 
@@ -101,3 +102,53 @@ def test_a_fifo_is_not_read(tmp_path: Path, capsys: Any) -> None:
     assert main(["trace", str(fifo), "--out", str(tmp_path / "out")]) == ExitCode.BAD_INPUT
     _one_line(capsys, "not a regular file")
     assert not (tmp_path / "out").exists()
+
+
+# --- outputs only to regular files or new paths ------------------------------------------------
+
+
+def _special(tmp_path: Path, kind: str) -> Path:
+    path = special_file(tmp_path, kind)
+    if path is None:
+        pytest.skip("this user cannot make a device node")
+    return path
+
+
+def _kind(path: Path) -> int:
+    return stat.S_IFMT(path.lstat().st_mode)
+
+
+SPECIAL = ["device", "fifo", "socket"]
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+@pytest.mark.parametrize("force", [False, True])
+def test_an_output_is_never_a_device_fifo_or_socket(
+    tmp_path: Path, record: Path, capsys: Any, kind: str, force: bool
+) -> None:
+    target = _special(tmp_path, kind)
+    before = _kind(target)
+    extra = ["--force"] if force else []
+    capsys.readouterr()
+    assert main(["report", str(record), "-o", str(target), *extra]) == ExitCode.USAGE
+    _one_line(capsys, "not a regular file")
+    for option in ("--html", "--junit", "--markdown"):
+        argv = ["compare", str(record), str(record), option, str(target), *extra]
+        assert main(argv) == ExitCode.USAGE, option
+        _one_line(capsys, "not a regular file")
+    assert _kind(target) == before  # still what it was
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_an_output_folder_holding_a_special_file_by_an_output_name_is_refused(
+    tmp_path: Path, capsys: Any, kind: str
+) -> None:
+    folder = tmp_path / "out"
+    folder.mkdir()
+    special = _special(tmp_path, kind)
+    special.rename(folder / "report.html")
+    capsys.readouterr()
+    assert main(["trace", str(TRACE), "--out", str(folder), "--force"]) == ExitCode.USAGE
+    _one_line(capsys, "not a regular file")
+    assert _kind(folder / "report.html") != stat.S_IFREG
+    assert sorted(p.name for p in folder.iterdir()) == ["report.html"]  # nothing else written

@@ -13,6 +13,7 @@ from diagnose.redact import (
     Redactor,
     is_secret_name,
     make_redactor,
+    redact_command,
     redact_obj,
     redact_record,
     redact_text,
@@ -242,6 +243,10 @@ ADVERSARIAL_UNITS = {
     "bearer words": "bearer ",
     "one long line": "x.y-z_w/Q9:",
     "short lines": "a\n--t=1\nk: v\n",
+    "open quotes": "--lr '",
+    "assignment quotes": "a='",
+    "json quotes": '"k": "',
+    "key shape hints": "npm_ sk_live_ ya29. SG. dapi do_v1_ glrt- pypi-AgE xapp- api_org_ ",
 }
 ADVERSARIAL_PREFIXED = {"url without @": ("http://", "a"), "jwt dots": ("eyJ", "a.")}
 ONE_MB = 1_000_000
@@ -408,3 +413,113 @@ def test_pass_evidence_in_a_record_is_kept() -> None:
     assert finding.evidence["ops"] == record.findings[0].evidence["ops"]
     assert finding.evidence["db_pass"] == MASK
     assert finding.fix == PROSE
+
+
+# --- a trainer's command line as an argv list ----------------------------------------------------
+
+#: A command line as trainers take it: secrets as flags of every spelling, a URL with a password,
+#: key shapes, and ordinary flags around them (sd-scripts' --max_token_length, a bare --key).
+PLANTED_ARGV = [
+    "python",
+    "train.py",
+    "--hub_token",
+    "hf_" + "Zz9Yy8Xx7Ww6Vv5Uu4Tt3Ss2Rr1",
+    "--password",
+    "Sup3rS3cretPw2",
+    "--PASSWD",
+    "Sup3rS3cretPw5",
+    "--db",
+    "postgres://admin:Sup3rS3cretPw3@db/x",
+    "--aws-key",
+    "AKIA" + "ABCDEFGHIJKLMNOP",
+    "--wandb_key",
+    "0123456789abcdef0123456789abcdef01234567",
+    "--client-secret=Sup3rS3cretPw4",
+    "--Auth-Header",
+    "Sup3rS3cretPw6",
+    "--key",
+    "Sup3rS3cretPw7",
+    "--api_key='Sup3r S3cret Pw8'",
+    "--max_token_length",
+    "225",
+    "--use_auth_token",
+    "--output_dir",
+    "out",
+]
+ARGV_SECRETS = (
+    "Zz9Yy8Xx7Ww6Vv5Uu4Tt3Ss2Rr1",
+    "Sup3rS3cretPw2",
+    "Sup3rS3cretPw3",
+    "Sup3rS3cretPw4",
+    "Sup3rS3cretPw5",
+    "Sup3rS3cretPw6",
+    "Sup3rS3cretPw7",
+    "S3cret",
+    "ABCDEFGHIJKLMNOP",
+    "0123456789abcdef0123456789abcdef01234567",
+)
+
+
+def test_a_secret_flag_masks_the_next_element_of_an_argv_list() -> None:
+    out = redact_obj(PLANTED_ARGV)
+    text = "\n".join(out)
+    for secret in ARGV_SECRETS:
+        assert secret not in text, secret
+    assert len(out) == len(PLANTED_ARGV)  # masked in place: the command keeps its shape
+    assert out[out.index("--password") + 1] == MASK
+    # Ordinary flags keep their values; a boolean secret-named flag does not eat the next flag.
+    assert out[out.index("--max_token_length") + 1] == "225"
+    assert out[out.index("--use_auth_token") + 1] == "--output_dir"
+    assert out[-1] == "out"
+    assert PLANTED_ARGV[5] == "Sup3rS3cretPw2"  # the input is not modified
+
+
+def test_argv_lists_inside_a_record_are_masked_wherever_they_sit() -> None:
+    record = RunRecord(
+        probes=[
+            ProbeResult(
+                name="capture",
+                data={"command": PLANTED_ARGV, "ranks": {"0": {"argv": PLANTED_ARGV[1:]}}},
+            )
+        ],
+        config={"argv": PLANTED_ARGV},
+    )
+    text = redact_record(record, redact_paths=False).to_json()
+    for secret in ARGV_SECRETS:
+        assert secret not in text, secret
+
+
+def test_the_same_command_as_one_line_is_masked_too() -> None:
+    import shlex
+
+    # A line the shell quoted simply reads back whole; one that needed quotes inside quotes
+    # ('"'"') is made from the argv instead (redact_command), as diagnose makes its own lines.
+    simple = [a for a in PLANTED_ARGV if not a.startswith("--api_key=")]
+    for text in (redact_text(shlex.join(simple)), redact_command(PLANTED_ARGV)):
+        for secret in ARGV_SECRETS:
+            assert secret not in text, secret
+        assert "--max_token_length 225" in text
+    assert shlex.split(redact_command(PLANTED_ARGV)) == redact_obj(PLANTED_ARGV)
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("--Password=hunter2hunter2", "hunter2hunter2"),
+        ("--HUB-TOKEN hunter2hunter2", "hunter2hunter2"),
+        ("--my_secret_thing 'two words'", "words"),
+        ('--passwd "quoted value"', "value"),
+        ("api_key='two words'", "words"),
+        ("--oauth2 abcdef", "abcdef"),
+        ("--key abcdef", "abcdef"),
+        ("mysql://root:hunter2@localhost:3306/db", "hunter2"),
+        ("redis://:hunter2@cache:6379", "hunter2"),
+        ("sk_live_" + "4eC39HqLyjWDarjtT1zdp7dc", "4eC39HqLyjWDarjtT1zdp7dc"),
+        ("npm_" + "abcdefghijklmnopqrstuvwxyz0123456789", "abcdefghijklmnopqrstuvwxyz0123456789"),
+        ("pypi-AgEIcHlwaS5vcmc" + "abcdefghijklmnopqrstuvwx", "abcdefghijklmnopqrstuvwx"),
+        ("xapp-1-A0123456789-0123456789-abcdef0123", "A0123456789-0123456789-abcdef0123"),
+        ("ya29." + "a0AfH6SMBx-abcdefghijklmnop", "a0AfH6SMBx-abcdefghijklmnop"),
+    ],
+)
+def test_more_flag_spellings_urls_and_key_shapes(text: str, secret: str) -> None:
+    assert secret not in redact_text(text)

@@ -274,7 +274,12 @@ def test_probe_measures_the_step_dtypes_and_feeds_the_record() -> None:
     # float64 carries 1% of the FLOPs: not worth a microbenchmark; "unknown" cannot be timed.
     shares = {"float32": 0.7e12, "bfloat16": 0.29e12, "float64": 0.01e12, "unknown": 1e12}
     assert dtypes_to_measure(shares) == ["float32", "bfloat16"]
-    work = dict(WORK, flops_by_dtype={"float32": 1.0e9}, flops_per_step=1.0e9)
+    work = dict(
+        WORK,
+        flops_by_dtype={"float32": 1.0e9},
+        flops_per_step=1.0e9,
+        flops_by_class={"gemm": 1.0e9},
+    )
     ctx = _ctx_with_work(work)
     result = run_probe(RooflineProbe(), ctx)
     assert result.status == "ok", result.reason

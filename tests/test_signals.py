@@ -74,17 +74,38 @@ def test_ctrl_c_mid_run_exits_130(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-def test_a_rerun_into_an_earlier_runs_folder_keeps_its_files_when_stopped(
-    tmp_path: Path,
-) -> None:
-    from diagnose.output import RECORD_NAME, TRACE_NAME, remove_partial_outputs
+def test_clean_up_removes_what_the_run_wrote_and_nothing_it_found(tmp_path: Path) -> None:
+    from diagnose.output import (
+        RECORD_NAME,
+        TRACE_NAME,
+        created_files,
+        prepare_out_dir,
+        write_bytes_atomic,
+    )
 
     folder = tmp_path / "earlier"
     folder.mkdir()
-    (folder / RECORD_NAME).write_text("{}")
-    old = time.time() - 3600
-    os.utime(folder / RECORD_NAME, (old, old))
-    started = time.time()
-    (folder / TRACE_NAME).write_bytes(b"partial")
-    remove_partial_outputs(folder, created=False, since=started)
-    assert (folder / RECORD_NAME).exists() and not (folder / TRACE_NAME).exists()
+    (folder / RECORD_NAME).write_text("{}")  # an earlier run's record, kept when stopped
+    new = tmp_path / "new" / "deeper"
+    with created_files() as written:
+        prepare_out_dir(folder, force=True)
+        # Someone else's file appears meanwhile (a trainer's checkpoint): newer than the run's
+        # start, named like a temporary file, never ours.
+        (folder / ".ckpt.tmp").write_text("theirs")
+        write_bytes_atomic(folder / TRACE_NAME, b"partial")
+        prepare_out_dir(new, force=False)
+        write_bytes_atomic(new / RECORD_NAME, b"{}")
+        (new / "theirs.txt").write_text("x")  # keeps the folder it is in
+        write_bytes_atomic(new / "report.html", b"<html>")
+        (new / "report.html").unlink()
+        (new / "report.html").write_text("replaced by someone else since")
+    write_bytes_atomic(tmp_path / "after.txt", b"x")  # the ledger was closed: not noted
+    written.remove()
+    assert sorted(p.name for p in folder.iterdir()) == [".ckpt.tmp", RECORD_NAME]
+    assert sorted(p.name for p in new.iterdir()) == ["report.html", "theirs.txt"]
+    assert (tmp_path / "after.txt").exists()
+    # A folder the run made and only it wrote into goes with its files.
+    (new / "theirs.txt").unlink()
+    (new / "report.html").unlink()
+    written.remove()
+    assert not new.exists() and not new.parent.exists()

@@ -81,3 +81,42 @@ def test_every_class_has_a_place_when_counted_once() -> None:
     assert sorted(COUNTED_ONCE_PRECEDENCE) == sorted(KERNEL_CLASSES)
     # Communication last: what is left to it is the time no other work hides.
     assert COUNTED_ONCE_PRECEDENCE[-1] == "communication"
+
+
+# --- names of any length -------------------------------------------------------------------------
+
+#: Names built to defeat one rule each: a run of word characters (the "cudnn" rule once tried it
+#: from every position), camel case, a template that never closes, digits between letters.
+LONG_UNITS = {
+    "one word": "a",
+    "kernel name": ".-a",
+    "camel case": "aA",
+    "words": "ab ",
+    "open template": "x<",
+    "letters and digits": "a1",
+    "almost cudnn": "xcudn",
+}
+#: CPU seconds a 300 KB name may take: a linear classifier needs milliseconds, the quadratic one
+#: took minutes.
+LONG_NAME_BOUND_S = 1.0
+
+
+@pytest.mark.parametrize("unit", list(LONG_UNITS.values()), ids=list(LONG_UNITS))
+def test_a_long_name_is_classified_in_linear_time(unit: str) -> None:
+    import time
+
+    name = unit * (300_000 // len(unit))
+    started = time.process_time()
+    assert classify_kernel(name) in KERNEL_CLASSES
+    seconds = time.process_time() - started
+    assert seconds < LONG_NAME_BOUND_S, f"{seconds:.1f} s for a 300 KB name (quadratic?)"
+
+
+def test_what_a_long_name_says_first_still_decides() -> None:
+    """A name is cut to what a classifier needs: its class is the class of its start."""
+    padding = "_" + "x" * 300_000
+    assert classify_kernel("sm90_xmma_gemm_bf16bf16" + padding) == "gemm"
+    assert classify_kernel(
+        "void at::native::(anonymous namespace)::layer_norm_kernel" + padding
+    ) == ("norm")
+    assert classify_kernel("cudnn_infer_volta_scudnn_128x64_relu" + padding) == "conv"

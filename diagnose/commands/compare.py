@@ -163,14 +163,19 @@ def apply_gate(
     existing output file is refused early.
     """
     from diagnose.output import write_text_atomic
+    from diagnose.redact import make_redactor
     from diagnose.reports.gate_outputs import compare_junit, compare_markdown
 
     options = gate_options_from_args(args)
+    # The labels are paths, which people name after what they hold; the records were redacted
+    # when they were read or made. The files are CI artefacts, shown in public job summaries.
+    redactor = make_redactor()
+    labels = [redactor.text(label) for label in labels]
     comparison = compare_records(baselines, current, options, labels=labels)
     if args.junit is not None:
-        write_text_atomic(args.junit, compare_junit(comparison))
+        write_text_atomic(args.junit, redactor.text(compare_junit(comparison)))
     if args.markdown is not None:
-        write_text_atomic(args.markdown, compare_markdown(comparison))
+        write_text_atomic(args.markdown, redactor.text(compare_markdown(comparison)))
     return GateOutcome(exit_code=gate_exit_code(comparison), comparison=comparison)
 
 
@@ -255,7 +260,10 @@ def refuse_outputs_over_inputs(outputs: Sequence[Path], records: Sequence[Path])
 def _refuse_duplicate_outputs(paths: Sequence[Path]) -> None:
     seen: set[Path] = set()
     for path in paths:
-        resolved = path.resolve()
+        try:
+            resolved = path.resolve()
+        except RuntimeError:  # a symlink loop: replaced, as any symlink, when written
+            resolved = path.absolute()
         if resolved in seen:
             raise DiagnoseError(f"{path}: named for two outputs", ExitCode.USAGE)
         seen.add(resolved)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import time
 from typing import TYPE_CHECKING
 
 from diagnose.commands import add_output_options
@@ -118,8 +117,8 @@ class ProfileCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from diagnose.output import default_out_dir, prepare_out_dir, remove_partial_outputs
-        from diagnose.profile.finish import RANK_TRACES_FOLDER, finish_profile
+        from diagnose.output import created_files, default_out_dir, prepare_out_dir
+        from diagnose.profile.finish import finish_profile
         from diagnose.profile.launch import CaptureOptions, launch_profiled
         from diagnose.strict.result import add_strict, read_logs, violation_count
 
@@ -144,56 +143,55 @@ class ProfileCommand:
             strict=strict,
         )
         out_dir = args.out if args.out is not None else default_out_dir("profile")
-        created = not out_dir.exists()
-        started = time.time()
-        prepare_out_dir(out_dir, force=args.force)
         capture_dir = out_dir / CAPTURE_FOLDER
-        shutil.rmtree(capture_dir, ignore_errors=True)  # a stale one of an interrupted profile
-        print(
-            f"diagnose: profiling `{' '.join(command)}`: {options.timed_steps} timed and "
-            f"{options.profiled_steps} profiled step(s) after {options.skip_steps}"
-            + (f"; strict: {strict.describe()}" if strict is not None else "")
-            + "; its output follows",
-            file=sys.stderr,
-            flush=True,
-        )
+        from diagnose.redact import redact_command
 
-        rank_traces = out_dir / RANK_TRACES_FOLDER
-        ours = not rank_traces.exists()  # a folder of an earlier profile (--force) is left alone
-
-        def clean_up() -> None:
-            """Leave nothing half-written: the capture, this profile's files, and the folder
-            when this profile created it (remove_partial_outputs removes it once empty)."""
-            shutil.rmtree(capture_dir, ignore_errors=True)
-            if ours:
-                shutil.rmtree(rank_traces, ignore_errors=True)
-            remove_partial_outputs(out_dir, created=created, since=started)
-
-        try:
-            try:
-                result = launch_profiled(command, capture_dir, options, timeout_s=args.timeout)
-            except OSError as exc:
-                raise DiagnoseError(
-                    f"cannot start {command[0]}: {exc.strerror or exc}", ExitCode.BAD_INPUT
-                ) from None
-            logs = read_logs(capture_dir) if strict is not None else []
-            if not result.captures:
-                clean_up()
-                print(f"diagnose: {result.message}; nothing was written", file=sys.stderr)
-                if violation_count(logs):
-                    return _strict_exit(logs, result.exit_code)
-                if result.timed_out or result.exit_code == 0:
-                    return int(ExitCode.BAD_INPUT)
-                return result.exit_code
-            outputs = finish_profile(
-                result,
-                out_dir,
-                redact_paths=args.redact_paths,
-                amend=None if strict is None else lambda record: add_strict(record, strict, logs),
+        with created_files() as written:
+            prepare_out_dir(out_dir, force=args.force)
+            shutil.rmtree(capture_dir, ignore_errors=True)  # a stale one of an interrupted profile
+            print(
+                f"diagnose: profiling `{redact_command(command)}`: {options.timed_steps} timed "
+                f"and {options.profiled_steps} profiled step(s) after {options.skip_steps}"
+                + (f"; strict: {strict.describe()}" if strict is not None else "")
+                + "; its output follows",
+                file=sys.stderr,
+                flush=True,
             )
-        except BaseException:
-            clean_up()
-            raise
+
+            def clean_up() -> None:
+                """Leave nothing half-written and take nothing that was not ours: the capture
+                folder, the files this profile wrote, the folders it made once empty. The
+                command's own files in --out (it may write there too) stay."""
+                shutil.rmtree(capture_dir, ignore_errors=True)
+                written.remove()
+
+            try:
+                try:
+                    result = launch_profiled(command, capture_dir, options, timeout_s=args.timeout)
+                except OSError as exc:
+                    raise DiagnoseError(
+                        f"cannot start {command[0]}: {exc.strerror or exc}", ExitCode.BAD_INPUT
+                    ) from None
+                logs = read_logs(capture_dir) if strict is not None else []
+                if not result.captures:
+                    clean_up()
+                    print(f"diagnose: {result.message}; nothing was written", file=sys.stderr)
+                    if violation_count(logs):
+                        return _strict_exit(logs, result.exit_code)
+                    if result.timed_out or result.exit_code == 0:
+                        return int(ExitCode.BAD_INPUT)
+                    return result.exit_code
+                outputs = finish_profile(
+                    result,
+                    out_dir,
+                    redact_paths=args.redact_paths,
+                    amend=(
+                        None if strict is None else lambda record: add_strict(record, strict, logs)
+                    ),
+                )
+            except BaseException:
+                clean_up()
+                raise
         shutil.rmtree(capture_dir, ignore_errors=True)
         from diagnose.reports import terminal_summary
 

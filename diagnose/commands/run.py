@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from diagnose.commands import comma_ints
@@ -243,34 +242,35 @@ class RunCommand:
                             ExitCode.USAGE,
                         )
         out_dir = args.out if args.out is not None else default_out_dir("run")
-        created = not out_dir.exists()
-        started = time.time()
-        prepare_out_dir(out_dir, force=args.force)
-        from diagnose.output import remove_partial_outputs
+        from diagnose.output import created_files
         from diagnose.quiet import library_output
         from diagnose.run import execute_run
 
-        try:
-            # Libraries print and warn on import and on first use (deprecations, kernel-hub
-            # fallbacks, profiler chatter): kept off the terminal, where diagnose's own lines
-            # and one-line errors are what the user reads; --verbose shows them after the run.
-            with (
-                ProgressLine(enabled=False if args.no_progress else None) as progress,
-                library_output() as printed,
-            ):
-                outputs = execute_run(
-                    config,
-                    out_dir,
-                    force=args.force,
-                    redact_paths=args.redact_paths,
-                    progress=progress,
-                    strict=strict_options_of(args),
-                )
-        except BaseException:
-            # A run that did not finish leaves nothing half-written: a trace without its record
-            # would read as a whole run, and would block a rerun into the folder.
-            remove_partial_outputs(out_dir, created=created, since=started)
-            raise
+        with created_files() as written:
+            prepare_out_dir(out_dir, force=args.force)
+            try:
+                # Libraries print and warn on import and on first use (deprecations, kernel-hub
+                # fallbacks, profiler chatter): kept off the terminal, where diagnose's own
+                # lines and one-line errors are what the user reads; --verbose shows them after
+                # the run.
+                with (
+                    ProgressLine(enabled=False if args.no_progress else None) as progress,
+                    library_output() as printed,
+                ):
+                    outputs = execute_run(
+                        config,
+                        out_dir,
+                        force=args.force,
+                        redact_paths=args.redact_paths,
+                        progress=progress,
+                        strict=strict_options_of(args),
+                    )
+            except BaseException:
+                # A run that did not finish leaves nothing half-written (a trace without its
+                # record would read as a whole run, and would block a rerun into the folder),
+                # and removes nothing it did not write.
+                written.remove()
+                raise
         outcome = None
         refused: DiagnoseError | None = None
         if baselines:

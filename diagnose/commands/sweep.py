@@ -235,8 +235,12 @@ class SweepCommand:
 
 def _prepare_sweep_dir(out: Path) -> None:
     """Create the sweep folder; an existing one is resumed, any other non-empty folder refused."""
+    from diagnose.output import refuse_special_file
+
     if out.exists() and not out.is_dir():
         raise DiagnoseError(f"--out {out}: exists and is not a folder", ExitCode.OUTPUT_EXISTS)
+    for name in (SWEEP_JSON, SWEEP_CSV, SWEEP_REPORT):
+        refuse_special_file(out / name, "--out")  # a FIFO by an output's name: never replaced
     is_sweep = (out / SWEEP_JSON).is_file() or (out / POINTS_DIR).is_dir()
     if out.is_dir() and any(out.iterdir()) and not is_sweep:
         raise DiagnoseError(
@@ -277,8 +281,10 @@ def write_outputs(sweep: Sweep, out: Path) -> None:
     """sweep.json, sweep.csv and report.html, each replaced atomically (json first: the page is
     the one that could fail, and the numbers must not depend on it)."""
     from diagnose.output import write_text_atomic
+    from diagnose.redact import redact_dataclass
     from diagnose.reports.sweep import render_sweep_html, sweep_csv
 
+    sweep = redact_dataclass(sweep)  # its command line and the points' failure lines
     write_text_atomic(out / SWEEP_JSON, sweep.to_json())
     write_text_atomic(out / SWEEP_CSV, sweep_csv(sweep))
     write_text_atomic(out / SWEEP_REPORT, render_sweep_html(sweep))

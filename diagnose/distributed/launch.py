@@ -30,6 +30,7 @@ from typing import IO, Any
 
 from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.output import note_created
 from diagnose.record import RunRecord
 
 WORKER_MODULE = "diagnose.distributed.worker"
@@ -145,7 +146,9 @@ class RankJob:
         world = self.world_size
         profiled = self.config.profiled_steps > 0
         if profiled:
-            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            if not self.trace_dir.exists():
+                self.trace_dir.mkdir(parents=True)
+                note_created(self.trace_dir)
             # A --force rerun with fewer ranks must not leave an earlier run's ranks behind.
             for stale in self.trace_dir.glob("rank*.json.gz"):
                 stale.unlink()

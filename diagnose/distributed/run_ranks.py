@@ -22,6 +22,7 @@ from diagnose.catalogs.distributed_catalog import steps_to_name_a_straggler
 from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.inventory import collect_inventory
+from diagnose.output import note_created
 from diagnose.probes import Probe, ProbeContext, run_probes
 from diagnose.record import DeviceInfo, ProbeResult, RankStat, RunRecord, new_record
 from diagnose.run import Progress, RunOutputs, finish_run, redact_own_trace
@@ -173,16 +174,22 @@ def execute_distributed(
     scratch = Path(tempfile.mkdtemp(prefix="diagnose-scratch-"))
     try:
         say(f"starting {config.nproc} ranks ({config.strategy})")
-        with RankJob(
-            config, device_kind=device.type, trace_dir=trace_dir, scratch_dir=scratch
-        ) as job:
-            job.start()
-            # The ranks build their models meanwhile.
-            say("collecting the inventory")
-            record = new_record("run")
-            record.device = device_info
-            record.inventory = collect_inventory(device_info.kind, redact_paths=redact_paths)
-            results = job.wait(say)
+        try:
+            with RankJob(
+                config, device_kind=device.type, trace_dir=trace_dir, scratch_dir=scratch
+            ) as job:
+                job.start()
+                # The ranks build their models meanwhile.
+                say("collecting the inventory")
+                record = new_record("run")
+                record.device = device_info
+                record.inventory = collect_inventory(device_info.kind, redact_paths=redact_paths)
+                results = job.wait(say)
+        finally:
+            # The ranks' processes wrote their traces (an earlier run's were removed at the
+            # start): this run's files, for a clean-up to take if it does not finish.
+            for path in sorted(trace_dir.glob("rank*.json.gz")):
+                note_created(path)
         record.command = config.command_line()
         comparison = _compare_rank_traces(results, record, say)
         pacing = _pacing_result(results, comparison)

@@ -34,7 +34,8 @@ Files in the capture folder (``DIAGNOSE_PROFILE_DIR``):
 - ``process-<pid>.json``: every process that imported torch (launchers and DataLoader workers
   too): argv, the optimizers it built, whether it stepped, a failure of the bootstrap. Not a rank.
 - ``rank<R>.capture.json`` (``rank<R>-pid<pid>`` when two processes claim rank R): created when
-  the process's first step ends (``status: running``), replaced atomically by the facts.
+  the process's first step ends (``status: running``), rewritten atomically after each timed step
+  (so a process killed later keeps them) and at the end with the facts.
 - ``rank<R>.pt.trace.json.gz``: the Kineto trace of the profiled steps.
 - ``rank<R>.pyspy.txt``: py-spy's stacks of the probe and profiled steps, when the parent named a
   py-spy (``DIAGNOSE_PROFILE_PY_SPY``; see ``stack_sampler.py``, loaded from beside this file).
@@ -594,6 +595,9 @@ class _Capture:
                 self._start_probe()
         elif self.phase == "timed":
             self.timed.append(now - self.mark)
+            # What is measured is kept: a process killed later (SIGKILL skips every handler)
+            # leaves these steps in its facts. Written before the next step's mark.
+            self._write_facts(STATUS_RUNNING)
             if len(self.timed) < s.timed_steps:
                 self._enter("timed", self.steps + 1)
             else:
@@ -973,6 +977,7 @@ class _Capture:
             "status": status,
             **self.identity,
             "pid": self.pid,
+            "ppid": os.getppid(),
             "argv": list(sys.argv),
             "executable": sys.executable,
             "python": sys.version.split()[0],

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from diagnose.output import TRACE_NAME
+from diagnose.output import TRACE_NAME, note_created
 from diagnose.profile.capture import TRACE_SUFFIX
 from diagnose.profile.launch import LaunchResult
 from diagnose.record import RunRecord
@@ -40,6 +40,7 @@ def _keep_traces(result: LaunchResult, out_dir: Path) -> tuple[LaunchResult, Pat
     if len(traced) == 1:
         target = out_dir / TRACE_NAME
         shutil.move(str(traced[0].trace_path), target)
+        note_created(target)
         moved[traced[0].pid] = target
         where: Path | None = target
         _remove_earlier_rank_traces(folder, keep=set())
@@ -47,12 +48,15 @@ def _keep_traces(result: LaunchResult, out_dir: Path) -> tuple[LaunchResult, Pat
         _remove_earlier_rank_traces(
             folder, keep={c.trace_path.name for c in traced if c.trace_path is not None}
         )
-        folder.mkdir(exist_ok=True)
+        if not folder.exists():
+            folder.mkdir()
+            note_created(folder)
         (out_dir / TRACE_NAME).unlink(missing_ok=True)
         for capture in traced:
             assert capture.trace_path is not None
             target = folder / capture.trace_path.name
             shutil.move(str(capture.trace_path), target)
+            note_created(target)
             moved[capture.pid] = target
         where = folder
     captures = [
@@ -60,6 +64,20 @@ def _keep_traces(result: LaunchResult, out_dir: Path) -> tuple[LaunchResult, Pat
     ]
     kept = dataclasses.replace(result, captures=captures)
     return kept, where
+
+
+def _keep_separate_traces(result: LaunchResult, out_dir: Path) -> LaunchResult:
+    """The traces of processes that are captures of their own (:attr:`LaunchResult.separate`)
+    go beside the record as ``trace-pid<pid>.json.gz``: each a trace `diagnose trace` reads."""
+    kept = []
+    for capture in result.separate:
+        if capture.trace_path is not None and capture.trace_path.is_file():
+            target = out_dir / f"trace-pid{capture.pid}.json.gz"
+            shutil.move(str(capture.trace_path), target)
+            note_created(target)
+            capture = dataclasses.replace(capture, trace_path=target)
+        kept.append(capture)
+    return dataclasses.replace(result, separate=kept)
 
 
 def _remove_earlier_rank_traces(folder: Path, *, keep: set[str]) -> None:
@@ -149,7 +167,7 @@ def finish_profile(
     from diagnose.profile.record import profile_record
     from diagnose.run import finish_run, redact_own_trace
 
-    result, traces = _keep_traces(result, out_dir)
+    result, traces = _keep_traces(_keep_separate_traces(result, out_dir), out_dir)
     record = profile_record(result)
     if amend is not None:
         amend(record)
@@ -157,8 +175,10 @@ def finish_profile(
         record.trace_path = traces.name
     device, kind = _device_probes(record)
     _measure_attention(record, device, kind)
-    if redact_paths and traces is not None:
-        for trace in [traces] if traces.is_file() else sorted(traces.iterdir()):
+    if redact_paths:
+        own = [] if traces is None else [traces] if traces.is_file() else sorted(traces.iterdir())
+        separate = [c.trace_path for c in result.separate if c.trace_path is not None]
+        for trace in [*own, *separate]:
             redact_own_trace(trace, record)
     return finish_run(
         record,

@@ -39,6 +39,7 @@ from typing import IO, Any
 
 from diagnose.profile import capture
 from diagnose.profile.device_telemetry import CommandTelemetry, DeviceWindow, SamplerFactory
+from diagnose.redact import redact_command
 from diagnose.strict.options import StrictOptions
 
 #: The folder put first on ``PYTHONPATH``; its ``sitecustomize.py`` is the bootstrap.
@@ -137,6 +138,10 @@ class LaunchResult:
     signals_forwarded: tuple[int, ...] = field(default=())
     #: GPU telemetry sampled by this process while the ranks captured, by device ("cuda:0").
     telemetry: dict[str, DeviceWindow] = field(default_factory=dict)
+    #: Processes that stepped an optimizer as a rank another process holds (a trainer's forked
+    #: child that trains too): captures of their own, not part of the job (see
+    #: :func:`one_capture_per_rank`).
+    separate: list[RankCapture] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -261,7 +266,7 @@ def launch_profiled(
         raise
     finally:
         windows = telemetry.finish()
-    captures = read_captures(capture_dir)
+    captures, separate = one_capture_per_rank(read_captures(capture_dir))
     processes = read_processes(capture_dir)
     message = None
     if timed_out:
@@ -281,6 +286,7 @@ def launch_profiled(
         seconds=time.monotonic() - started,
         signals_forwarded=tuple(forwarded),
         telemetry=windows,
+        separate=separate,
     )
 
 
@@ -342,8 +348,9 @@ def read_captures(capture_dir: Path) -> list[RankCapture]:
             facts = {"status": "error: the capture file cannot be read"}
         status = str(facts.get("status", ""))
         if status == capture.STATUS_RUNNING:
-            status = (
-                "partial: the process was killed before writing its capture (after its first step)"
+            timed = len(facts.get("timed_step_s") or [])
+            status = "partial: the process was killed before finishing its capture " + (
+                f"(after {timed} timed steps)" if timed else "(after its first step)"
             )
         trace_name = facts.get("trace")
         trace = capture_dir / trace_name if isinstance(trace_name, str) else None
@@ -358,6 +365,35 @@ def read_captures(capture_dir: Path) -> list[RankCapture]:
             )
         )
     return sorted(captures, key=lambda c: (c.rank, c.pid))
+
+
+def one_capture_per_rank(
+    captures: list[RankCapture],
+) -> tuple[list[RankCapture], list[RankCapture]]:
+    """The job's captures, one per rank, and the separate ones.
+
+    Two processes claim one rank when a trainer forks a child that trains too (no
+    torch.distributed: both say rank 0, or the parent's ``RANK``): the child is a capture of its
+    own, not a second copy of the rank. The rank is held by the process torch.distributed says
+    holds it, else the parent of the other, else one whose capture completed, else the first.
+    """
+    pids = {c.pid for c in captures}
+
+    def holds(c: RankCapture) -> tuple[bool, bool, bool, bool, int]:
+        return (
+            c.facts.get("rank_source") != "torch.distributed",
+            c.facts.get("ppid") in pids,
+            not c.complete,
+            c.trace_path is None,
+            c.pid,
+        )
+
+    job: dict[int, RankCapture] = {}
+    for candidate in sorted(captures, key=holds):
+        job.setdefault(candidate.rank, candidate)
+    kept = sorted(job.values(), key=lambda c: (c.rank, c.pid))
+    held = {c.pid for c in kept}
+    return kept, [c for c in captures if c.pid not in held]
 
 
 def read_processes(capture_dir: Path) -> list[ProcessSeen]:
@@ -394,7 +430,7 @@ def _what_was_seen(processes: list[ProcessSeen]) -> str:
     else:
         shown = [p for p in processes if not p.multiprocessing_child][:4]
         workers = sum(p.multiprocessing_child for p in processes)
-        names = "; ".join(f"pid {p.pid}: {' '.join(p.argv)[:80]}" for p in shown)
+        names = "; ".join(f"pid {p.pid}: {redact_command(p.argv)[:80]}" for p in shown)
         text = f"{len(processes)} Python process(es) imported torch ({names}"
         text += f"; {workers} multiprocessing child(ren))" if workers else ")"
         built = [p for p in processes if p.optimizers_built]
@@ -421,6 +457,7 @@ __all__ = [
     "RankCapture",
     "capture_environment",
     "launch_profiled",
+    "one_capture_per_rank",
     "read_captures",
     "read_processes",
 ]

@@ -9,7 +9,6 @@ line claims.
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +26,8 @@ from diagnose.profile.claims import PrecisionClaim, precision_claim
 from diagnose.profile.device_telemetry import rank_telemetry
 from diagnose.profile.launch import LaunchResult, RankCapture
 from diagnose.profile.stacks import name_loading_frames, read_stacks
-from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, new_record
+from diagnose.record import Finding, ProbeResult, RunRecord, Stats, StepSample, new_record
+from diagnose.redact import redact_command
 from diagnose.sampling import INSTALL_HINT
 from diagnose.trainers import SIGNS, speak_to_record, trainer_in_packages
 
@@ -59,9 +59,12 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
     if trace_probe is not None:
         trace_probe.findings = record.findings
         record.findings = []
-    record.command = shlex.join(result.command)
+    # Quoted for a shell after each element is redacted (a secret option masks the element after
+    # it), as the record's own redaction could not see through shell quotes.
+    record.command = redact_command(result.command)
     traced_trainer = record.config.get("trainer")
     record.config = _setup_seen(pacing.facts)
+    record.notes += [_separate_note(c, result.captures) for c in result.separate]
     if len(result.captures) > 1 and not record.ranks:
         record.notes.append(
             f"{len(result.captures)} processes stepped an optimizer but "
@@ -80,6 +83,30 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
         pacing.facts, result.telemetry
     ).to_dict()
     return record
+
+
+def _separate_note(capture: RankCapture, job: Sequence[RankCapture]) -> str:
+    """One line on a process that stepped as a rank another process holds (see
+    :func:`diagnose.profile.launch.one_capture_per_rank`)."""
+    holder = next((c for c in job if c.rank == capture.rank), None)
+    beside = ""
+    if holder is not None:
+        how = "forked by" if capture.facts.get("ppid") == holder.pid else "started beside"
+        beside = f", a process {how} pid {holder.pid}"
+    timed = capture.timed_step_s
+    measured = f"{len(timed)} step(s) timed" + (
+        f", median {Stats.of(timed).median * 1e3:.3g} ms" if timed else ""
+    )
+    trace = (
+        f"; its trace is {capture.trace_path.name} (diagnose trace reads it alone)"
+        if capture.trace_path is not None
+        else ""
+    )
+    return (
+        f"pid {capture.pid}{beside}, stepped an optimizer as rank {capture.rank} too, outside any "
+        f"torch.distributed job: its own capture, kept apart, not a second rank {capture.rank} "
+        f"({measured}){trace}. This record is pid {holder.pid if holder else '?'}'s steps."
+    )
 
 
 def _speak_to_trainer(record: RunRecord, traced: object, facts: Mapping[str, Any]) -> None:
@@ -293,6 +320,16 @@ def capture_result(
         "pacing_rank": pacing.rank,
         "ranks": {_rank_key(c, result.captures): _read_samples(c, result) for c in result.captures},
         "processes": len(result.processes),
+        "separate_captures": [
+            {
+                "pid": c.pid,
+                "rank_claimed": c.rank,
+                "status": c.status,
+                "timed_step_s": c.timed_step_s,
+                "trace": c.trace_path.name if c.trace_path is not None else None,
+            }
+            for c in result.separate
+        ],
     }
     pacing_facts = probe.data["ranks"][_rank_key(pacing, result.captures)]
     stacks = pacing_facts.get("stacks")

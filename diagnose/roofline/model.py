@@ -5,6 +5,7 @@ Plain dataclasses (no torch) so that the record, the reports and the gate read t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -74,6 +75,39 @@ class Utilisation:
     notes: list[str] = field(default_factory=list)
     #: Ops without shapes or unknown to the count were left out: the FLOPs are a lower bound.
     lower_bound: bool = False
+    #: Why the count cannot be the step's work ("" when it can): it needs longer at the device's
+    #: peak than the step took, or a rate no device reaches. Then no MFU and no share of a peak
+    #: is given: the trace's shapes were misread, the device was not that fast.
+    misread: str = ""
+
+    def above_peak(self) -> str:
+        """Why the MFU or a class's share of its peak is above 100% (a record from elsewhere, or
+        an older diagnose), or "" when none is."""
+        for peak in (self.spec, self.measured):
+            if peak is not None and peak.mfu is not None and peak.mfu > 1:
+                at = f"the {peak.device}'s dense peak" if peak.device else f"the {peak.basis} peak"
+                need = f" ({peak.seconds_at_peak:.3g} s)" if peak.seconds_at_peak else ""
+                return (
+                    f"at {at} the counted FLOPs need longer{need} than the measured "
+                    f"{self.step_seconds:.3g} s step"
+                )
+        for row in self.classes:
+            if row.op_class != "memory" and row.share_of_peak is not None and row.share_of_peak > 1:
+                return f"the {row.op_class} work needs longer at its peak than its own time"
+        return ""
+
+    def mark_misread(self, reason: str) -> None:
+        """Say the count is a misread (``reason``), and drop every number made from it that
+        would read as a rate or a share: the MFUs, the shares of the peaks, the achieved rates."""
+        self.misread = reason
+        self.achieved_flops_per_s = math.nan
+        for peak in (self.spec, self.measured):
+            if peak is not None:
+                peak.mfu = None
+        for row in self.classes:
+            if row.op_class != "memory":
+                row.share_of_peak = None
+                row.achieved_per_s = None
 
     @property
     def headline_peak(self) -> Peak | None:

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 Shape = tuple[int, ...]
 
+#: The most elements a recorded tensor can have: far beyond the memory of any device (at one byte
+#: an element, 256 TiB). A larger shape is a misread of the trace (a corrupt or hand-edited
+#: ``Input Dims``), and arithmetic on it would give FLOP counts no step can have.
+MAX_ELEMENTS = 1 << 48
+
 #: The "Input type" torch records for a tensor -> (torch dtype name, bytes per element).
 #: Anything else ("Scalar", "ScalarList", "GenericList", "Int", "" ...) is not a tensor.
 TENSOR_TYPES: dict[str, tuple[str, int]] = {
@@ -58,6 +63,9 @@ class OpInputs:
     #: The recorded "Concrete Inputs" per input ("[2, 2]", "1", "False", "" for tensors), or None
     #: when the trace does not record them.
     concrete: tuple[str, ...] | None = None
+    #: True when an input's recorded shape has more than :data:`MAX_ELEMENTS` elements: no work
+    #: is counted from such a call.
+    oversized: bool = False
 
     @property
     def recorded(self) -> bool:
@@ -105,7 +113,21 @@ def op_inputs(name: str, dims_json: str, types_text: str, concrete_json: str = "
             values = None
         if isinstance(values, list):
             concrete = tuple(v if isinstance(v, str) else json.dumps(v) for v in values)
-    return OpInputs(name, tuple(shapes), tuple(lists), types, concrete)
+    oversized = any(s is not None and _too_large(s) for s in shapes) or any(
+        items is not None and any(_too_large(s) for s in items) for items in lists
+    )
+    return OpInputs(name, tuple(shapes), tuple(lists), types, concrete, oversized)
+
+
+def _too_large(shape: Shape) -> bool:
+    """Whether ``shape`` has more than :data:`MAX_ELEMENTS` elements (stops multiplying once it
+    has: a shape of a thousand huge dims costs no big-number arithmetic)."""
+    elements = 1
+    for dim in shape:
+        elements *= dim
+        if elements > MAX_ELEMENTS:
+            return True
+    return False
 
 
 def _shape(entry: object) -> Shape | None:

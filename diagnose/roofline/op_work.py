@@ -77,6 +77,19 @@ class ConvHint:
 
 
 NO_SHAPES = "input shapes not recorded"
+#: More FLOPs than any training step does (the fastest device's dense peak for minutes): a count
+#: beyond it is a misread of the trace, for one op or for a whole step.
+MAX_STEP_FLOPS = 1e18
+OVERSIZED = "a recorded input shape is larger than any device's memory (a misread of the trace)"
+BEYOND_A_STEP = "more FLOPs than any training step does (a misread of the trace)"
+
+
+def bounded(work: Work) -> Work | NotCounted:
+    """``work`` when its FLOPs are a count a step can hold: finite, not negative, at most
+    :data:`MAX_STEP_FLOPS` (recorded shapes and ``flops`` args are read from a file)."""
+    if 0.0 <= work.flops <= MAX_STEP_FLOPS:
+        return work
+    return NotCounted(BEYOND_A_STEP, work.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -486,6 +499,13 @@ def op_work(op: OpInputs, hint: ConvHint | None = None) -> Work | NotCounted | N
         return None
     if not op.recorded:
         return NotCounted(NO_SHAPES, no_shapes=True)
+    if op.oversized:
+        return NotCounted(OVERSIZED, compute_dtype(op))
+    outcome = _counted(op, name, hint)
+    return bounded(outcome) if isinstance(outcome, Work) else outcome
+
+
+def _counted(op: OpInputs, name: str, hint: ConvHint | None) -> Work | NotCounted | None:
     gemm = _GEMMS.get(name)
     if gemm is not None:
         return _gemm(op, *gemm)
@@ -579,7 +599,7 @@ class Traffic:
 
 def memory_traffic(op: OpInputs) -> Traffic | None:
     """The op's bytes; None when it is not a memory-bound op or moves no recorded tensor."""
-    if not is_memory_op(op.name) or not op.recorded:
+    if not is_memory_op(op.name) or not op.recorded or op.oversized:
         return None
     sizes: list[float] = []
     assumed = False

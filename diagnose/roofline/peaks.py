@@ -125,6 +125,12 @@ class SpecPeak:
     source: str
 
 
+def fastest_known_rate() -> float:
+    """The fastest dense peak (FLOP/s, any dtype) of any device in the spec table: no step of
+    any of them runs faster."""
+    return max(rate for card in TABLE for rate in card.flops.values())
+
+
 def known_devices() -> list[str]:
     """The canonical names of every card in the table."""
     return [card.name for card in TABLE]

@@ -24,6 +24,13 @@ KERNEL_CLASSES_OF: dict[str, tuple[str, ...]] = {
     "attention": ("attention_fused",),
     "memory": ("elementwise", "norm", "reduction", "softmax"),
 }
+#: How far beyond a torch.mm microbenchmark a step's own rate can be and still be real: the
+#: furthest seen is a CPU's fused attention computing bf16 in fp32 against torch.mm in emulated
+#: bf16 (4.6x). Further is a misread count, not a faster kernel.
+MAX_ABOVE_MEASURED = 10.0
+#: A step rate this many times the fastest dense peak of any device the spec table knows is a
+#: misread count whatever the device (the margin leaves room for cards newer than the table).
+MAX_ABOVE_KNOWN_DEVICES = 2.0
 #: Name of the probe that measures peaks, and of the trace rule that counts the work.
 PROBE_NAME = "roofline"
 RULE_NAME = "roofline"
@@ -65,7 +72,7 @@ def mfu_against(u: Utilisation, peak: Peak) -> float | None:
     """``u``'s step held against another record's ``peak``: the gate compares records against
     one peak, so a change in MFU is a change in the step's work or time, not in how fast a
     microbenchmark happened to run on each side. None when a dtype of ``u`` has no rate there."""
-    if any(d not in peak.flops_per_s for d in u.flops_by_dtype):
+    if u.misread or any(d not in peak.flops_per_s for d in u.flops_by_dtype):
         return None
     reference = Peak(basis=peak.basis, flops_per_s=dict(peak.flops_per_s))
     return _held_against(u.flops_by_dtype, reference, u.step_seconds).mfu
@@ -106,16 +113,30 @@ def _classes(
     return out
 
 
-def _hold(classes: list[ClassUtilisation], rate: float | None, bandwidth: float | None) -> None:
-    """Each class against its peak: the FLOP rate, or the bandwidth for "memory"."""
+def _hold(
+    classes: list[ClassUtilisation], rate: float | None, bandwidth: float | None
+) -> list[str]:
+    """Each class against its peak: the FLOP rate, or the bandwidth for "memory". Returns notes:
+    the memory-bound ops' bytes are a model (each tensor read once), which data served from
+    cache can beat; a share above the bandwidth is then not given."""
+    notes = []
     for row in classes:
         peak = bandwidth if row.op_class == "memory" else rate
         if peak is None:
             continue
         row.peak_per_s = peak
         row.seconds_at_peak = row.work_per_step / peak
-        if row.achieved_per_s is not None:
-            row.share_of_peak = row.achieved_per_s / peak
+        if row.achieved_per_s is None:
+            continue
+        share = row.achieved_per_s / peak
+        if row.op_class == "memory" and share > 1:
+            notes.append(
+                "the memory-bound ops' modelled bytes moved faster than the device's bandwidth "
+                "(tensors served from cache): no share of the bandwidth is given"
+            )
+            continue
+        row.share_of_peak = share
+    return notes
 
 
 def _raise_to_what_the_step_reached(
@@ -125,14 +146,21 @@ def _raise_to_what_the_step_reached(
     step's own work ran faster than the microbenchmark (a fused kernel that computes bf16 in fp32
     on a CPU without native bf16, a layout torch.mm does not take), the step's rate is that
     fastest rate, and every share is held against it, so none reads above 100%. Returns that
-    rate when it was raised to it (exact: rescaling the dtypes' rates rounds)."""
+    rate when it was raised to it (exact: rescaling the dtypes' rates rounds). A rate more than
+    :data:`MAX_ABOVE_MEASURED` times the microbenchmark's is a misread count: the peak is left
+    as measured and ``result`` is marked misread."""
     compute = [c for c in result.classes if c.op_class != "memory" and c.achieved_per_s]
     fastest = max(compute, key=lambda c: c.achieved_per_s or 0.0, default=None)
     rate = _effective_rate(by_dtype, measured)
     raised: float | None = None
     if fastest is not None and fastest.achieved_per_s is not None and rate is not None:
         factor = fastest.achieved_per_s / rate
-        if factor > 1.0:
+        if factor > MAX_ABOVE_MEASURED:
+            result.misread = (
+                f"the {fastest.op_class} ops would have run more than {MAX_ABOVE_MEASURED:g}x "
+                "faster than the peak measured on this machine"
+            )
+        elif factor > 1.0:
             measured.flops_per_s = {d: r * factor for d, r in measured.flops_per_s.items()}
             measured.source += (
                 f"; raised to the {fastest.op_class} ops' own rate in the step "
@@ -192,7 +220,12 @@ def utilisation_of(
     raised = None
     if reference is measured and measured is not None:
         raised = _raise_to_what_the_step_reached(result, measured, by_dtype, bandwidth())
-    _hold(result.classes, raised or _effective_rate(by_dtype, reference), bandwidth())
+    result.notes += _hold(
+        result.classes, raised or _effective_rate(by_dtype, reference), bandwidth()
+    )
+    misread = result.misread or result.above_peak() or _beyond_every_device(result)
+    if misread:
+        result.mark_misread(misread)
     without = int(work.get("ops_without_shapes") or 0)
     if without:
         result.notes.append(
@@ -213,6 +246,21 @@ def utilisation_of(
                 f"are left out of the time at the {peak.basis} peak"
             )
     return result
+
+
+def _beyond_every_device(result: Utilisation) -> str:
+    """Why the step's rate is no device's (far above the fastest dense peak the spec table
+    knows), or ""."""
+    from diagnose.roofline.peaks import fastest_known_rate
+
+    fastest = fastest_known_rate()
+    if result.achieved_flops_per_s > fastest * MAX_ABOVE_KNOWN_DEVICES:
+        return (
+            f"in the measured {result.step_seconds:.3g} s step that is more than "
+            f"{MAX_ABOVE_KNOWN_DEVICES:g}x the fastest dense peak of any device diagnose knows "
+            f"({fastest / 1e12:.0f} TFLOP/s)"
+        )
+    return ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,6 +357,8 @@ def settle_utilisation(record: RunRecord) -> None:
 
 __all__ = [
     "KERNEL_CLASSES_OF",
+    "MAX_ABOVE_KNOWN_DEVICES",
+    "MAX_ABOVE_MEASURED",
     "PROBE_NAME",
     "RULE_NAME",
     "counted_work",

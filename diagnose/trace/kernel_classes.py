@@ -60,6 +60,11 @@ COUNTED_ONCE_PRECEDENCE: tuple[str, ...] = (
     "communication",
 )
 
+#: The characters of a name a classifier reads: its own name and its first template arguments
+#: (the functor a dispatcher runs, the algorithm of a library kernel) come first, and the longest
+#: real names (CUTLASS and Triton kernels) are a few KB. The rest of a longer name is cut: rules are
+#: regex searches, and no input should cost more than its start.
+MAX_NAME_CHARS = 8192
 #: Words of a kernel name: runs of capitals not followed by a lower-case letter ("KV", "HHS"),
 #: a word with its first capital ("Cache", "routing"), runs of digits.
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
@@ -183,7 +188,7 @@ _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
         "conv",
         _rule(
             r" conv(?!ert)",
-            r"\w*cudnn ",
+            r"cudnn ",  # at the end of a word ("scudnn"): a search finds it anywhere
             r" (fprop|dgrad|wgrad|igemm|winograd) ",
             r" implicit ?gemm ",
             r" fft \d+ d ",
@@ -283,6 +288,7 @@ def classify_kernel(name: str, kind: int = KERNEL) -> str:
         return "memcpy"
     if kind == MEMSET:
         return "memset"
+    name = name[:MAX_NAME_CHARS]
     own = _words(own_name(name))
     whole = _words(name)
     first = whole if _DISPATCHERS.search(own) else own
@@ -296,4 +302,10 @@ def classify_kernel(name: str, kind: int = KERNEL) -> str:
     return "other"
 
 
-__all__ = ["COUNTED_ONCE_PRECEDENCE", "KERNEL_CLASSES", "classify_kernel", "own_name"]
+__all__ = [
+    "COUNTED_ONCE_PRECEDENCE",
+    "KERNEL_CLASSES",
+    "MAX_NAME_CHARS",
+    "classify_kernel",
+    "own_name",
+]

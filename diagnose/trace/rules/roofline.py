@@ -33,14 +33,17 @@ from diagnose.record import ProbeResult
 from diagnose.reports.format import format_flops
 from diagnose.roofline.op_inputs import OpInputs, Shape, op_inputs
 from diagnose.roofline.op_work import (
+    BEYOND_A_STEP,
     COMPUTE_CLASSES,
     GEMM,
     GRAD_INPUT_SUFFIX,
+    MAX_STEP_FLOPS,
     NO_SHAPES,
     ConvHint,
     NotCounted,
     Traffic,
     Work,
+    bounded,
     compute_class,
     compute_dtype,
     conv_backward_operands,
@@ -197,8 +200,9 @@ def count_step_work(ctx: TraceContext) -> tuple[dict[str, Any], str]:
         arg = float(recorded_flops[row])
         if np.isfinite(arg) and arg > 0:
             mnk = outcome.mnk if isinstance(outcome, Work) else None
-            outcome = Work(compute_class(op.name) or GEMM, arg, compute_dtype(op), mnk)
-            from_arg.add(row)
+            outcome = bounded(Work(compute_class(op.name) or GEMM, arg, compute_dtype(op), mnk))
+            if isinstance(outcome, Work):
+                from_arg.add(row)
         results[row] = outcome
         dtypes[row] = outcome.dtype or compute_dtype(op)
     ok = np.zeros(len(host), dtype=bool)
@@ -215,6 +219,12 @@ def count_step_work(ctx: TraceContext) -> tuple[dict[str, Any], str]:
             final_dtype[int(state.root[row])] = dtypes[row]
 
     data = _aggregate(ctx, counted, results, final_dtype, n_steps)
+    if data["flops_per_step"] > MAX_STEP_FLOPS:
+        # Each op's count was possible, their sum per step is not: the shapes were misread.
+        data["basis"] = BASIS_NONE
+        data["notes"] = [f"{format_flops(data['flops_per_step'])} per step: {BEYOND_A_STEP}"]
+        why = f"the counted FLOPs are {BEYOND_A_STEP}"
+        return _nulled(data), why
     used_args = sum(1 for row in counted.tolist() if row in from_arg)
     data["basis"] = BASIS_FLOPS_ARGS if used_args else BASIS_SHAPES
     assumptions = Counter(
