@@ -139,22 +139,29 @@ def analyze_trace(
     chunk_bytes: int = CHUNK_BYTES,
     parallel: bool | None = None,
     ahead: SecondReader | None = None,
+    unprofiled_step_seconds: float | None = None,
 ) -> TraceAnalysis:
     """Read and analyse a trace file. Raises DiagnoseError(BAD_INPUT) on unusable input.
     ``parallel``, ``ahead``: as :func:`read_trace` (None: a second process reads along when it
-    pays)."""
+    pays). ``unprofiled_step_seconds``: as :func:`analyze_parsed`."""
     started = time.perf_counter()
     parsed = read_trace(path, chunk_bytes=chunk_bytes, parallel=parallel, ahead=ahead)
     read_seconds = time.perf_counter() - started
-    analysis = analyze_parsed(parsed)
+    analysis = analyze_parsed(parsed, unprofiled_step_seconds=unprofiled_step_seconds)
     analysis.metadata["read_seconds"] = read_seconds
     analysis.metadata["read_processes"] = len(parsed.pieces_read)
     analysis.metadata["analysis_seconds"] = time.perf_counter() - started - read_seconds
     return analysis
 
 
-def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
-    """Analyse an already-read trace (what ``diagnose run`` calls on the trace it captured)."""
+def analyze_parsed(
+    trace: ParsedTrace, *, unprofiled_step_seconds: float | None = None
+) -> TraceAnalysis:
+    """Analyse an already-read trace (what ``diagnose run`` calls on the trace it captured).
+
+    ``unprofiled_step_seconds``: the median step the caller timed without the profiler (``diagnose
+    run``, ``diagnose profile``); the rules that read host time then judge on that basis (the
+    profiler's per-launch overhead taken out), else on the profiled steps, saying so."""
     structure = build_structure(trace)
     device = detect_device(trace)
     busy = device_busy(trace, device.primary_device)
@@ -178,6 +185,7 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
         phases=phases,
         per_step=per_step,
         breakdown=breakdown,
+        unprofiled_step_seconds=unprofiled_step_seconds,
     )
     results = run_rules(ctx)
     comm = communication(ctx)

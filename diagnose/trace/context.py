@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -16,6 +17,13 @@ from diagnose.trace.modules import ModuleScopes, module_scopes
 from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
+
+if TYPE_CHECKING:
+    from diagnose.trace.sync_reading import SyncReading
+
+#: Evidence key of a finding whose saving a rule already put on the unprofiled steps (it knew the
+#: unprofiled step): the record's scaling of trace savings to that step leaves it as it is.
+SAVING_ON_UNPROFILED_STEPS = "saving_on_unprofiled_steps"
 
 
 @dataclass
@@ -32,8 +40,12 @@ class TraceContext:
     phases: PhaseModel
     per_step: list[StepBreakdown]
     breakdown: Breakdown
+    #: The median step timed without the profiler, when the caller measured one (``diagnose
+    #: run``, ``diagnose profile``): rules then judge on the unprofiled basis.
+    unprofiled_step_seconds: float | None = None
     _inclusive: npt.NDArray[np.float64] | None = field(default=None, repr=False)
     _modules: ModuleScopes | None = field(default=None, repr=False)
+    _syncs: SyncReading | None = field(default=None, repr=False)
 
     @property
     def n_steps(self) -> int:
@@ -65,6 +77,15 @@ class TraceContext:
         if self._modules is None:
             self._modules = module_scopes(self.trace, self.structure)
         return self._modules
+
+    def sync_reading(self) -> SyncReading:
+        """The syncs of the whole step, placed and costed (diagnose.trace.sync_reading), read
+        once: the sync rule reports them, the launch rule leaves their time out."""
+        if self._syncs is None:
+            from diagnose.trace.sync_reading import read_syncs
+
+            self._syncs = read_syncs(self)
+        return self._syncs
 
     def inclusive_device_time(self) -> npt.NDArray[np.float64]:
         """Per host range: microseconds of device work launched by it or by its descendants."""
