@@ -160,3 +160,13 @@ def test_bitsandbytes_per_parameter_synchronize_is_found_and_costed(bnb: RunReco
     assert saving == pytest.approx(BNB_COST_S, rel=0.3)
     assert "without the profiler" in finding.title
     assert "bitsandbytes" in finding.fix and "fused=True" in finding.fix
+
+
+def test_a_real_trace_names_its_blocking_copies_to_the_device(shared_traces: Path) -> None:
+    """The 2021 V100 ResNet loop copies each batch from pageable memory: torch waits on the
+    stream after each copy."""
+    analysis = analyze_trace(shared_traces / "cuda" / "v100_resnet50_num_workers_0.json.gz")
+    [finding] = [f for f in analysis.findings if f.id == "compute.sync_in_step"]
+    [place] = finding.evidence["places"]
+    assert (place["place"], place["what"], place["syncs_per_step"]) == ("h2d", ".to(device)", 2)
+    assert "pin_memory=True" in finding.fix and "non_blocking=True" in finding.fix

@@ -257,6 +257,7 @@ SYNC_PLACES: dict[str, str] = {
     "logging": "reading the loss or a metric on the host (logging)",
     "before_step": "between the backward and optimizer.step()",
     "after_step": "after optimizer.step()",
+    "h2d": "from pageable memory (the copy blocks until done)",
     "forward": "in the forward",
     "backward": "in the backward",
     "dataloader": "inside the DataLoader's __next__",
@@ -276,6 +277,11 @@ _SYNC_FIXES: dict[str, str] = {
         "Read logged values every N steps, not every step: accumulate them on the device "
         "(total += loss.detach()) and call .item() once per logging interval",
         lightning="self.log(..., on_step=False, on_epoch=True), or log_every_n_steps",
+    ),
+    "h2d": in_trainers(
+        "Copy the batch without blocking: pin it (DataLoader(pin_memory=True)) and move it with "
+        ".to(device, non_blocking=True)",
+        lightning="DataLoader(pin_memory=True); Lightning moves the batch non-blocking itself",
     ),
     "forward": (
         "Keep the forward on the device: replace .item(), .cpu(), .tolist() and tensors in "

@@ -48,7 +48,7 @@ _TOOL_LABEL = re.compile(
     r"^(ProfilerStep#|enumerate\(DataLoader\)|Optimizer\.|diagnose::|## |\[Module\]|nn\.Module:)"
 )
 #: Ops that read a tensor's value into Python.
-_SCALAR_READ = frozenset({"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero"})
+_SCALAR_READ = frozenset({"aten::item", "aten::_local_scalar_dense"})
 #: Ops that copy to the host.
 _TO_HOST = frozenset({"aten::to", "aten::_to_copy", "aten::copy_", "aten::cpu", "aten::tolist"})
 #: Ops whose output shape depends on the values (they must read a count back).
@@ -327,6 +327,8 @@ def _place(ctx: TraceContext, syncs: SyncPoints, k: int) -> _PlaceKey:
             return _PlaceKey("optimizer", what, step_range, named_op)
     if any(DATALOADER_RANGE.search(n) for n in chain_names):
         return _PlaceKey("dataloader", what, "", named_op)
+    if ops and _copies_to_device(ctx, ops[-1]):
+        return _PlaceKey("h2d", ".to(device)", "", "")
     thread = int(syncs.thread[k])
     if (ops and bool(structure.in_backward[ops[0]])) or thread in structure.backward_threads:
         return _PlaceKey("backward", what, "", named_op)
@@ -382,6 +384,14 @@ def _module_or_op(ctx: TraceContext, k: int, outer_op: str) -> str:
     return f"{outer_op} in {path}" if outer_op else path
 
 
+def _copies_to_device(ctx: TraceContext, op: int) -> bool:
+    """Whether the top-level op ``op`` copied host to device (a batch's ``.to(device)``)."""
+    structure, device, names = ctx.structure, ctx.trace.device, ctx.trace.names
+    launched = np.flatnonzero(structure.device_op >= 0)
+    mine = launched[structure.root_op[structure.device_op[launched]] == op]
+    return any(names[int(i)].startswith("Memcpy HtoD") for i in device.name[mine].tolist())
+
+
 def _says_nothing_more(op: str, what: str) -> bool:
     """Whether naming ``op`` beside ``what`` would repeat it (``aten::item`` for ".item()")."""
     if not op:
@@ -395,6 +405,8 @@ def _says_nothing_more(op: str, what: str) -> bool:
 
 def _what(call: str, ops: list[str]) -> str:
     """What made the sync, from the ops around the blocking call (innermost first)."""
+    if "aten::is_nonzero" in ops:
+        return "bool(tensor) (a tensor in an if)"
     if any(o in _SCALAR_READ for o in ops):
         return ".item()"
     dependent = next((o for o in ops if _DATA_DEPENDENT.match(o)), "")
