@@ -20,6 +20,7 @@ LAUNCH_BOUND = FindingSpec(
     "inside the steps the device sits idle waiting for the host (not for data, not in a sync): "
     "kernel launch overhead or host work between kernels",
     ("trace",),
+    host_bound=True,
     # Only without step markers is there no per-step saving: the trace window may hold setup, so
     # the finding is indicative and never more than a warning.
     severity_without_saving="warn",
@@ -91,13 +92,21 @@ def launch_bound_finding(
     largest_gap_activity: str,
     steps: int,
     whole_trace: bool,
+    launches_per_step: float,
+    profiler_us_per_launch: float,
+    unprofiled_known: bool,
+    capped: bool,
     evidence: dict[str, Any],
     source: str,
 ) -> Finding:
     """The device waits ``wait_seconds`` per step (``share`` of it) for the host.
 
     ``launch_bound``: the wait is mostly short gaps (launch overhead), else long host stalls.
-    Counts and seconds are per step."""
+    Counts and seconds are per step. ``unprofiled_known``: the gaps had the profiler's
+    ``profiler_us_per_launch`` taken out and the step is the unprofiled one; else they are the
+    profiled steps' and the finding says how much of them the profiler may be. ``capped``: the
+    gaps added up to more than the step less the device's busy time and the idle other causes
+    explain, and the wait is that ceiling."""
     caveat = ""
     saving: float | None = wait_seconds
     if not launch_bound and steps < 2:
@@ -114,9 +123,10 @@ def launch_bound_finding(
             "creation, compilation, autotuning); profile a few steady-state steps with "
             "torch.profiler.schedule and prof.step() for a per-step number."
         )
+    steps_said = "unprofiled step" if unprofiled_known else "profiled step"
     if launch_bound:
         title = (
-            f"The GPU waits for kernel launches {pct(share)} of each step "
+            f"The GPU waits for kernel launches {pct(share)} of each {steps_said} "
             f"({short_gaps:.0f} gaps/step, median {median_short_gap_us or 0:.0f} µs; "
             f"{kernels_per_step:.0f} kernels/step"
             + (f", median {median_kernel_us:.0f} µs" if median_kernel_us is not None else "")
@@ -131,7 +141,7 @@ def launch_bound_finding(
     else:
         activity = largest_gap_activity or "no op (Python code)"
         title = (
-            f"The GPU waits for the host {pct(share)} of each step ({long_gaps:.0f} long "
+            f"The GPU waits for the host {pct(share)} of each {steps_said} ({long_gaps:.0f} long "
             f"gap(s)/step, the largest {largest_gap_ms or 0:.1f} ms while the host ran "
             f"{activity})"
         )
@@ -141,9 +151,18 @@ def launch_bound_finding(
             "synchronising: it was running code that queues no device work."
         )
         fix = _STALL_FIX
+    detail += " " + _profiler_said(
+        launches_per_step, profiler_us_per_launch, unprofiled_known, wait_seconds
+    )
+    if capped:
+        detail += (
+            " The gaps add up to more than the step less the GPU's busy time and the idle that "
+            "data, syncs and the allocator explain: the wait is that ceiling, which no fix of "
+            "the host's pace can beat."
+        )
     detail += (
-        " The saving is the whole wait read off the trace; severity is judged on the part the "
-        f"usual fixes recover (about {RECOVERABLE:.0%})."
+        " The saving is the whole wait; severity is judged on the part the usual fixes recover "
+        f"(about {RECOVERABLE:.0%})."
     )
     return LAUNCH_BOUND.build(
         title,
@@ -154,6 +173,26 @@ def launch_bound_finding(
         basis="trace",
         detail=detail + caveat,
         source=source,
+    )
+
+
+def _profiler_said(
+    launches: float, us_per_launch: float, unprofiled_known: bool, wait_seconds: float
+) -> str:
+    """What the profiler did to the gaps: taken out (measured), or how much it may be."""
+    if unprofiled_known:
+        return (
+            f"Read on the unprofiled step: the profiler's host time per launch ({us_per_launch:.0f}"
+            f" µs, the profiled step less the unprofiled one over {launches:.0f} launches a step) "
+            "was taken out of every gap first."
+        )
+    inflation = launches * PROFILER_US_PER_LAUNCH / 1e6
+    part = f" ({pct(min(inflation / wait_seconds, 1.0))} of this wait)" if wait_seconds else ""
+    return (
+        "Read on the profiled steps: the profiler adds host time to every launch (about "
+        f"{PROFILER_US_PER_LAUNCH:.0f} µs each as measured on an H200), so with "
+        f"{launches:.0f} launches a step up to {ms(inflation)}{part} may be the profiler's own. "
+        "Timed without it (diagnose run, diagnose profile), the gaps are judged less that."
     )
 
 

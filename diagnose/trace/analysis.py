@@ -40,7 +40,7 @@ from diagnose.trace.breakdown import (
     top_ops,
 )
 from diagnose.trace.buckets import step_buckets
-from diagnose.trace.context import TraceContext
+from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS, TraceContext
 from diagnose.trace.device import detect_device
 from diagnose.trace.kernels import (
     KernelClassStat,
@@ -64,6 +64,7 @@ __all__ = [
     "analyze_parsed",
     "analyze_trace",
     "read_trace",
+    "scale_savings",
 ]
 
 #: How the trace breakdown was made, for the report's "how this was measured" line.
@@ -405,6 +406,24 @@ def analysis_to_record(analysis: TraceAnalysis, trace_path: Path) -> RunRecord:
         speak_to_record(record, trainer, f"the trace holds {SIGNS[trainer].ranges_seen_as}")
     settle_utilisation(record)
     return record
+
+
+def scale_savings(findings: list[Finding], scale: float) -> None:
+    """Savings read off the profiled steps, as the same share of the unprofiled step (``scale``:
+    unprofiled / profiled median), so none is larger than the step it is part of. A finding whose
+    rule already judged on the unprofiled step keeps its saving."""
+    for finding in findings:
+        saving = finding.est_seconds_saved_per_it
+        if saving is None or finding.evidence.get(SAVING_ON_UNPROFILED_STEPS):
+            continue
+        finding.evidence = {
+            **finding.evidence,
+            "saving_in_profiled_steps_seconds": saving,
+            "saving_scaled_by": scale,
+        }
+        finding.est_seconds_saved_per_it = saving * scale
+        if finding.sure_seconds_saved_per_it is not None:
+            finding.sure_seconds_saved_per_it *= scale
 
 
 def _jsonable(value: Any) -> Any:

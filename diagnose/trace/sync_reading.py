@@ -26,7 +26,6 @@ Never more than the step. Pure: a function of the trace context.
 from __future__ import annotations
 
 import re
-import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -158,19 +157,15 @@ def read_syncs(ctx: TraceContext) -> SyncReading:
         harness_per_step=float(((step_of >= 0) & syncs.harness).sum()) / n,
         closing_per_step=float(((step_of >= 0) & closing).sum()) / n,
     )
-    overhead = per_launch_overhead_us(ctx)
+    overhead = ctx.profiler_us_per_launch()
     reading.unprofiled_known = ctx.unprofiled_step_seconds is not None
     reading.per_launch_overhead_us = overhead
-    reading.step_seconds = (
-        ctx.unprofiled_step_seconds
-        if ctx.unprofiled_step_seconds is not None
-        else statistics.median(s.wall_seconds for s in ctx.steps.steps)
-    )
+    reading.step_seconds = ctx.step_seconds
     sites = np.flatnonzero(judged)
     if not sites.size:
         return reading
     starts, ends = _windows(ctx, syncs, sites, step_of)
-    launches = _launch_times(ctx)
+    launches = ctx.launch_times()
     in_window = np.searchsorted(launches, ends, side="left") - np.searchsorted(
         launches, starts, side="left"
     )
@@ -207,29 +202,6 @@ def read_syncs(ctx: TraceContext) -> SyncReading:
     reading.read_off_seconds = min(float(read_off.sum()) / 1e6 / n, step)
     reading.estimate_seconds = min(float(estimate.sum()) / 1e6 / n, step)
     return reading
-
-
-def per_launch_overhead_us(ctx: TraceContext) -> float:
-    """The profiler's host time per launch: (profiled - unprofiled step) / launches per step, in
-    µs; 0 when the unprofiled step is not known (trace-only) or not shorter."""
-    unprofiled = ctx.unprofiled_step_seconds
-    if unprofiled is None or not ctx.steps.steps:
-        return 0.0
-    profiled = statistics.median(s.wall_seconds for s in ctx.steps.steps)
-    per_step = _launch_times(ctx).size / ctx.n_steps
-    if per_step <= 0 or profiled <= unprofiled:
-        return 0.0
-    return (profiled - unprofiled) / per_step * 1e6
-
-
-def _launch_times(ctx: TraceContext) -> npt.NDArray[np.float64]:
-    """When each device activity in the steps was launched (sorted, microseconds)."""
-    device = ctx.trace.device
-    launched = ctx.structure.device_runtime >= 0
-    on_primary = device.device == ctx.device.primary_device
-    times = ctx.structure.launch_ts[launched & on_primary]
-    times = times[ctx.step_of(times) >= 0]
-    return np.sort(times)
 
 
 def _windows(
@@ -289,7 +261,7 @@ def _closes_its_step(
     launched after it in its step: the end of a timing loop (``diagnose profile``'s), not the
     step's work."""
     out = np.zeros(len(syncs), dtype=bool)
-    launches = _launch_times(ctx)
+    launches = ctx.launch_times()
     host, names = ctx.trace.host, ctx.trace.names
     for k in np.flatnonzero((syncs.op < 0) & (step_of >= 0)).tolist():
         chain = ancestors(ctx.structure, int(syncs.range[k]))
@@ -423,4 +395,4 @@ def _what(call: str, ops: list[str]) -> str:
     return "blocking copies"
 
 
-__all__ = ["SyncPlace", "SyncReading", "per_launch_overhead_us", "read_syncs"]
+__all__ = ["SyncPlace", "SyncReading", "read_syncs"]
