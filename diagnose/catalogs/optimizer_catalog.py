@@ -256,6 +256,7 @@ def sync_in_step(
     evidence: Mapping[str, Any] | None = None,
     detail: str = "",
     saving: float | None = None,
+    sure_saving: float | None = None,
     basis: str = "none",
     source: str = "",
 ) -> Finding:
@@ -281,6 +282,7 @@ def sync_in_step(
         fix=sync_fix(running),
         evidence=evidence,
         saving=saving,
+        sure_saving=sure_saving,
         basis=basis,  # type: ignore[arg-type]
         detail=detail
         or (
