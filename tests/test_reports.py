@@ -535,7 +535,9 @@ def test_terminal_summary_has_headline_breakdown_findings_probes_and_paths() -> 
         "diagnose: 1.82 s/it (median of 10 unprofiled steps, IQR 1.81–1.84 s) on AMD Radeon RX "
         "7900 XTX, SDXL LoRA rank 32, bf16-mixed, AdamW8bit, 1024 px, batch 1."
     )
-    assert "where it goes (measured, per unprofiled step): data wait 0.42 s · forward 0.38 s" in text
+    assert (
+        "where it goes (measured, per unprofiled step): data wait 0.42 s · forward 0.38 s" in text
+    )
     top = next(i for i, line in enumerate(lines) if line.startswith("  1. "))
     assert lines[top] == (
         "  1. [critical] Attention fell back to the math path in 70 of 70 calls"
