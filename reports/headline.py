@@ -123,6 +123,8 @@ def build_headline(record: RunRecord) -> Headline:
         )
         noisy = is_number(spread) and spread > NOISY_RELATIVE_SPREAD
         where = f"the median of the {bucket} steps"
+    elif from_trace and (shape := _one_input_shape(timing)):
+        how += f"; one input shape, {shape}"
     how += _describe_micro_batches(record, stats.median)
     noise_text = ""
     if noisy:
@@ -279,6 +281,12 @@ def describe_machine_load(record: RunRecord) -> str:
         parts.append(text + ".")
     parts.append("Rerun on an idle machine for verdicts that hold.")
     return " ".join(parts)
+
+
+def _one_input_shape(timing: Timing) -> str:
+    """The input shape every step trained, when the steps recorded one and all the same."""
+    shapes = {s.bucket for s in timing.samples}
+    return shapes.pop() if len(shapes) == 1 else ""
 
 
 def _describe_buckets(buckets: Mapping[str, Stats], steps: int) -> str:

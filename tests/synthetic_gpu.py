@@ -282,6 +282,8 @@ def lora_loop(
     blocks: int = 4,
     params: int = 24,
     kernel_us: float = 40.0,
+    batches: tuple[list[int], ...] = (BATCH,),
+    new_epoch_at: int | None = None,
 ) -> Path:
     """A profiled LoRA loop of ``steps`` steps with ``fault`` planted in every step:
 
@@ -291,29 +293,50 @@ def lora_loop(
     * ``forward_cpu``: one ``.cpu()`` per block in the forward;
     * ``cpu_scalars``: many ``.item()`` on CPU tensors (no sync: quiet);
     * ``closing_sync``: a bare ``torch.cuda.synchronize()`` closing each step (a timing loop's).
+
+    ``batches``: the batch shape of each step in turn (resolution buckets); ``new_epoch_at``: the
+    step whose DataLoader starts a new epoch (its sampler draws a permutation of the dataset).
     """
     w = KinetoWriter()
     for number in range(steps):
         with w.label(f"ProfilerStep#{number + 2}"):
-            _step(w, fault, blocks, params, kernel_us)
+            batch = batches[number % len(batches)]
+            _step(w, fault, blocks, params, kernel_us, batch, number == new_epoch_at)
         w.python(30.0)
     return w.save(path)
 
 
-def _step(w: KinetoWriter, fault: Fault, blocks: int, params: int, kernel_us: float) -> None:
+def _step(
+    w: KinetoWriter,
+    fault: Fault,
+    blocks: int,
+    params: int,
+    kernel_us: float,
+    batch: list[int],
+    new_epoch: bool,
+) -> None:
     with w.label("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"):
+        if new_epoch:
+            with (
+                w.op("aten::randperm", [[], [], [], [], []], ["Scalar"] * 5),
+                w.op("aten::resolve_conj", [[24]], ["long int"]),
+            ):
+                w.python(5.0)
         w.python(900.0)  # decoding images
-        with w.op("aten::stack", [[3, 64, 64]] * 8):
+        with w.op("aten::stack", [batch[1:]] * batch[0]):
             w.python(40.0)
-        with w.op("aten::pin_memory", [BATCH, []]):
+        with w.op("aten::pin_memory", [batch, []]):
             w.python(30.0)
     w.python(20.0)
+    nbytes = 4
+    for d in batch:
+        nbytes *= d
     with (
-        w.op("aten::to", [BATCH, [], [], [], [], [], [], []]),
-        w.op("aten::_to_copy", [BATCH]),
-        w.op("aten::copy_", [BATCH, BATCH, []]),
+        w.op("aten::to", [batch, [], [], [], [], [], [], []]),
+        w.op("aten::_to_copy", [batch]),
+        w.op("aten::copy_", [batch, batch, []]),
     ):
-        w.copy_to_device(8 * 3 * 64 * 64 * 4)
+        w.copy_to_device(nbytes)
     w.python(15.0)
     with w.module("Denoiser_0"):
         for block in range(blocks):

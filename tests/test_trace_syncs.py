@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from diagnose.record import Finding, RunRecord
+from diagnose.reports import terminal_summary
 from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS
 from diagnose.verdicts import settle
@@ -170,3 +171,37 @@ def test_a_real_trace_names_its_blocking_copies_to_the_device(shared_traces: Pat
     [place] = finding.evidence["places"]
     assert (place["place"], place["what"], place["syncs_per_step"]) == ("h2d", ".to(device)", 2)
     assert "pin_memory=True" in finding.fix and "non_blocking=True" in finding.fix
+
+
+# --------------------------------------------------------------------------------------------
+# Input shapes: read from the data that enters the model
+
+
+def test_the_input_shape_is_the_batch_copys_not_the_samplers(tmp_path: Path) -> None:
+    """A new epoch's sampler draws a permutation inside the DataLoader's range in one step: its
+    ops are no image size (the first GPU trace read "shape 1" and "24" off them)."""
+    path = lora_loop(tmp_path / "epoch.json", steps=3, new_epoch_at=2)
+    analysis = analyze_trace(path)
+    assert [s.bucket for s in analysis.steps] == ["8x3x64x64"] * 3
+    assert any("one input shape (8x3x64x64" in note for note in analysis.notes)
+    record = analysis_to_record(analysis, path)
+    assert record.timing.buckets() == {}
+    assert "one input shape, 8x3x64x64" in terminal_summary(record)
+
+
+def test_buckets_of_a_gpu_loop_are_its_batch_shapes(tmp_path: Path) -> None:
+    small, large = [2, 3, 64, 64], [2, 3, 128, 96]
+    path = lora_loop(tmp_path / "two.json", steps=4, batches=(small, large), new_epoch_at=3)
+    analysis = analyze_trace(path)
+    assert [s.bucket for s in analysis.steps] == ["2x3x64x64", "2x3x128x96"] * 2
+    assert any("read from the batch's host→device copy" in note for note in analysis.notes)
+
+
+def test_the_real_trace_trained_one_input_shape(
+    foreach: tuple[TraceAnalysis, RunRecord],
+) -> None:
+    analysis, record = foreach
+    assert {s.bucket for s in analysis.steps} == {"8x3x256x256"}
+    summary = terminal_summary(record)
+    assert "one input shape, 8x3x256x256" in summary
+    assert "shape 1" not in summary and "24 " not in summary.split("\n")[0]
