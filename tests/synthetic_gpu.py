@@ -129,6 +129,7 @@ class KinetoWriter:
     # ---------------------------------------------------------------- runtime and device
 
     def _runtime(self, name: str, dur: float, tid: int) -> dict[str, Any]:
+        self.clock[tid] += 0.5  # the call's entry: never at the very instant an op closed
         self.corr += 1
         ext = self._stack[tid][-1] if self._stack[tid] else 0
         event = self._open(

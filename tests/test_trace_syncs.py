@@ -15,7 +15,7 @@ from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_t
 from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS
 from diagnose.verdicts import settle
 from tests.conftest import FIXTURES, ok_lines, unjudged_lines
-from tests.synthetic_gpu import Fault, lora_loop
+from tests.synthetic_gpu import Fault, KinetoWriter, lora_loop
 
 SYNC_IDS = {"optimizer.sync_in_step", "compute.sync_in_step"}
 PARAMS, BLOCKS = 24, 4
@@ -205,3 +205,25 @@ def test_the_real_trace_trained_one_input_shape(
     summary = terminal_summary(record)
     assert "one input shape, 8x3x256x256" in summary
     assert "shape 1" not in summary and "24 " not in summary.split("\n")[0]
+
+
+def test_diagnose_runs_own_phase_timer_syncs_are_not_the_codes(tmp_path: Path) -> None:
+    """diagnose run synchronises at the edges of its diagnose::<phase> ranges to time them; a
+    .item() of the code inside a phase is still the code's."""
+    w = KinetoWriter()
+    for number in range(3):
+        with w.label(f"ProfilerStep#{number}"):
+            for phase in ("forward", "backward", "optimizer"):
+                w.synchronize("cudaDeviceSynchronize")
+                with w.label(f"diagnose::{phase}"):
+                    for _ in range(5):
+                        with w.op("aten::mm", [[64, 64], [64, 64]]):
+                            w.kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 50.0)
+                    if phase == "forward":
+                        w.item(on_device=True)
+                    w.synchronize("cudaDeviceSynchronize")
+    analysis = analyze_trace(w.save(tmp_path / "run.json"))
+    reading = analysis.rule_data["syncs"]
+    assert reading["harness_syncs_per_step"] == 6
+    [finding] = [f for f in analysis.findings if f.id in SYNC_IDS]
+    assert finding.evidence["syncs_per_step"] == 1 and "1 .item()" in finding.title
