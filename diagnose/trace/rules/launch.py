@@ -73,7 +73,10 @@ def check(ctx: TraceContext) -> ProbeResult:
     gap_array = gap_array[gap_array > 0]
     total = float(gap_array.sum()) / 1e6
     step = ctx.step_seconds or 1.0
-    ceiling = _ceiling(ctx, syncs.read_off_seconds)
+    # Only the syncs' idle part is idle the device owes them: while the host blocks on a busy
+    # device, that time is already the device's busy time.
+    sync_idle = subtract(syncs.windows, ctx.busy).total / 1e6 / n if len(syncs.windows) else 0.0
+    ceiling = _ceiling(ctx, sync_idle)
     wait = min(total / n, ceiling)
     share = wait / step
     short = gap_array[gap_array < LONG_GAP_US]
@@ -148,10 +151,10 @@ def check(ctx: TraceContext) -> ProbeResult:
     return result
 
 
-def _ceiling(ctx: TraceContext, sync_seconds: float) -> float:
+def _ceiling(ctx: TraceContext, sync_idle: float) -> float:
     """The most a fix of the host's pace can save per step: the step (unprofiled when known)
-    less the device's busy time and the idle time other causes explain (data wait, syncs, the
-    allocator, collectives)."""
+    less the device's busy time and the idle time other causes explain (data wait, the idle the
+    syncs open, the allocator, collectives)."""
     n = ctx.n_steps
     busy = sum(s.device_busy_seconds for s in ctx.steps.steps) / n
     attributed = sum(
@@ -159,7 +162,7 @@ def _ceiling(ctx: TraceContext, sync_seconds: float) -> float:
         for b in ctx.per_step
         for phase in ("data_wait", "allocator", "communication")
     )
-    return max(ctx.step_seconds - busy - attributed / n - sync_seconds, 0.0)
+    return max(ctx.step_seconds - busy - attributed / n - sync_idle, 0.0)
 
 
 def _with_components(ctx: TraceContext, finding: Finding, shares: list[ModuleShare]) -> Finding:
