@@ -400,7 +400,8 @@ def sync_elsewhere_finding(
     title = (
         f"{syncs_per_step:.0f} {what} per step {SYNC_PLACES.get(place, place)}"
         + (f" ({where})" if where else "")
-        + " make the host wait for the GPU: "
+        + (" make" if syncs_per_step >= 1.5 else " makes")
+        + " the host wait for the GPU: "
         + sync_cost_said(
             estimate_seconds=estimate_seconds,
             read_off_seconds=read_off_seconds,

@@ -164,7 +164,7 @@ def read_syncs(ctx: TraceContext) -> SyncReading:
     sites = np.flatnonzero(judged)
     if not sites.size:
         return reading
-    starts, ends = _windows(ctx, syncs, sites, step_of)
+    starts, ends, windows = _windows(ctx, syncs, sites, step_of)
     launches = ctx.launch_times()
     in_window = np.searchsorted(launches, ends, side="left") - np.searchsorted(
         launches, starts, side="left"
@@ -176,7 +176,7 @@ def read_syncs(ctx: TraceContext) -> SyncReading:
     read_off = np.maximum(read_off, 0.0)
     waits = _waits_on_work(syncs, sites, launches, ctx)
     estimate = read_off + waits * UNPROFILED_WAIT_US
-    reading.windows = union(starts, ends)
+    reading.windows = windows
     keys = [_place(ctx, syncs, int(i)) for i in sites.tolist()]
     groups: dict[tuple[str, str, str], list[int]] = {}
     for k, key in enumerate(keys):
@@ -206,9 +206,10 @@ def read_syncs(ctx: TraceContext) -> SyncReading:
 
 def _windows(
     ctx: TraceContext, syncs: SyncPoints, sites: npt.NDArray[np.intp], step_of: npt.NDArray[np.intp]
-) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], Intervals]:
     """Each sync's window: from its start to the device's next work after it returned, cut at
-    the step's end and at the next sync's start; the host's data wait left out."""
+    the step's end and at the next sync's start; the host's data wait left out. (starts, ends
+    whose lengths are the windows' less the data wait, the windows as a set of intervals)."""
     busy = ctx.busy
     starts = syncs.ts[sites]
     returned = syncs.end[sites]
@@ -221,16 +222,18 @@ def _windows(
     ends = np.minimum(np.maximum(next_work, returned), step_end)
     following = np.append(starts[1:], np.inf)
     ends = np.minimum(ends, np.maximum(following, starts))
+    ends = np.maximum(ends, starts)
+    windows = union(starts, ends)
     data = ctx.phases.host.get("data_wait", EMPTY)
-    if len(data):
-        kept = np.array(
-            [
-                subtract(union([s], [e]), data.clip(s, e)).total if e > s else 0.0
-                for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
-            ]
-        )
-        ends = starts + kept
-    return starts, np.maximum(ends, starts)
+    if not len(data):
+        return starts, ends, windows
+    kept = np.array(
+        [
+            subtract(union([s], [e]), data.clip(s, e)).total if e > s else 0.0
+            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+    )
+    return starts, starts + kept, subtract(windows, data)
 
 
 def _waits_on_work(
