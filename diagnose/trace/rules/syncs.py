@@ -78,7 +78,7 @@ def _judge_optimizer(ctx: TraceContext, reading: SyncReading, result: ProbeResul
                 share=cost / reading.step_seconds if reading.step_seconds else None,
                 unprofiled_known=reading.unprofiled_known,
             ),
-            evidence=_evidence(reading, places, ctx.n_steps),
+            evidence=_evidence(reading, places),
             saving=cost,
             basis="estimated",
             detail=(
@@ -119,7 +119,7 @@ def _judge_elsewhere(reading: SyncReading, result: ProbeResult) -> None:
         waits=sum(p.waits_per_step for p in places),
         share=cost / reading.step_seconds if reading.step_seconds else None,
         unprofiled_known=reading.unprofiled_known,
-        evidence=_evidence(reading, places, 1),
+        evidence=_evidence(reading, places),
         source=f"trace:{RULE}",
     )
     if len(places) > 1:
@@ -153,8 +153,7 @@ def _calls_per_step(places: list[SyncPlace], n: int) -> dict[str, float]:
     return dict(sorted(calls.items(), key=lambda kv: -kv[1]))
 
 
-def _evidence(reading: SyncReading, places: list[SyncPlace], n_steps: int) -> dict[str, Any]:
-    del n_steps
+def _evidence(reading: SyncReading, places: list[SyncPlace]) -> dict[str, Any]:
     evidence: dict[str, Any] = {
         "syncs_per_step": sum(p.syncs_per_step for p in places),
         "places": [p.to_dict() for p in places],
