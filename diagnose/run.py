@@ -159,11 +159,13 @@ def _analyze_own_trace(trace_path: Path, record: RunRecord) -> ProbeResult | Non
     """Apply the passive trace rules to the trace this run captured."""
     import time
 
-    from diagnose.trace.analysis import analysis_to_record, analyze_trace
+    from diagnose.trace.analysis import analysis_to_record, analyze_trace, scale_savings
 
     start = time.perf_counter()
+    plain = record.timing.unprofiled
+    unprofiled = plain.median if plain.n and plain.median > 0 else None
     try:
-        analysis = analyze_trace(trace_path)
+        analysis = analyze_trace(trace_path, unprofiled_step_seconds=unprofiled)
         traced = analysis_to_record(analysis, trace_path)
     except Exception as exc:
         return ProbeResult(
@@ -175,6 +177,10 @@ def _analyze_own_trace(trace_path: Path, record: RunRecord) -> ProbeResult | Non
         )
     record.top_ops = traced.top_ops
     record.breakdown.take_device_time(traced.breakdown)
+    profiled = traced.timing.profiled
+    if unprofiled is not None and profiled.n and 0 < unprofiled < profiled.median:
+        # The phase bar is the timed steps': the trace's savings become shares of that step.
+        scale_savings(traced.findings, unprofiled / profiled.median)
     result = next((p for p in traced.probes if p.name == "trace"), None)
     if result is None:
         result = ProbeResult(name="trace", findings=traced.findings)

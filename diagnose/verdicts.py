@@ -81,13 +81,22 @@ def phase_bound(record: RunRecord, phases: Sequence[str]) -> float | None:
 
 
 def saving_bound(record: RunRecord, finding: Finding) -> tuple[float | None, str]:
-    """The most ``finding`` could save, and what bounds it ("the step", "its phases: ...")."""
+    """The most ``finding`` could save, and what bounds it ("the step", "its phases: ...", "the
+    step less the GPU's busy time" for time the device waits for the host)."""
+    from diagnose.catalogs import spec
+
     step = step_seconds(record)
     bound, why = step, "the step"
     if finding.phases:
         in_phases = phase_bound(record, finding.phases)
         if in_phases is not None and (bound is None or in_phases < bound):
             bound, why = in_phases, "the time of " + " + ".join(finding.phases)
+    busy = record.breakdown.device_busy_seconds
+    entry = spec(finding.id) if busy is not None and step is not None else None
+    if entry is not None and entry.host_bound and step is not None and busy is not None:
+        idle = max(step - busy, 0.0)
+        if bound is None or idle < bound:
+            bound, why = idle, "the step less the GPU's busy time"
     return bound, why
 
 

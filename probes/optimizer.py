@@ -82,12 +82,14 @@ from diagnose.probes.optimizer_numerics import (
     run_numerics,
 )
 from diagnose.probes.optimizer_syncs import (
+    MeasuredCost,
     ProfiledEvent,
     StepSyncs,
     count_step_syncs,
     profile_steps,
     sync_debug_warnings,
     sync_in_step_finding,
+    sync_question,
 )
 from diagnose.quiet import capture_output
 from diagnose.record import Finding, ProbeResult
@@ -391,9 +393,6 @@ class OptimizerProbe:
             "sync_debug_warnings": measured.debug_warnings[:10],
             "sync_debug_warning_count": len(measured.debug_warnings),
         }
-        self._judge_syncs(
-            result, syncs, measured, device_kind, running, running_label, configured_step, phase
-        )
 
         # 3. A/B on copies of the same parameters and gradients.
         rows = [configured_row]
@@ -427,7 +426,18 @@ class OptimizerProbe:
         }
         bnb_warnings = [w for r in rows if "8bit" in r.key for w in r.warnings]
         bnb["construction_warnings"] = list(dict.fromkeys(bnb_warnings))
-        self._judge_ab(result, rows, running_label, s_per_it, phase)
+        synchronising = self._judge_syncs(
+            result,
+            syncs,
+            measured,
+            device_kind,
+            running,
+            running_label,
+            phase,
+            rows,
+            _trace_finding(ctx, SYNC),
+        )
+        self._judge_ab(result, rows, running_label, s_per_it, phase, synchronising)
 
         # 4. Is 8-bit really 8-bit?
         if split is None and eight_bit_candidate is not None:
@@ -468,35 +478,45 @@ class OptimizerProbe:
         device_kind: str,
         running: str,
         running_label: str,
-        alone: float | None,
         phase: float | None,
-    ) -> None:
+        rows: Sequence[ABRow],
+        traced: Finding | None,
+    ) -> bool:
+        """The sync question, its cost the A/B's against torch AdamW (fused) when both stepped,
+        else the trace rule's estimate (``traced``, which this answer sets aside). True when the
+        step synchronises (the A/B's saving is then this finding's)."""
+        cost = _cost_against_fused(rows)
         finding = sync_in_step_finding(
             syncs,
             device_kind=device_kind,
             running=running,
             running_label=running_label,
-            alone_seconds=alone,
+            alone_seconds=_positive(measured.row.stats.median),
             phase_seconds=phase,
             debug_warnings=len(measured.debug_warnings),
+            measured=cost,
         )
         if finding is not None:
+            if cost is None and traced is not None and traced.est_seconds_saved_per_it:
+                finding.est_seconds_saved_per_it = traced.est_seconds_saved_per_it
+                finding.saving_basis = traced.saving_basis
+                finding.title = f"{finding.title}: {traced.title.split(': ', 1)[-1]}"
+                finding.evidence["saving_from"] = (
+                    "the trace's estimate of the profiled steps (no A/B against torch AdamW "
+                    "(fused) here)"
+                )
             result.add_finding(finding)
-        elif device_kind == "cpu":
-            reads = syncs.per_step(syncs.scalar_reads)
-            result.add_ok(
-                SYNC,
-                f"{running_label}: no device to wait for on the CPU"
-                + (
-                    f"; its {reads:.0f} .item() reads per step are host reads, not stalls"
-                    if reads
-                    else "; no .item() reads in its step"
-                ),
-            )
+            return True
+        unjudged = sync_question(syncs, device_kind, running_label)
+        if unjudged is not None and device_kind == "cpu":
+            result.add_ok(SYNC, unjudged)
+        elif unjudged is not None:
+            result.add_not_judged(SYNC, unjudged)
         else:
             result.add_ok(
                 SYNC, f"{running_label}: no host-device synchronisation inside optimizer.step()"
             )
+        return False
 
     @staticmethod
     def _shrunk_model_artefact(
@@ -547,6 +567,7 @@ class OptimizerProbe:
         running_label: str,
         s_per_it: float | None,
         phase: float | None,
+        synchronising: bool = False,
     ) -> None:
         for row in rows:
             if row.error:
@@ -557,7 +578,13 @@ class OptimizerProbe:
         slower = slower_than_alternative_rule(rows, s_per_it, phase_seconds=phase)
         faster = clearly_faster_alternative(rows)
         configured = rows[0]
-        if slower is not None:
+        if slower is not None and synchronising:
+            # The same switch, the same time: said once, by the finding that names the cause.
+            result.add_ok(
+                SLOWER,
+                f"{running_label}: {slower.title}; the saving is {SYNC}'s (the step synchronises)",
+            )
+        elif slower is not None:
             result.add_finding(slower)
         elif faster is not None:
             saving, _ = ab_saving(configured, faster, phase)
@@ -624,6 +651,35 @@ class OptimizerProbe:
 
 def _ms(seconds: float) -> float | None:
     return round(seconds * 1e3, 4) if math.isfinite(seconds) else None
+
+
+def _trace_finding(ctx: ProbeContext, finding_id: str) -> Finding | None:
+    """The trace rules' finding of ``finding_id`` in this run, when they raised one."""
+    return next(
+        (
+            f
+            for p in ctx.record.probes
+            if p.name == "trace"
+            for f in p.findings
+            if f.id == finding_id
+        ),
+        None,
+    )
+
+
+def _cost_against_fused(rows: Sequence[ABRow]) -> MeasuredCost | None:
+    """The configured step timed alone less torch AdamW (fused)'s on the same tensors, when both
+    stepped and the configured one is not fused AdamW itself."""
+    configured = next((r for r in rows if r.configured and r.step_seconds), None)
+    fused = next(
+        (r for r in rows if r.key == "adamw-fused" and r.step_seconds and not r.error), None
+    )
+    if configured is None or fused is None or configured.key == "adamw-fused":
+        return None
+    saving, sure = ab_saving(configured, fused, None)
+    if saving <= 0:
+        return None
+    return MeasuredCost(saving, sure, catalog.LABELS["adamw-fused"])
 
 
 def _numerics_failed(exc: BaseException, *, running: str) -> Finding:

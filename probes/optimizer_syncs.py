@@ -1,11 +1,13 @@
 """What the optimizer step waits for: host-device synchronisations inside ``optimizer.step()``.
 
 The profiler records the runtime calls that block the host (``cudaDeviceSynchronize``, a
-blocking ``hipMemcpy``, ...) and the ``.item()``-style reads; :func:`count_step_syncs` counts
-those that start inside an optimizer-step span (pure, so constructed events can test it), and
+blocking ``hipMemcpy``, ...: :func:`diagnose.catalogs.compute_catalog.is_blocking_call`, the one
+definition the trace reading uses too); :func:`count_step_syncs` counts those that start inside
+an optimizer-step span (pure, so constructed events can test it), and
 :func:`sync_in_step_finding` turns the count into ``optimizer.sync_in_step``, worded by the
-catalog exactly as the trace rule's. On the CPU there is no device to wait for: reads are counted
-and never called stalls.
+catalog as the trace rule's, its cost measured by the A/B against torch AdamW (fused) where the
+probe has one. A ``.item()`` is a sync only through such a call inside it: on the CPU, or a CPU
+tensor, there is nothing to wait for, and reads are counted, never called stalls.
 """
 
 from __future__ import annotations
@@ -20,33 +22,31 @@ import torch
 
 from diagnose import torch_compat
 from diagnose.catalogs import optimizer_catalog as catalog
+from diagnose.catalogs.compute_catalog import is_blocking_call
 from diagnose.quiet import native_stderr_filtered
 from diagnose.record import Finding
+from diagnose.trace.rules import ms
 
 #: around ``step`` ("Optimizer.step#AdamW.step"); syncs inside either are counted.
 PROBE_STEP_SPAN = "diagnose::optimizer_probe.step"
 STEP_SPAN_PREFIXES: tuple[str, ...] = ("Optimizer.step#", PROBE_STEP_SPAN)
-#: Runtime calls that block the host until the device is done (profiler CPU-side events).
-#: "cudaMemcpy"/"hipMemcpy" are the synchronous copies; ROCm's torch reads device scalars with
-#: hipMemcpyWithStream, which blocks as well.
-HOST_SYNC_CALLS: frozenset[str] = frozenset(
-    {
-        "cudaDeviceSynchronize",
-        "cudaStreamSynchronize",
-        "cudaEventSynchronize",
-        "cudaMemcpy",
-        "hipDeviceSynchronize",
-        "hipStreamSynchronize",
-        "hipEventSynchronize",
-        "hipMemcpy",
-        "hipMemcpyWithStream",
-    }
-)
 #: aten ops that read a tensor's value into Python (``.item()``, ``float(t)``). On a GPU tensor
-#: they block; on a CPU tensor (torch AdamW's step counters) they do not.
+#: they block through a runtime call inside them; on a CPU tensor (torch AdamW's step counters)
+#: they make none.
 SCALAR_READ_OPS: tuple[str, str] = ("aten::_local_scalar_dense", "aten::item")
 #: Names of CUDA/HIP runtime calls: any one of them shows the device tracer recorded the runtime.
 RUNTIME_PREFIXES: tuple[str, str] = ("cuda", "hip")
+
+
+@dataclass(frozen=True)
+class MeasuredCost:
+    """What the synchronising step costs, from the A/B of step() timed alone without the
+    profiler: the configured optimizer against torch AdamW (fused) on the same tensors."""
+
+    seconds: float
+    #: The part the A/B is sure of (the low end of its interval).
+    sure_seconds: float
+    against: str
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,7 +69,7 @@ class StepSyncs:
 
     #: Step spans found (top-level; nested Optimizer.step# spans count once).
     steps: int = 0
-    #: Runtime calls in HOST_SYNC_CALLS inside the steps, and the host time spent in them.
+    #: Blocking runtime calls inside the steps, and the host time spent in them.
     host_syncs: int = 0
     host_sync_seconds: float = 0.0
     #: ``.item()``-style reads inside the steps (max of aten::item and _local_scalar_dense, as
@@ -102,7 +102,7 @@ def count_step_syncs(events: Sequence[ProfiledEvent]) -> StepSyncs:
     result.runtime_events_seen = any(e.name.startswith(RUNTIME_PREFIXES) for e in events)
     reads: dict[str, int] = dict.fromkeys(SCALAR_READ_OPS, 0)
     for event in events:
-        is_sync = event.name in HOST_SYNC_CALLS
+        is_sync = is_blocking_call(event.name)
         if not is_sync and event.name not in reads:
             continue
         # Runtime calls carry the OS thread id, torch ops the profiler's own thread numbering,
@@ -132,38 +132,50 @@ def sync_in_step_finding(
     alone_seconds: float | None = None,
     phase_seconds: float | None = None,
     debug_warnings: int = 0,
+    measured: MeasuredCost | None = None,
 ) -> Finding | None:
     """``optimizer.sync_in_step`` when the step makes the host wait for a GPU.
 
-    On the CPU nothing is a stall. When the profiler recorded no runtime call at all (a device
-    tracer that did not start), ``.item()`` reads inside the step stand in for the syncs. The
-    probe cannot see the device idle a wait causes (a trace can), so it claims no saving.
+    On the CPU nothing is a stall, and without any runtime call recorded (a device tracer that
+    did not start) a blocking call cannot be told from a read of a CPU tensor: neither is judged
+    here (see :func:`sync_question`). ``measured``: the A/B's cost of the synchronising step, the
+    finding's saving; without one it claims none (the trace rule estimates it).
     """
-    if device_kind == "cpu" or syncs.steps == 0:
+    if device_kind == "cpu" or syncs.steps == 0 or not syncs.runtime_events_seen:
         return None
-    counted = syncs.host_syncs if syncs.runtime_events_seen else syncs.scalar_reads
-    if counted == 0 and debug_warnings == 0:
+    if syncs.host_syncs == 0 and debug_warnings == 0:
         return None
-    what = "syncs" if syncs.runtime_events_seen else ".item() reads (no runtime calls recorded)"
     evidence: dict[str, Any] = {
         "optimizer": running_label,
-        "host_syncs_per_step": round(syncs.per_step(counted), 2),
+        "host_syncs_per_step": round(syncs.per_step(syncs.host_syncs), 2),
         "host_wait_ms_per_step": round(syncs.per_step(syncs.host_sync_seconds) * 1e3, 3),
         "calls_by_name": dict(sorted(syncs.by_name.items())),
         "profiled_steps": syncs.steps,
         "sync_debug_warnings": debug_warnings,
-        "counted_from": what,
     }
     if alone_seconds is not None:
         evidence["step_ms_timed_alone"] = round(alone_seconds * 1e3, 3)
     if phase_seconds is not None:
         evidence["optimizer_phase_ms_in_the_step"] = round(phase_seconds * 1e3, 3)
+    cost_said = ""
+    if measured is not None:
+        evidence["saving_measured_against"] = measured.against
+        cost_said = (
+            f"≈{ms(measured.seconds)} per step, measured without the profiler against "
+            f"{measured.against} (step() timed alone on the same tensors)"
+        )
+    calls = {name: syncs.per_step(n) for name, n in syncs.by_name.items() if is_blocking_call(name)}
     return catalog.sync_in_step(
         optimizers=[running_label],
         running=running,
-        waits_per_step=syncs.per_step(counted),
+        waits_per_step=syncs.per_step(syncs.host_syncs),
         flagged_by_debug_mode=debug_warnings,
+        calls=calls,
+        cost_said=cost_said,
         evidence=evidence,
+        saving=measured.seconds if measured is not None else None,
+        sure_saving=measured.sure_seconds if measured is not None else None,
+        basis="measured" if measured is not None else "none",
         detail=(
             "While the host waits it launches nothing, so the device idles between the small "
             "per-tensor kernels of the step once the queue drains. bitsandbytes' 8-bit "
@@ -173,8 +185,31 @@ def sync_in_step_finding(
             "profiler's runtime events inside Optimizer.step spans while the probe stepped the "
             "optimizer alone; torch.cuda.set_sync_debug_mode('warn') adds the synchronising torch "
             "operations (.item(), .cpu(), nonzero) with their stacks."
+            + (
+                " The cost is the A/B's: the same step() without the profiler, this optimizer "
+                f"against {measured.against}."
+                if measured is not None
+                else ""
+            )
         ),
     )
+
+
+def sync_question(syncs: StepSyncs, device_kind: str, running_label: str) -> str | None:
+    """Why the step's syncs cannot be judged here (None when they can)."""
+    if device_kind == "cpu":
+        reads = syncs.per_step(syncs.scalar_reads)
+        return f"{running_label}: no device to wait for on the CPU" + (
+            f"; its {reads:.0f} .item() reads per step are host reads, not stalls"
+            if reads
+            else "; no .item() reads in its step"
+        )
+    if syncs.steps and not syncs.runtime_events_seen:
+        return (
+            f"{running_label}: the profiler recorded no CUDA/HIP runtime call, so a blocking call "
+            "cannot be told from a read of a CPU tensor"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +234,7 @@ def profile_steps(
 def _counted(name: str) -> bool:
     """Whether :func:`count_step_syncs` reads an event of this name (it reads no other)."""
     return (
-        name in HOST_SYNC_CALLS
+        is_blocking_call(name)
         or name in SCALAR_READ_OPS
         or _is_step_span(name)
         or name.startswith(RUNTIME_PREFIXES)
@@ -269,14 +304,15 @@ def sync_debug_warnings(step: Callable[[], object], calls: int) -> list[dict[str
 
 
 __all__ = [
-    "HOST_SYNC_CALLS",
     "PROBE_STEP_SPAN",
     "SCALAR_READ_OPS",
     "STEP_SPAN_PREFIXES",
+    "MeasuredCost",
     "ProfiledEvent",
     "StepSyncs",
     "count_step_syncs",
     "profile_steps",
     "sync_debug_warnings",
     "sync_in_step_finding",
+    "sync_question",
 ]

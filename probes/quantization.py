@@ -292,9 +292,10 @@ def _trace_finding(record: RunRecord) -> Finding | None:
     )
 
 
-def _trace_share(record: RunRecord) -> float | None:
-    """The share of the profiled steps the trace rule gave the quantized layers, if it read it:
-    in its finding's evidence, or in the rule's data when the share was too small for one."""
+def _trace_share(record: RunRecord, key: str = "share_of_step") -> float | None:
+    """The share of the profiled steps the trace rule gave the quantized layers (``key``: their
+    kernels', or with "host_share_of_step" the host's time in their ops), if it read it: in its
+    finding's evidence, or in the rule's data when the share was too small for one."""
     traced = _trace_finding(record)
     if traced is not None:
         evidence: object = traced.evidence
@@ -303,7 +304,7 @@ def _trace_share(record: RunRecord) -> float | None:
         rules = trace.data.get("rules") if trace is not None else None
         rule = rules.get(RULE) if isinstance(rules, Mapping) else None
         evidence = rule.get(RULE) if isinstance(rule, Mapping) else None
-    share = evidence.get("share_of_step") if isinstance(evidence, Mapping) else None
+    share = evidence.get(key) if isinstance(evidence, Mapping) else None
     return float(share) if isinstance(share, (int, float)) else None
 
 
@@ -536,6 +537,8 @@ class QuantizationProbe:
                 saving=saving,
                 sure=sure,
                 trace_share=_trace_share(record),
+                trace_host_share=_trace_share(record, "host_share_of_step"),
+                on_gpu=record.device.kind in ("cuda", "rocm"),
                 memory=memory_text,
                 evidence={"ab": ab, "memory": dict(memory)},
                 source=SOURCE,

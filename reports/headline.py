@@ -123,6 +123,8 @@ def build_headline(record: RunRecord) -> Headline:
         )
         noisy = is_number(spread) and spread > NOISY_RELATIVE_SPREAD
         where = f"the median of the {bucket} steps"
+    elif from_trace and (shape := _one_input_shape(timing)):
+        how += f"; one input shape, {shape}"
     how += _describe_micro_batches(record, stats.median)
     noise_text = ""
     if noisy:
@@ -152,20 +154,67 @@ def build_headline(record: RunRecord) -> Headline:
     )
 
 
-def describe_device_time(record: RunRecord) -> str:
-    """ "The GPU sat idle 29% of each traced step (...)", or "" without a device trace."""
+@dataclass(frozen=True)
+class DeviceTime:
+    """The device's busy and idle time per step, on the steps the phase bar is on."""
+
+    busy: float
+    idle: float
+    #: Which steps: "unprofiled step", "profiled step", "traced step".
+    steps: str
+    #: How the numbers were had, for the line under the bar.
+    how: str
+
+    @property
+    def idle_share(self) -> float:
+        total = self.busy + self.idle
+        return self.idle / total if total > 0 else 0.0
+
+
+def phase_bar_steps(record: RunRecord) -> str:
+    """Which steps the phase bar is per: the unprofiled ones when the record timed any (``diagnose
+    run`` measures its phases there; ``diagnose profile`` scales the trace's to them), else the
+    trace's."""
+    if record.timing.unprofiled.n:
+        return "unprofiled step"
+    return "traced step" if record.mode == "trace" else "profiled step"
+
+
+def device_time(record: RunRecord) -> DeviceTime | None:
+    """The device's time per step on the phase bar's steps, or None without a device trace.
+
+    Kernels run as long under the profiler as without it, so the busy time read off the trace
+    holds for an unprofiled step, and the rest of that step is idle; the trace's own idle time
+    belongs to the longer profiled steps."""
     breakdown = record.breakdown
-    share = breakdown.device_idle_share
-    if share is None:
+    busy, idle = breakdown.device_busy_seconds, breakdown.device_idle_seconds
+    if busy is None or idle is None or breakdown.device_idle_share is None:
+        return None
+    steps = phase_bar_steps(record)
+    step = record.timing.per_iteration
+    if steps == "unprofiled step" and is_number(step) and step > 0:
+        return DeviceTime(
+            busy,
+            max(step - busy, 0.0),
+            steps,
+            "busy is the kernels, copies and memsets of the profiled steps (the profiler barely "
+            "changes their time), idle the rest of the unprofiled step",
+        )
+    return DeviceTime(
+        busy, idle, steps, "busy is any kernel, copy or memset on any stream; mean over the steps"
+    )
+
+
+def describe_device_time(record: RunRecord) -> str:
+    """ "The GPU sat idle 29% of each unprofiled step (...)", or "" without a device trace."""
+    time = device_time(record)
+    if time is None:
         return ""
     device = "GPU" if record.device.kind in ("cuda", "rocm") else "device"
-    busy = format_seconds(breakdown.device_busy_seconds)
-    idle = format_seconds(breakdown.device_idle_seconds)
-    steps = "profiled step" if record.mode != "trace" else "traced step"
     return (
-        f"The {device} sat idle {format_percent(share)} of each {steps} (idle {idle}, busy "
-        f"{busy} per step, mean over the steps): the time no kernel, copy or memset ran on any "
-        "stream."
+        f"The {device} sat idle {format_percent(time.idle_share)} of each {time.steps} (idle "
+        f"{format_seconds(time.idle)}, busy {format_seconds(time.busy)} per step): the time no "
+        f"kernel, copy or memset ran on any stream; {time.how}."
     )
 
 
@@ -232,6 +281,12 @@ def describe_machine_load(record: RunRecord) -> str:
         parts.append(text + ".")
     parts.append("Rerun on an idle machine for verdicts that hold.")
     return " ".join(parts)
+
+
+def _one_input_shape(timing: Timing) -> str:
+    """The input shape every step trained, when the steps recorded one and all the same."""
+    shapes = {s.bucket for s in timing.samples}
+    return shapes.pop() if len(shapes) == 1 else ""
 
 
 def _describe_buckets(buckets: Mapping[str, Stats], steps: int) -> str:

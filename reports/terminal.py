@@ -10,7 +10,7 @@ from pathlib import Path
 from diagnose.record import RunRecord
 from diagnose.verdicts import step_seconds as step_seconds_of
 
-from .headline import build_headline, describe_wall
+from .headline import build_headline, describe_wall, phase_bar_steps
 from .ranks import build_ranks
 from .utilisation import build_utilisation
 from .view import (
@@ -80,7 +80,7 @@ def terminal_summary(
     if breakdown.phases:
         basis = "from the trace" if record.breakdown.basis == "trace" else record.breakdown.basis
         phases = " · ".join(f"{_clean(p.label)} {p.seconds}" for p in breakdown.phases)
-        lines.append(f"where it goes ({basis}, per step): {phases}")
+        lines.append(f"where it goes ({basis}, per {phase_bar_steps(record)}): {phases}")
     else:
         lines.append("where it goes: not measured")
 

@@ -53,11 +53,14 @@ from .gate_outputs import CompareView
 from .headline import (
     NOISY_RELATIVE_SPREAD,
     PRESET_LABELS,
+    DeviceTime,
     Headline,
     build_headline,
     describe_device_name,
     describe_setup,
     describe_wall,
+    device_time,
+    phase_bar_steps,
 )
 from .ranks import RanksView, build_ranks
 from .stacks import StacksView, build_stacks
@@ -201,12 +204,22 @@ class BreakdownView:
     device_legend: tuple[PhaseView, ...] = ()
     #: How the kernel-class times were counted (under their table).
     kernel_classes_note: str = ""
+    #: Which steps both bars are per ("unprofiled step", "profiled step", "traced step").
+    steps: str = "step"
 
 
 def build_breakdown(
-    breakdown: Breakdown, headline_seconds: float | None, problems: list[str], *, draw: bool = True
+    breakdown: Breakdown,
+    headline_seconds: float | None,
+    problems: list[str],
+    *,
+    draw: bool = True,
+    steps: str = "step",
+    device: DeviceTime | None = None,
 ) -> BreakdownView:
-    """The phases in report order; ``draw=False`` skips the chart (the terminal needs none)."""
+    """The phases in report order; ``draw=False`` skips the chart (the terminal needs none).
+    ``steps`` says which steps the phases are per; ``device`` the device's time on those steps
+    (:func:`device_time`), drawn under the phases."""
     ordered = [(k, v) for k, v in breakdown.ordered() if is_number(v)]
     total = sum(v for _, v in ordered if v > 0)
     phases: list[PhaseView] = []
@@ -246,13 +259,12 @@ def build_breakdown(
             key=lambda k: (-_number_or_zero(once.get(k, summed.get(k))), k),
         )
     )
-    device_line, device_svg, device_legend = _device_time(
-        breakdown, headline_seconds, problems, draw
-    )
+    device_line, device_svg, device_legend = _device_time(device, headline_seconds, problems, draw)
     return BreakdownView(
         phases=tuple(phases),
         total=format_seconds(total, like=headline_seconds) if phases else NOT_MEASURED,
         basis=BREAKDOWN_BASIS_LABELS.get(breakdown.basis, breakdown.basis),
+        steps=steps,
         coverage=coverage,
         svg=_chart(lambda: breakdown_bar_svg(segments), problems) if draw else "",
         kernel_classes=kernel_classes,
@@ -283,18 +295,17 @@ def _number_or_zero(value: float | None) -> float:
 
 
 def _device_time(
-    breakdown: Breakdown, headline_seconds: float | None, problems: list[str], draw: bool
+    time: DeviceTime | None, headline_seconds: float | None, problems: list[str], draw: bool
 ) -> tuple[str, str, tuple[PhaseView, ...]]:
     """The line, the bar and the legend of the device's busy and idle time per step."""
-    share = breakdown.device_idle_share
-    busy, idle = breakdown.device_busy_seconds, breakdown.device_idle_seconds
-    if share is None or busy is None or idle is None:
+    if time is None:
         return "", "", ()
+    busy, idle, share = time.busy, time.idle, time.idle_share
     line = (
         f"Device busy {format_seconds(busy, like=headline_seconds)} and idle "
-        f"{format_seconds(idle, like=headline_seconds)} per step ({format_percent(share)} idle): "
-        "busy is any kernel, copy or memset on any stream; mean over the steps. The phase "
-        "'idle, no host activity' is the part of the idle time the host did nothing traced in."
+        f"{format_seconds(idle, like=headline_seconds)} per {time.steps} "
+        f"({format_percent(share)} idle): {time.how}. The phase 'idle, no host activity' is the "
+        "part of the idle time the host did nothing traced in."
     )
     segments = [Segment(busy, DEVICE_BUSY_COLOR), Segment(idle, DEVICE_IDLE_COLOR)]
     svg = (
@@ -687,7 +698,13 @@ def build_view(record: RunRecord, *, comparison: CompareView | None = None) -> R
         title=f"diagnose: {title_number}" + (f" on {where}" if where else ""),
         mode=record.mode,
         headline=headline,
-        breakdown=build_breakdown(record.breakdown, step_seconds, problems),
+        breakdown=build_breakdown(
+            record.breakdown,
+            step_seconds,
+            problems,
+            steps=phase_bar_steps(record),
+            device=device_time(record),
+        ),
         findings=build_findings(record),
         checks=build_checks(record.probes, record.findings),
         steps=build_steps(record.timing, from_trace=from_trace, problems=problems),

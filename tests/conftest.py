@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: The project's shared data beside the repository (real GPU traces and evidence); tests that
-#: read it skip when it is absent.
-SHARED = REPO_ROOT.parent / "shared"
+#: The shared folder beside the checkout (real GPU traces and evidence); DIAGNOSE_SHARED_DIR
+#: names another place for it.
+SHARED = Path(os.environ.get("DIAGNOSE_SHARED_DIR") or REPO_ROOT.parent / "shared")
 SHARED_TRACES = SHARED / "gpu-traces"
+#: What the project did on its first GPU (README there).
+SHARED_EVIDENCE = SHARED / "gpu-evidence" / "h200-2026-12-04"
 FIXTURES = REPO_ROOT / "fixtures"
 
 
@@ -80,6 +82,13 @@ def shared_traces() -> Path:
     if not SHARED_TRACES.is_dir():
         pytest.skip(f"real GPU traces not present at {SHARED_TRACES}")
     return SHARED_TRACES
+
+
+@pytest.fixture(scope="session")
+def shared_evidence() -> Path:
+    if not SHARED_EVIDENCE.is_dir():
+        pytest.skip(f"the GPU evidence is not present at {SHARED_EVIDENCE}")
+    return SHARED_EVIDENCE
 
 
 def ok_lines(result: Any) -> list[str]:

@@ -28,7 +28,7 @@ def test_every_id_is_in_its_category_and_declared_once() -> None:
 
 
 def test_a_built_finding_carries_what_the_catalog_knows() -> None:
-    entry = spec("optimizer.sync_in_step")
+    entry = spec("optimizer.slower_than_alternative")
     assert entry is not None
     finding = entry.build("3 syncs per step", saving=0.2, basis="trace", fix="use fused AdamW")
     assert finding.category == "optimizer" and finding.phases == ["optimizer"]

@@ -78,12 +78,12 @@ def test_probe_and_trace_rule_report_one_sync_id_in_one_wording(tmp_path: Path) 
     )
     assert from_probe is not None
     assert from_probe.id == from_trace.id == "optimizer.sync_in_step"
-    # The same cause on the same optimizer reads the same: one title up to the trace's extra
-    # idle time, one fix.
+    # The same cause on the same optimizer reads the same: one title up to the trace's cost,
+    # one fix.
     assert from_trace.title.startswith(from_probe.title)
     assert from_probe.title == (
         "optimizer.step() of torch AdamW (foreach) makes the host wait for the GPU 1 time(s) "
-        "per step"
+        "per step (1 cudaStreamSynchronize)"
     )
     assert from_probe.fix == from_trace.fix
     # Clean twins: quiet on both sides.

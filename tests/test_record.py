@@ -118,9 +118,7 @@ def test_unknown_fields_are_ignored_and_missing_ones_defaulted() -> None:
 def test_checks_round_trip() -> None:
     record = _sample_record()
     probe = ProbeResult(name="trace")
-    probe.add_not_judged(
-        "optimizer.sync_in_step", "optimizer: no device kernels", "trace:optimizer"
-    )
+    probe.add_not_judged("optimizer.sync_in_step", "syncs: no device kernels", "trace:syncs")
     probe.add_ok("compute.launch_bound", "host overhead: 2% of the step", "trace:launch")
     record.probes = [probe]
     again = RunRecord.from_dict(json.loads(record.to_json()))

@@ -535,7 +535,9 @@ def test_terminal_summary_has_headline_breakdown_findings_probes_and_paths() -> 
         "diagnose: 1.82 s/it (median of 10 unprofiled steps, IQR 1.81–1.84 s) on AMD Radeon RX "
         "7900 XTX, SDXL LoRA rank 32, bf16-mixed, AdamW8bit, 1024 px, batch 1."
     )
-    assert "where it goes (measured, per step): data wait 0.42 s · forward 0.38 s" in text
+    assert (
+        "where it goes (measured, per unprofiled step): data wait 0.42 s · forward 0.38 s" in text
+    )
     top = next(i for i, line in enumerate(lines) if line.startswith("  1. "))
     assert lines[top] == (
         "  1. [critical] Attention fell back to the math path in 70 of 70 calls"
@@ -564,3 +566,31 @@ def test_terminal_summary_of_empty_and_hostile_records() -> None:
     text = terminal_summary(record)
     assert "\033" not in text and "\007" not in text
     assert "evil ]0;pwned title second line" in text
+
+
+def test_the_phase_bar_and_the_device_bar_are_per_the_same_steps(shared_evidence: Path) -> None:
+    """The first GPU run drew its phases per unprofiled step (643 ms) and the device's busy and
+    idle time per profiled step (1.13 s) under them, with nothing to say so."""
+    record = RunRecord.load(shared_evidence / "run" / "record.json")
+    breakdown = build_view(record).breakdown
+    assert breakdown.steps == "unprofiled step"
+    busy, idle = (float(p.seconds.split()[0]) for p in breakdown.device_legend)
+    assert busy + idle == pytest.approx(record.timing.per_iteration * 1e3, rel=0.01)
+    assert "per unprofiled step" in breakdown.device_line
+    html = render_html(record)
+    assert "Per unprofiled step, total" in html
+    assert "of each unprofiled step" in terminal_summary(record)
+
+
+def test_a_traces_bars_are_per_its_traced_steps(tmp_path: Path) -> None:
+    from diagnose.trace.analysis import analysis_to_record, analyze_trace
+    from tests.synthetic_gpu import lora_loop
+
+    path = lora_loop(tmp_path / "loop.json")
+    record = analysis_to_record(analyze_trace(path), path)
+    breakdown = build_view(record).breakdown
+    assert breakdown.steps == "traced step"
+    assert "per traced step" in breakdown.device_line
+    busy, idle = record.breakdown.device_busy_seconds, record.breakdown.device_idle_seconds
+    assert busy is not None and idle is not None
+    assert busy + idle == pytest.approx(record.timing.profiled.mean, rel=0.01)

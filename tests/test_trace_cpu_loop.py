@@ -186,7 +186,7 @@ def test_slow_loader_is_found(analysed: dict[str, TraceAnalysis]) -> None:
 
 def test_gpu_rules_say_they_could_not_judge(analysed: dict[str, TraceAnalysis]) -> None:
     a = analysed["clean"]
-    assert any(line.startswith("optimizer:") for line in unjudged_lines(a))
+    assert any(line.startswith("syncs:") for line in unjudged_lines(a))
     assert any(line.startswith("launch overhead") for line in unjudged_lines(a))
     # The record keeps them where the report's "could not be checked" reads them.
     trace_result = analysis_to_record(a, Path(a.path)).probes[0]

@@ -12,9 +12,8 @@ import pytest
 from diagnose.record import PHASES, RunRecord
 from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.verdicts import settle
+from tests.conftest import SHARED_TRACES as SHARED
 from tests.conftest import ok_lines, unjudged_lines
-
-SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "gpu-traces"
 
 #: file -> (device kind, device name as the trace records it)
 EXPECTED_DEVICES = {

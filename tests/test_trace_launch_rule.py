@@ -11,6 +11,8 @@ from diagnose.catalogs.compute_catalog import RECOVERABLE
 from diagnose.record import RunRecord
 from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from diagnose.verdicts import contradictions, settle
+from tests.synthetic_gpu import lora_loop
+from tests.test_trace_synthetic import training_trace
 
 
 def _settled(path: Path) -> RunRecord:
@@ -48,3 +50,58 @@ def test_a_busy_device_answers_the_launch_question_ok(shared_traces: Path) -> No
     assert "compute.launch_bound" not in {f.id for f in record.findings}
     [check] = [c for c in record.all_checks() if c.id == "compute.launch_bound"]
     assert check.outcome == "ok" and check.text.startswith("host overhead")
+
+
+def test_the_gpu_runs_saving_is_no_more_than_the_step_less_the_gpus_busy_time(
+    shared_evidence: Path,
+) -> None:
+    """The first GPU run said "saves ~643 ms/it (100% of the step)" of a 643 ms step in which
+    the GPU was busy 143 ms: re-judged, no launch fix saves more than the rest."""
+    record = RunRecord.load(shared_evidence / "run" / "record.json")
+    settle(record)
+    [finding] = [f for f in record.findings if f.id == "compute.launch_bound"]
+    step = record.timing.per_iteration
+    busy = record.breakdown.device_busy_seconds
+    assert busy is not None and 0 < busy < step
+    saving = finding.est_seconds_saved_per_it
+    assert saving is not None and saving <= step - busy + 1e-9
+    assert "busy time" in finding.evidence["saving_cap"]
+    assert contradictions(record) == []
+
+
+def test_launch_gaps_are_judged_less_the_profilers_time_on_the_unprofiled_step(
+    tmp_path: Path,
+) -> None:
+    """Tiny kernels launched one by one: trace-only the profiled gaps are the wait, and the
+    finding says how much of them the profiler may be; with the unprofiled step known, the
+    profiler's per-launch time comes out of every gap and the step less the device's busy time
+    bounds the saving."""
+    path = tmp_path / "tiny.json"
+    training_trace(path, kernel_us=5, host_gap_us=60)
+    profiled = _settled(path)
+    [traced] = [f for f in profiled.findings if f.id == "compute.launch_bound"]
+    assert "each profiled step" in traced.title and "may be the profiler's own" in traced.detail
+    step = profiled.timing.profiled.median
+    unprofiled = step * 0.6
+    record = analysis_to_record(analyze_trace(path, unprofiled_step_seconds=unprofiled), path)
+    settle(record)
+    [judged] = [f for f in record.findings if f.id == "compute.launch_bound"]
+    evidence = judged.evidence
+    assert "each unprofiled step" in judged.title and "taken out" in judged.detail
+    assert evidence["profiler_us_per_launch_taken_out"] > 0
+    busy = evidence["device_busy_share"] * unprofiled
+    assert judged.est_seconds_saved_per_it is not None
+    assert judged.est_seconds_saved_per_it <= unprofiled - busy + 1e-9
+    assert judged.est_seconds_saved_per_it < traced.est_seconds_saved_per_it  # type: ignore[operator]
+
+
+def test_the_idle_after_syncs_is_not_read_as_launch_gaps(tmp_path: Path) -> None:
+    """A loop that reads each gradient's norm before the step: the drained queue after every
+    .item() is the sync's cost, not the launch rule's."""
+    clipping = analyze_trace(lora_loop(tmp_path / "clip.json", "clipping", params=48))
+    clean = analyze_trace(lora_loop(tmp_path / "clean.json", "none", params=48))
+    waited = clipping.rule_data["launch"]["device_waiting_for_host_seconds_per_step"]
+    baseline = clean.rule_data["launch"]["device_waiting_for_host_seconds_per_step"]
+    sync_cost = clipping.rule_data["syncs"]["read_off_seconds_per_step"]
+    assert sync_cost > 0.001
+    assert waited - baseline < 0.25 * sync_cost

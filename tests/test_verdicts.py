@@ -114,7 +114,7 @@ def test_critical_ranks_above_a_note_whatever_the_saving() -> None:
     ("question", "kept_as"),
     [
         # Two sources of equal standing: the stronger answer, a finding, stands.
-        ("optimizer.sync_in_step", "also_checked"),
+        ("compute.launch_bound", "also_checked"),
         # The reported case: "waits for data 11% of each step" beside "compute is not waiting".
         # The catalog says the probe's answer stands; the trace rule's is set aside.
         ("dataloader.gpu_starved", "trace_profiled_steps_said"),

@@ -84,6 +84,9 @@ class FindingSpec:
     found_by: tuple[FoundBy, ...]
     #: The phases of the step its saving lives in (a fix cannot save more than their time).
     phases: tuple[str, ...] = ()
+    #: Its saving is time the device waits for the host (launch overhead, host stalls): never
+    #: more than the step less the device's busy time, which no host-side fix can shorten.
+    host_bound: bool = False
     #: The severity when no saving can be said (a correctness fault is critical without one).
     severity_without_saving: Severity = "info"
     #: When a probe of ``diagnose run`` answered this question, its answer stands and a trace

@@ -42,6 +42,9 @@ SPECS = (DEQUANT_COST, NUMERICS)
 
 #: Below this share of the step the expansion is reported as fine, not as a finding.
 MIN_SHARE = 0.05
+#: An A/B slowdown this many times the quantized layers' kernel share of the step is mostly not
+#: the kernels: the finding then says where the rest goes (the layers' host path).
+HOST_PATH_GAP = 3.0
 
 FIX = in_trainers(
     "Store the frozen base in bf16 when it fits in the GPU's memory beside the activations "
@@ -109,14 +112,39 @@ def measured_cost(
     memory: str,
     evidence: Mapping[str, Any],
     source: str,
+    trace_host_share: float | None = None,
+    on_gpu: bool = False,
 ) -> Finding:
     """The A/B's answer: the same step with the base unquantized measured faster. The steps
-    were timed past the VAE's encode when ``encode_seconds`` is not 0."""
+    were timed past the VAE's encode when ``encode_seconds`` is not 0. ``trace_share``: the
+    trace's share of the profiled step in the quantized layers (their kernels' on a GPU),
+    ``trace_host_share`` the host's time in their ops; when the A/B's slowdown is far above the
+    kernels' share, the finding says where the rest goes."""
+    slowdown = saving / whole_step if whole_step else 0.0
+    layers = "its quantized layers' kernels" if on_gpu else "its quantized layers"
     share = (
-        f"; its quantized layers take {pct(trace_share)} of each profiled step"
+        f"; {layers} take {pct(trace_share)} of each profiled step"
         if trace_share is not None
         else ""
     )
+    gap = ""
+    if on_gpu and trace_share is not None and slowdown > HOST_PATH_GAP * max(trace_share, 1e-9):
+        share += ", the rest is their host path"
+        host = (
+            f"; the host spends {pct(trace_host_share)} of each profiled step inside their "
+            "bitsandbytes ops alone, a lower bound of that work"
+            if trace_host_share
+            else ""
+        )
+        gap = (
+            f"The A/B's {pct(slowdown)} is far above the {pct(trace_share)} the quantized layers' "
+            "kernels take on the GPU: the rest is host time. Each quantized layer adds work on "
+            "the host to every call, forward and backward: bitsandbytes' Python around the "
+            "matmul (its quantization state, the dequantize call, their extra launches)"
+            + host
+            + ". When the GPU waits for the host (a small model, a small batch), that work is "
+            "the step's time whatever the kernels take. "
+        )
     part = " past the VAE's encode" if encode_seconds > 0 else ""
     return DEQUANT_COST.build(
         f"The base stored as {storage} makes each step {per_it(saving)} slower than the same "
@@ -141,7 +169,7 @@ def measured_cost(
             )
             + "Every forward expands each quantized weight back to the compute dtype, and every "
             "backward does again for the input's gradient: a cost per weight, the same at any "
-            "image size, so the difference is stated in seconds as measured. " + memory
+            "image size, so the difference is stated in seconds as measured. " + gap + memory
         ).strip(),
         source=source,
     )
@@ -180,6 +208,7 @@ NUMERICS_FIX = (
 __all__ = [
     "DEQUANT_COST",
     "FIX",
+    "HOST_PATH_GAP",
     "MIN_SHARE",
     "NUMERICS",
     "NUMERICS_FIX",

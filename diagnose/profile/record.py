@@ -9,6 +9,7 @@ line claims.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
     if not result.captures:
         raise ValueError("no capture: the command never completed an optimizer step")
     traced = [c for c in result.captures if c.trace_path is not None and c.trace_path.is_file()]
-    record = _analysed(traced, jobs)
+    record = _analysed(traced, jobs, _unprofiled_step(traced))
     record.mode = "profile"
     pacing_rank = next((s.rank for s in record.ranks if s.paces), None)
     pacing = next(
@@ -122,7 +123,18 @@ def _speak_to_trainer(record: RunRecord, traced: object, facts: Mapping[str, Any
         speak_to_record(record, trainer, f"the profiled process imported {', '.join(packages)}")
 
 
-def _analysed(traced: Sequence[RankCapture], jobs: int | None) -> RunRecord:
+def _unprofiled_step(traced: Sequence[RankCapture]) -> float | None:
+    """The median step the one traced process timed without the profiler (None with several
+    ranks, or none timed): the trace rules judge host time on it."""
+    if len(traced) != 1:
+        return None
+    timed = [s for s in traced[0].timed_step_s if s > 0]
+    return statistics.median(timed) if timed else None
+
+
+def _analysed(
+    traced: Sequence[RankCapture], jobs: int | None, unprofiled: float | None = None
+) -> RunRecord:
     from diagnose.trace.analysis import analysis_to_record, analyze_trace
 
     if not traced:
@@ -135,7 +147,7 @@ def _analysed(traced: Sequence[RankCapture], jobs: int | None) -> RunRecord:
     if len(traced) == 1:
         path = traced[0].trace_path
         assert path is not None
-        return analysis_to_record(analyze_trace(path), path)
+        return analysis_to_record(analyze_trace(path, unprofiled_step_seconds=unprofiled), path)
     from diagnose.distributed.ranks import compare_ranks, comparison_record, read_ranks
 
     ranks, notes = read_ranks([c.trace_path for c in traced if c.trace_path], jobs=jobs)
@@ -184,25 +196,17 @@ def _scale_to_unprofiled(record: RunRecord) -> None:
         return
     if not 0 < plain.median < traced.median:
         return
+    from diagnose.trace.analysis import scale_savings
+
     scale = plain.median / traced.median
     record.breakdown.seconds = {k: v * scale for k, v in record.breakdown.seconds.items()}
-    for finding in record.findings:
-        saving = finding.est_seconds_saved_per_it
-        if saving is None:
-            continue
-        finding.evidence = {
-            **finding.evidence,
-            "saving_in_profiled_steps_seconds": saving,
-            "saving_scaled_by": scale,
-        }
-        finding.est_seconds_saved_per_it = saving * scale
-        if finding.sure_seconds_saved_per_it is not None:
-            finding.sure_seconds_saved_per_it *= scale
+    scale_savings(record.findings, scale)
     record.notes.append(
         f"The profiled steps took {traced.median * 1e3:.3g} ms against {plain.median * 1e3:.3g} ms "
         f"without the profiler: the phases and the savings read off the trace are scaled by "
-        f"{scale:.2f} to the unprofiled step (each keeps its share); the times in the findings' "
-        "titles are the profiled steps' own."
+        f"{scale:.2f} to the unprofiled step (each keeps its share), but for the rules that "
+        "judged on the unprofiled step themselves (syncs, launch gaps); a title says which "
+        "steps its times are on."
     )
 
 

@@ -40,7 +40,7 @@ from diagnose.trace.breakdown import (
     top_ops,
 )
 from diagnose.trace.buckets import step_buckets
-from diagnose.trace.context import TraceContext
+from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS, TraceContext
 from diagnose.trace.device import detect_device
 from diagnose.trace.kernels import (
     KernelClassStat,
@@ -64,6 +64,7 @@ __all__ = [
     "analyze_parsed",
     "analyze_trace",
     "read_trace",
+    "scale_savings",
 ]
 
 #: How the trace breakdown was made, for the report's "how this was measured" line.
@@ -139,22 +140,29 @@ def analyze_trace(
     chunk_bytes: int = CHUNK_BYTES,
     parallel: bool | None = None,
     ahead: SecondReader | None = None,
+    unprofiled_step_seconds: float | None = None,
 ) -> TraceAnalysis:
     """Read and analyse a trace file. Raises DiagnoseError(BAD_INPUT) on unusable input.
     ``parallel``, ``ahead``: as :func:`read_trace` (None: a second process reads along when it
-    pays)."""
+    pays). ``unprofiled_step_seconds``: as :func:`analyze_parsed`."""
     started = time.perf_counter()
     parsed = read_trace(path, chunk_bytes=chunk_bytes, parallel=parallel, ahead=ahead)
     read_seconds = time.perf_counter() - started
-    analysis = analyze_parsed(parsed)
+    analysis = analyze_parsed(parsed, unprofiled_step_seconds=unprofiled_step_seconds)
     analysis.metadata["read_seconds"] = read_seconds
     analysis.metadata["read_processes"] = len(parsed.pieces_read)
     analysis.metadata["analysis_seconds"] = time.perf_counter() - started - read_seconds
     return analysis
 
 
-def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
-    """Analyse an already-read trace (what ``diagnose run`` calls on the trace it captured)."""
+def analyze_parsed(
+    trace: ParsedTrace, *, unprofiled_step_seconds: float | None = None
+) -> TraceAnalysis:
+    """Analyse an already-read trace (what ``diagnose run`` calls on the trace it captured).
+
+    ``unprofiled_step_seconds``: the median step the caller timed without the profiler (``diagnose
+    run``, ``diagnose profile``); the rules that read host time then judge on that basis (the
+    profiler's per-launch overhead taken out), else on the profiled steps, saying so."""
     structure = build_structure(trace)
     device = detect_device(trace)
     busy = device_busy(trace, device.primary_device)
@@ -178,6 +186,7 @@ def analyze_parsed(trace: ParsedTrace) -> TraceAnalysis:
         phases=phases,
         per_step=per_step,
         breakdown=breakdown,
+        unprofiled_step_seconds=unprofiled_step_seconds,
     )
     results = run_rules(ctx)
     comm = communication(ctx)
@@ -397,6 +406,24 @@ def analysis_to_record(analysis: TraceAnalysis, trace_path: Path) -> RunRecord:
         speak_to_record(record, trainer, f"the trace holds {SIGNS[trainer].ranges_seen_as}")
     settle_utilisation(record)
     return record
+
+
+def scale_savings(findings: list[Finding], scale: float) -> None:
+    """Savings read off the profiled steps, as the same share of the unprofiled step (``scale``:
+    unprofiled / profiled median), so none is larger than the step it is part of. A finding whose
+    rule already judged on the unprofiled step keeps its saving."""
+    for finding in findings:
+        saving = finding.est_seconds_saved_per_it
+        if saving is None or finding.evidence.get(SAVING_ON_UNPROFILED_STEPS):
+            continue
+        finding.evidence = {
+            **finding.evidence,
+            "saving_in_profiled_steps_seconds": saving,
+            "saving_scaled_by": scale,
+        }
+        finding.est_seconds_saved_per_it = saving * scale
+        if finding.sure_seconds_saved_per_it is not None:
+            finding.sure_seconds_saved_per_it *= scale
 
 
 def _jsonable(value: Any) -> Any:

@@ -99,7 +99,8 @@ _IDLE_ORDER: tuple[tuple[str, str], ...] = (
 )
 _DIAGNOSE_PHASES = ("data_wait", "h2d", "encode", "forward", "backward", "optimizer")
 
-_DATALOADER = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__|dataloader_next", re.I)
+#: A DataLoader iterator's ``__next__`` range (torch's, or a trainer's own).
+DATALOADER_RANGE = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__|dataloader_next", re.I)
 _OPTIMIZER = re.compile(r"^Optimizer\.(step|zero_grad)#|optimizer_step|optimizer_zero_grad", re.I)
 _DIAGNOSE = re.compile(r"^diagnose::(\w+)$")
 
@@ -157,7 +158,7 @@ def build_phases(
             diagnose[phase] = _ranges(trace, np.isin(host.name, np.asarray(ids, dtype=np.int32)))
     covered = union_of(diagnose.values())
 
-    data_mask = _name_mask(trace, _DATALOADER)
+    data_mask = _name_mask(trace, DATALOADER_RANGE)
     dataloader_names = sorted({trace.names[int(i)] for i in host.name[data_mask].tolist()})
     heuristic: dict[str, Intervals] = {
         "data_wait": _ranges(trace, data_mask),
@@ -168,7 +169,7 @@ def build_phases(
         "encode": EMPTY,
     }
     syncs = find_syncs(trace, structure)
-    heuristic["sync"] = union(syncs.ts, syncs.ts + syncs.dur)
+    heuristic["sync"] = union(syncs.ts, syncs.end)
     heuristic["allocator"] = allocator_ranges(trace)
     heuristic["collective"], heuristic["collective_elsewhere"] = collective_ranges(trace, structure)
 

@@ -3,15 +3,22 @@
 Multi-bucket training (kohya's bucketing, ``--resolution 512,1024``) alternates steps of different
 sizes, so their times differ by design; the record then gives each bucket its own s/it and
 judges noise within a bucket (:meth:`diagnose.record.Timing.buckets`). A step's shape is read
-from ``record_shapes``: the set of ``Input Dims`` its forward ops saw, inside the denoiser's
-first call when the trace has module ranges (the text encoder's input, the captions, need not
-change with the images). Steps that saw the same set are one bucket, named by the first input
-of the first op whose shapes differ between buckets.
+from ``record_shapes``, from the data that enters the model, never from the DataLoader's, the
+sampler's or the optimizer's own ops (a new epoch's ``randperm`` is no image size):
+
+* the batch's host→device copies, when the steps make them (a GPU loop);
+* else the set of ``Input Dims`` its forward ops saw, inside the denoiser's first call when the
+  trace has module ranges (the text encoder's input, the captions, need not change with the
+  images).
+
+Steps that saw the same set are one bucket, named by the first input of the first op whose shapes
+differ between buckets; when all steps saw one, a note names it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import numpy.typing as npt
@@ -23,13 +30,21 @@ from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
 
 _Signature = frozenset[int]
+#: Ranges whose ops are the loop's own, not the model's: the DataLoader's ``__next__`` (its
+#: sampler's ``randperm`` at a new epoch, collate, pinning) and the optimizer's step and zero_grad.
+_LOOP_RANGE = re.compile(
+    r"enumerate\(DataLoader\)|DataLoader.*__next__|dataloader_next|^Optimizer\.(step|zero_grad)#"
+    r"|optimizer_step|optimizer_zero_grad|sampler",
+    re.I,
+)
 
 
 def step_buckets(
     trace: ParsedTrace, structure: Structure, steps: StepSet, scopes: ModuleScopes
 ) -> tuple[list[str], list[str]]:
-    """(the bucket of each step, notes). Buckets are all "" when the steps had one shape, when
-    the trace did not record shapes, or when no shape recurs (nothing to group)."""
+    """(the bucket of each step, notes). One shape read from the batch's copy names every step;
+    buckets are all "" when the forward's ops saw one shape, when the trace did not record shapes,
+    or when no shape recurs (nothing to group)."""
     n = len(steps.steps)
     none = [""] * n
     host = trace.host
@@ -43,7 +58,11 @@ def step_buckets(
         & ~structure.in_backward
         & (host.input_dims >= 0)
         & (step_of >= 0)
+        & ~_under_loop_ranges(trace, structure)
     )
+    copies = candidates & _copies_to_device(trace, structure)
+    if all((copies & (step_of == k)).any() for k in range(n)):
+        return _group(trace, [np.flatnonzero(copies & (step_of == k)) for k in range(n)], "copy")
     denoiser = [
         i
         for i, role in enumerate(scopes.role)
@@ -64,12 +83,37 @@ def step_buckets(
             first = min(inside, key=lambda i: float(scopes.ts[i]))
             ops = ops[(host.ts[ops] >= scopes.ts[first]) & (host.ts[ops] < scopes.end[first])]
         step_ops.append(ops[np.argsort(host.ts[ops], kind="stable")])
+    return _group(trace, step_ops, "forward")
+
+
+def _group(
+    trace: ParsedTrace, step_ops: list[npt.NDArray[np.int64]], read_from: str
+) -> tuple[list[str], list[str]]:
+    """Buckets of steps by the set of shapes their ``step_ops`` saw (``read_from``: "copy" for the
+    batch's host→device copies, "forward" for the forward's ops)."""
+    host = trace.host
+    n = len(step_ops)
+    none = [""] * n
+    source = (
+        "the batch's host→device copy"
+        if read_from == "copy"
+        else "the shapes each step's forward ops saw (the denoiser's, when the trace names it)"
+    )
+    step_ops = [ops[np.argsort(host.ts[ops], kind="stable")] for ops in step_ops]
     # The set of shapes a step's ops saw: the same model at the same input size sees the same set,
     # whatever the order its ops ran in.
     signatures: list[_Signature] = [frozenset(host.input_dims[ops].tolist()) for ops in step_ops]
     groups = list(dict.fromkeys(signatures))
     if len(groups) < 2:
-        return none, []
+        first = next((int(d) for ops in step_ops for d in host.input_dims[ops].tolist()), -1)
+        shape = _first_input(trace.name_of(first))
+        if not shape:
+            return none, []
+        # The batch's copy names the shape for sure: each step carries it, as a run's steps do.
+        named = [shape] * n if read_from == "copy" else none
+        return named, [
+            f"Every profiled step trained one input shape ({shape}, read from {source})."
+        ]
     if len(groups) == n:
         return none, [
             "Every profiled step saw different input shapes: they are not grouped into "
@@ -89,10 +133,35 @@ def step_buckets(
     buckets = [labels[sig] for sig in signatures]
     listed = ", ".join(f"{b} ({buckets.count(b)} steps)" for b in dict.fromkeys(buckets))
     return buckets, [
-        f"The profiled steps have {len(groups)} input shapes ({listed}), read from the shapes "
-        "each step's forward ops saw (the denoiser's, when the trace names it): step time is "
-        "given per shape, and noise is judged within each one."
+        f"The profiled steps have {len(groups)} input shapes ({listed}), read from {source}: "
+        "step time is given per shape, and noise is judged within each one."
     ]
+
+
+def _under_loop_ranges(trace: ParsedTrace, structure: Structure) -> npt.NDArray[np.bool_]:
+    """Host ranges inside the DataLoader's, the optimizer's or a sampler's own ranges: their ops
+    handle indices and state, not the model's input."""
+    host = trace.host
+    ids = [i for i in np.unique(host.name).tolist() if _LOOP_RANGE.search(trace.names[i])]
+    under = np.isin(host.name, np.asarray(ids or [-1], dtype=np.int32))
+    if len(host):
+        for level in range(1, int(structure.depth.max()) + 1):
+            at_level = np.flatnonzero(structure.depth == level)
+            under[at_level] |= under[structure.parent[at_level]]
+    return under
+
+
+def _copies_to_device(trace: ParsedTrace, structure: Structure) -> npt.NDArray[np.bool_]:
+    """Host ranges whose ops launched a host→device copy (a batch's ``.to(device)``)."""
+    copies = np.zeros(len(trace.host), dtype=bool)
+    device = trace.device
+    ids = [i for i in np.unique(device.name).tolist() if trace.names[i].startswith("Memcpy HtoD")]
+    launched = (structure.device_op >= 0) & np.isin(
+        device.name, np.asarray(ids or [-1], dtype=np.int32)
+    )
+    roots = structure.root_op[structure.device_op[launched]]
+    copies[roots[roots >= 0]] = True
+    return copies
 
 
 def _carries_data(dims_text: str) -> bool:

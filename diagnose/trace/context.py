@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -16,6 +18,13 @@ from diagnose.trace.modules import ModuleScopes, module_scopes
 from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
+
+if TYPE_CHECKING:
+    from diagnose.trace.sync_reading import SyncReading
+
+#: Evidence key of a finding whose saving a rule already put on the unprofiled steps (it knew the
+#: unprofiled step): the record's scaling of trace savings to that step leaves it as it is.
+SAVING_ON_UNPROFILED_STEPS = "saving_on_unprofiled_steps"
 
 
 @dataclass
@@ -32,8 +41,13 @@ class TraceContext:
     phases: PhaseModel
     per_step: list[StepBreakdown]
     breakdown: Breakdown
+    #: The median step timed without the profiler, when the caller measured one (``diagnose
+    #: run``, ``diagnose profile``): rules then judge on the unprofiled basis.
+    unprofiled_step_seconds: float | None = None
     _inclusive: npt.NDArray[np.float64] | None = field(default=None, repr=False)
     _modules: ModuleScopes | None = field(default=None, repr=False)
+    _syncs: SyncReading | None = field(default=None, repr=False)
+    _launches: npt.NDArray[np.float64] | None = field(default=None, repr=False)
 
     @property
     def n_steps(self) -> int:
@@ -65,6 +79,49 @@ class TraceContext:
         if self._modules is None:
             self._modules = module_scopes(self.trace, self.structure)
         return self._modules
+
+    def launch_times(self) -> npt.NDArray[np.float64]:
+        """When each device activity of the analysed steps on the primary device was launched
+        (sorted, microseconds; activities whose launch is not in the trace are left out)."""
+        if self._launches is None:
+            device = self.trace.device
+            launched = (self.structure.device_runtime >= 0) & (
+                device.device == self.device.primary_device
+            )
+            times = self.structure.launch_ts[launched]
+            self._launches = np.sort(times[self.step_of(times) >= 0])
+        return self._launches
+
+    def profiler_us_per_launch(self) -> float:
+        """The profiler's host time per launch, (profiled - unprofiled step) / launches per step,
+        in µs; 0 when the unprofiled step is not known (trace-only) or not shorter."""
+        unprofiled = self.unprofiled_step_seconds
+        if unprofiled is None or not self.steps.steps:
+            return 0.0
+        profiled = statistics.median(s.wall_seconds for s in self.steps.steps)
+        per_step = self.launch_times().size / self.n_steps
+        if per_step <= 0 or profiled <= unprofiled:
+            return 0.0
+        return (profiled - unprofiled) / per_step * 1e6
+
+    @property
+    def step_seconds(self) -> float:
+        """The step a saving is a share of: the unprofiled median when known, else the profiled
+        steps' median."""
+        if self.unprofiled_step_seconds is not None:
+            return self.unprofiled_step_seconds
+        if not self.steps.steps:
+            return 0.0
+        return statistics.median(s.wall_seconds for s in self.steps.steps)
+
+    def sync_reading(self) -> SyncReading:
+        """The syncs of the whole step, placed and costed (diagnose.trace.sync_reading), read
+        once: the sync rule reports them, the launch rule leaves their time out."""
+        if self._syncs is None:
+            from diagnose.trace.sync_reading import read_syncs
+
+            self._syncs = read_syncs(self)
+        return self._syncs
 
     def inclusive_device_time(self) -> npt.NDArray[np.float64]:
         """Per host range: microseconds of device work launched by it or by its descendants."""

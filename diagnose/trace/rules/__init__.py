@@ -7,12 +7,17 @@ unexpected error becomes a "could not judge" line naming the rule.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from diagnose.record import ProbeResult
-from diagnose.trace.context import TraceContext
+
+if TYPE_CHECKING:
+    # Only for annotations: the catalogs import the formatting helpers below, and the trace
+    # engine the context is built from imports the catalogs.
+    from diagnose.trace.context import TraceContext
 
 #: A rule reads the trace and returns the same result type as a probe (named after the rule).
-Rule = Callable[[TraceContext], ProbeResult]
+Rule = Callable[["TraceContext"], ProbeResult]
 
 
 def _registry() -> list[tuple[str, Rule]]:
@@ -20,17 +25,17 @@ def _registry() -> list[tuple[str, Rule]]:
         attention,
         dataloader,
         launch,
-        optimizer,
         precision,
         quantization,
         roofline,
+        syncs,
     )
 
     return [
         ("dataloader", dataloader.check),
         ("precision", precision.check),
         ("attention", attention.check),
-        ("optimizer", optimizer.check),
+        ("syncs", syncs.check),
         ("launch", launch.check),
         ("quantization", quantization.check),
         ("roofline", roofline.check),

@@ -29,7 +29,7 @@ from diagnose.catalogs.compute_catalog import (
 from diagnose.record import Finding, ProbeResult
 from diagnose.trace import components
 from diagnose.trace.columns import KERNEL
-from diagnose.trace.context import TraceContext
+from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS, TraceContext
 from diagnose.trace.intervals import EMPTY, Intervals, subtract, union_of
 from diagnose.trace.modules import ModuleShare
 from diagnose.trace.rules import pct
@@ -45,25 +45,40 @@ def check(ctx: TraceContext) -> ProbeResult:
         return result
     n = ctx.n_steps
     host_gaps = _host_bound_gaps(ctx)
+    syncs = ctx.sync_reading()
+    # Idle the device owes to something named elsewhere: the next batch, a sync (the call and the
+    # drained queue after it), the allocator, a collective.
     explained = union_of(
-        [ctx.phases.host.get("data_wait", EMPTY), ctx.phases.host.get("sync", EMPTY)]
+        [
+            ctx.phases.host.get(phase, EMPTY)
+            for phase in ("data_wait", "sync", "allocator", "collective")
+        ]
+        + [syncs.windows]
     )
     waiting_all = subtract(host_gaps, explained) if len(explained) else host_gaps
+    # On the unprofiled basis each gap ends with one launch, which the profiler slowed.
+    overhead = ctx.profiler_us_per_launch()
     gaps: list[float] = []
     in_steps_gaps: list[Intervals] = []
     largest_at = 0.0
-    for step in ctx.steps.steps:
-        waiting = waiting_all.clip(step.start_us, step.end_us)
+    for window in ctx.steps.steps:
+        waiting = waiting_all.clip(window.start_us, window.end_us)
         in_steps_gaps.append(waiting)
-        lengths = (waiting.ends - waiting.starts).tolist()
+        lengths = np.maximum(waiting.ends - waiting.starts - overhead, 0.0).tolist()
         if lengths and max(lengths) > max(gaps, default=0.0):
             k = int(np.argmax(waiting.ends - waiting.starts))
             largest_at = float(waiting.starts[k] + waiting.ends[k]) / 2
         gaps.extend(lengths)
     gap_array = np.asarray(gaps, dtype=np.float64)
+    gap_array = gap_array[gap_array > 0]
     total = float(gap_array.sum()) / 1e6
-    wall = ctx.wall_seconds or 1.0
-    share = total / wall
+    step = ctx.step_seconds or 1.0
+    # Only the syncs' idle part is idle the device owes them: while the host blocks on a busy
+    # device, that time is already the device's busy time.
+    sync_idle = subtract(syncs.windows, ctx.busy).total / 1e6 / n if len(syncs.windows) else 0.0
+    ceiling = _ceiling(ctx, sync_idle)
+    wait = min(total / n, ceiling)
+    share = wait / step
     short = gap_array[gap_array < LONG_GAP_US]
     long = gap_array[gap_array >= LONG_GAP_US]
 
@@ -76,11 +91,11 @@ def check(ctx: TraceContext) -> ProbeResult:
     in_steps = (ctx.step_of(device.ts) >= 0) & (device.device == ctx.device.primary_device)
     kernels = np.flatnonzero(in_steps & (device.kind == KERNEL))
     durations = device.dur[kernels]
-    busy_share = sum(s.device_busy_seconds for s in ctx.steps.steps) / wall
+    busy = sum(s.device_busy_seconds for s in ctx.steps.steps) / n
     evidence: dict[str, Any] = {
-        "device_waiting_for_host_seconds_per_step": total / n,
+        "device_waiting_for_host_seconds_per_step": wait,
         "share_of_step": share,
-        "device_busy_share": busy_share,
+        "device_busy_share": busy / step,
         "short_gaps_per_step": short.size / n,
         "short_gap_seconds_per_step": float(short.sum()) / 1e6 / n,
         "median_short_gap_us": float(np.median(short)) if short.size else None,
@@ -92,19 +107,27 @@ def check(ctx: TraceContext) -> ProbeResult:
         "kernels_per_step": kernels.size / n,
         "median_kernel_us": float(np.median(durations)) if durations.size else None,
         "whole_trace_window": ctx.steps.whole_trace,
+        "launches_per_step": ctx.launch_times().size / n,
+        "profiler_us_per_launch_taken_out": overhead,
+        "ceiling_seconds_per_step": ceiling,
+        "step_seconds": step,
+        "step_basis": "unprofiled" if ctx.unprofiled_step_seconds is not None else "profiled",
     }
+    if ctx.unprofiled_step_seconds is not None:
+        evidence[SAVING_ON_UNPROFILED_STEPS] = True
     result.data = evidence
+    basis = "unprofiled step" if ctx.unprofiled_step_seconds is not None else "profiled step"
     if share < RAISE_SHARE:
         result.add_ok(
             FINDING_ID,
-            f"host overhead: the device is busy {pct(busy_share)} of step time and waits for the "
-            f"host (not for data or syncs) {pct(share)} of it",
+            f"host overhead: the device is busy {pct(busy / step)} of the {basis} and waits for "
+            f"the host (not for data or syncs) {pct(share)} of it",
         )
         return result
     shares = components.time_shares(ctx, union_of(in_steps_gaps))
     finding = launch_bound_finding(
         share=share,
-        wait_seconds=total / n,
+        wait_seconds=wait,
         launch_bound=float(short.sum()) >= float(long.sum()),
         short_gaps=short.size / n,
         short_seconds=float(short.sum()) / 1e6 / n,
@@ -117,11 +140,29 @@ def check(ctx: TraceContext) -> ProbeResult:
         largest_gap_activity=evidence["largest_gap_host_activity"],
         steps=len(ctx.steps.steps),
         whole_trace=ctx.steps.whole_trace,
+        launches_per_step=evidence["launches_per_step"],
+        profiler_us_per_launch=overhead,
+        unprofiled_known=ctx.unprofiled_step_seconds is not None,
+        capped=total / n > ceiling,
         evidence={**evidence, **components.evidence(ctx, shares)},
         source=f"trace:{RULE}",
     )
     result.add_finding(_with_components(ctx, finding, shares))
     return result
+
+
+def _ceiling(ctx: TraceContext, sync_idle: float) -> float:
+    """The most a fix of the host's pace can save per step: the step (unprofiled when known)
+    less the device's busy time and the idle time other causes explain (data wait, the idle the
+    syncs open, the allocator, collectives)."""
+    n = ctx.n_steps
+    busy = sum(s.device_busy_seconds for s in ctx.steps.steps) / n
+    attributed = sum(
+        b.device_idle.get(phase, 0.0)
+        for b in ctx.per_step
+        for phase in ("data_wait", "allocator", "communication")
+    )
+    return max(ctx.step_seconds - busy - attributed / n - sync_idle, 0.0)
 
 
 def _with_components(ctx: TraceContext, finding: Finding, shares: list[ModuleShare]) -> Finding:

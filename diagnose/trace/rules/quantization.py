@@ -116,6 +116,9 @@ def check(ctx: TraceContext) -> ProbeResult:
     saving = (float(cost[pure].sum()) + unnamed_pure) / 1e6 / n if pure or unnamed_pure else None
     calls = (len(outer) + unnamed_count) / n
     step = ctx.wall_seconds / n if ctx.wall_seconds else 0.0
+    # The host's own time in those ops: on a GPU the kernels are a part of a layer's cost, its
+    # host path (the calls, their launches) another, which a host-bound step pays in full.
+    host_seconds = float(ctx.trace.host.dur[outer].sum()) / 1e6 / n
     kinds = Counter(ops[i] for i in outer) + unnamed_kinds
     storage = {
         "4-bit": "4-bit (bitsandbytes NF4/FP4)",
@@ -132,6 +135,8 @@ def check(ctx: TraceContext) -> ProbeResult:
         "ops_per_step": {k: v / n for k, v in names.most_common(8)},
         "share_of_step": seconds / step if step else None,
         "measured_as": "device time of the ops' kernels" if ctx.has_device else "CPU time",
+        "host_seconds_per_step": host_seconds,
+        "host_share_of_step": host_seconds / step if step else None,
     }
     share = seconds / step if step else 0.0
     if share < catalog.MIN_SHARE:
