@@ -42,6 +42,7 @@ This package imports torch but not triton; the corpus modules import triton.
 
 from __future__ import annotations
 
+from diagnose.catalogs.triton_catalog import DEFAULT_SEED
 from diagnose.probes.triton_cases.api import (
     CheckEnv,
     Mode,
@@ -59,24 +60,27 @@ from diagnose.probes.triton_cases.check import (
     FAILING,
     TOLERANCES,
     VERDICTS,
-    CaseLoadError,
     CheckResult,
-    Comparison,
     Tolerance,
     Verdict,
-    compare,
-    load_cases,
 )
+from diagnose.probes.triton_cases.judge import OutputJudgement, judge_output
+from diagnose.probes.triton_cases.loading import CaseLoadError, load_cases
+from diagnose.probes.triton_cases.numerics import Bounded, Format, Numerics
 
 __all__ = [
+    "DEFAULT_SEED",
     "FAILING",
     "TOLERANCES",
     "VERDICTS",
+    "Bounded",
     "CaseLoadError",
     "CheckEnv",
     "CheckResult",
-    "Comparison",
+    "Format",
     "Mode",
+    "Numerics",
+    "OutputJudgement",
     "OutputSpec",
     "Shape",
     "Tensors",
@@ -84,8 +88,8 @@ __all__ = [
     "TritonCase",
     "Verdict",
     "cdiv",
-    "compare",
     "dtype_name",
+    "judge_output",
     "load_cases",
     "next_power_of_2",
     "random_tensor",

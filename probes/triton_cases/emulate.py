@@ -1,0 +1,180 @@
+"""A correct device emulated on the CPU: a case's reference run the way a GPU kernel would run it.
+
+:class:`EmulatedDevice` runs the same reference code as :class:`~.numerics.Numerics`, but each
+operation's result is rounded to fp32 as the kernel's would be, approximate functions are off by up
+to two ulps, reductions and dots accumulate in fp32 in a random order with a random block size
+(per-lane sequential sums then a tree, as ``acc += x`` loops and ``tl.sum`` do; dots block by block
+as tensor cores do), flash attention walks its keys in random-sized blocks with a running max, and
+casts a compiler may fuse away are kept or dropped at random. These are the ways correct kernels
+differ from one another; the judge's bounds must hold for all of them (the calibration benchmark
+and the tests check that they do on every corpus case, and that planted bugs fall far outside).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from diagnose.probes.triton_cases.api import CheckEnv, Shape, Tensors, TritonCase
+from diagnose.probes.triton_cases.numerics import (
+    FP32,
+    Bounded,
+    DotPrecision,
+    Error,
+    Format,
+    Numerics,
+    _cross_products,
+)
+
+#: The emulated approximate functions' error, in fp32 units (within the judge's allowance).
+EMULATED_APPROXIMATE_UNITS = 4.0
+BLOCK_SIZES = (16, 32, 64, 128)
+LANES = (1, 4, 16, 32, 128, 256)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32).to(torch.float64)
+
+
+def _fp32_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to fp32 toward zero, as tensor cores' accumulators add."""
+    single = x.to(torch.float32)
+    over = single.to(torch.float64).abs() > x.abs()
+    single = torch.where(over, torch.nextafter(single, torch.zeros_like(single)), single)
+    return single.to(torch.float64)
+
+
+class EmulatedDevice(Numerics):
+    """Numerics whose values are what one correct kernel, drawn at random, would compute."""
+
+    def __init__(self, env: CheckEnv, kind: str, generator: torch.Generator) -> None:
+        super().__init__(env, kind)
+        self.generator = generator
+        #: Where the hardware's rounding mode is not documented, this device picks one.
+        self.undocumented_rounding = "truncate" if self._coin() else "nearest-even"
+        #: Dots accumulate rounding to nearest, or toward zero as tensor cores do.
+        self.dot_add = _fp32_toward_zero if self._coin() else _fp32
+
+    def _coin(self) -> bool:
+        return bool(torch.randint(0, 2, (), generator=self.generator))
+
+    def _choice(self, options: tuple[int, ...], limit: int) -> int:
+        allowed = [o for o in options if o <= max(limit, options[0])]
+        return allowed[int(torch.randint(0, len(allowed), (), generator=self.generator))]
+
+    def _value(self, value: torch.Tensor, fmt: Format | None = FP32) -> Bounded:
+        return Bounded(value, Error.none(), fmt, self)
+
+    def _round_as_device(self, fmt: Format, x: torch.Tensor) -> torch.Tensor:
+        if not fmt.rounding_known:
+            fmt = Format(fmt.name, fmt.mantissa_bits, self.undocumented_rounding)  # type: ignore[arg-type]
+        return fmt.round(x)
+
+    # -- the hooks
+    def pointwise(self, value: torch.Tensor, error: Error, *, approximate: float = 0.0) -> Bounded:
+        if approximate:
+            unit = EMULATED_APPROXIMATE_UNITS * FP32.unit
+            noise = torch.rand(value.shape, generator=self.generator, dtype=torch.float64)
+            value = value * (1.0 + (2.0 * noise - 1.0) * unit)
+        return self._value(_fp32(value))
+
+    def reduce_sum(self, x: Bounded, dim: int) -> Bounded:
+        values = x.value.movedim(dim, -1)
+        n = values.shape[-1]
+        order = torch.randperm(n, generator=self.generator)
+        values = values[..., order]
+        lanes = self._choice(LANES, n)
+        padded = math.ceil(n / lanes) * lanes
+        values = torch.nn.functional.pad(values, (0, padded - n))
+        values = values.reshape(*values.shape[:-1], padded // lanes, lanes)
+        acc = torch.zeros((*values.shape[:-2], lanes), dtype=torch.float64)
+        for step in range(values.shape[-2]):
+            acc = _fp32(acc + values[..., step, :])
+        while acc.shape[-1] > 1:
+            half = acc.shape[-1] // 2
+            acc = _fp32(acc[..., :half] + acc[..., half:])
+        return self._value(acc.movedim(-1, dim))
+
+    def multiply(self, a: Bounded, b: Bounded, precision: DotPrecision) -> Bounded:
+        a_parts, b_parts = self._parts(a, precision), self._parts(b, precision)
+        k = a.shape[-1]
+        order = torch.randperm(k, generator=self.generator)
+        block = self._choice(BLOCK_SIZES, k)
+        acc: torch.Tensor | None = None
+        for start in range(0, k, block):
+            index = order[start : start + block]
+            partial = self.dot_add(
+                _cross_products(
+                    [p[..., index] for p in a_parts], [p[..., index, :] for p in b_parts]
+                )
+            )
+            acc = partial if acc is None else self.dot_add(acc + partial)
+        assert acc is not None
+        return self._value(acc)
+
+    def rounded(self, x: Bounded, fmt: Format, optional: bool) -> Bounded:
+        if optional and self._coin():
+            return self._value(x.value, x.fmt)
+        return self._value(self._round_as_device(fmt, x.value), fmt)
+
+    def softmax_dot(self, scores: Bounded, v: Bounded, p_format: Format) -> tuple[Bounded, Bounded]:
+        """Flash attention's loop: a running max and sum, the weights of each key block rounded
+        relative to the max so far, the accumulator rescaled whenever the max grows."""
+        s = scores.value
+        keys = s.shape[-1]
+        block = self._choice(BLOCK_SIZES, keys)
+        rows = s.shape[:-1]
+        m = torch.full((*rows, 1), -math.inf, dtype=torch.float64)
+        l_sum = torch.zeros((*rows, 1), dtype=torch.float64)
+        acc = torch.zeros((*rows, v.shape[-1]), dtype=torch.float64)
+        precision = self._precision(self._value(s, p_format))
+        for start in range(0, keys, block):
+            s_block = s[..., start : start + block]
+            m_new = torch.maximum(m, s_block.amax(-1, keepdim=True))
+            alpha = self.exp2(self._value(m - m_new)).value
+            p = self.exp2(self._value(s_block - m_new)).value
+            l_sum = _fp32(_fp32(l_sum * alpha) + self.reduce_sum(self._value(p), -1).value)
+            weights = self._value(self._round_as_device(p_format, p), p_format)
+            v_block = self._value(v.value[..., start : start + block, :], v.fmt)
+            acc = _fp32(_fp32(acc * alpha) + self.multiply(weights, v_block, precision).value)
+            m = m_new
+        out = self._value(_fp32(acc / l_sum))
+        log_sum = self._value(m) + self.log2(self._value(l_sum))
+        return out, log_sum
+
+    def _parts(self, x: Bounded, precision: DotPrecision) -> list[torch.Tensor]:
+        fmt = precision.operand
+        if fmt is None:
+            return [x.value]
+        first = self._round_as_device(fmt, x.value)
+        parts, left = [first], x.value - first
+        for _ in range(precision.pieces - 1):
+            piece = self._round_as_device(precision.piece_format or fmt, left)
+            parts.append(piece)
+            left = left - piece
+        return parts
+
+
+def emulated_outputs(
+    case: TritonCase,
+    shape: Shape,
+    dtype: torch.dtype,
+    inputs: Tensors,
+    env: CheckEnv,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """What one correct kernel, drawn with ``generator``, would return for ``inputs``: the case's
+    reference run on an :class:`EmulatedDevice`, stored in the outputs' dtypes."""
+    from diagnose.probes.triton_cases.check import reference_of
+
+    device = EmulatedDevice(env, case.kind, generator)
+    values, _ = reference_of(case, inputs, dtype, env, device)
+    specs = case.outputs_for(shape, dtype) if case.outputs_for else {}
+    out_dtypes = {name: spec.dtype or dtype for name, spec in specs.items()}
+    return {
+        name: value.value.to(
+            out_dtypes.get(name, dtype) if value.fmt is not None else value.value.dtype
+        )
+        for name, value in values.items()
+    }
