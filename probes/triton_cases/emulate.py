@@ -17,6 +17,7 @@ import math
 import torch
 
 from diagnose.probes.triton_cases.api import CheckEnv, Shape, Tensors, TritonCase
+from diagnose.probes.triton_cases.judge import OutputJudgement, judge_output
 from diagnose.probes.triton_cases.numerics import (
     FP32,
     Bounded,
@@ -30,7 +31,9 @@ from diagnose.probes.triton_cases.numerics import (
 #: The emulated approximate functions' error, in fp32 units (within the judge's allowance).
 EMULATED_APPROXIMATE_UNITS = 4.0
 BLOCK_SIZES = (16, 32, 64, 128)
-LANES = (1, 4, 16, 32, 128, 256)
+LANES = (1, 4, 16, 32, 128, 256, 1024)
+#: The most values one lane adds up in sequence (a kernel's loop over its row in blocks).
+MAX_SEQUENTIAL = 256
 
 
 def _fp32(x: torch.Tensor) -> torch.Tensor:
@@ -59,8 +62,8 @@ class EmulatedDevice(Numerics):
     def _coin(self) -> bool:
         return bool(torch.randint(0, 2, (), generator=self.generator))
 
-    def _choice(self, options: tuple[int, ...], limit: int) -> int:
-        allowed = [o for o in options if o <= max(limit, options[0])]
+    def _choice(self, options: tuple[int, ...], limit: int, least: int = 1) -> int:
+        allowed = [o for o in options if least <= o <= max(limit, options[0])] or [options[-1]]
         return allowed[int(torch.randint(0, len(allowed), (), generator=self.generator))]
 
     def _value(self, value: torch.Tensor, fmt: Format | None = FP32) -> Bounded:
@@ -84,7 +87,7 @@ class EmulatedDevice(Numerics):
         n = values.shape[-1]
         order = torch.randperm(n, generator=self.generator)
         values = values[..., order]
-        lanes = self._choice(LANES, n)
+        lanes = self._choice(LANES, n, least=math.ceil(n / MAX_SEQUENTIAL))
         padded = math.ceil(n / lanes) * lanes
         values = torch.nn.functional.pad(values, (0, padded - n))
         values = values.reshape(*values.shape[:-1], padded // lanes, lanes)
@@ -173,8 +176,22 @@ def emulated_outputs(
     specs = case.outputs_for(shape, dtype) if case.outputs_for else {}
     out_dtypes = {name: spec.dtype or dtype for name, spec in specs.items()}
     return {
-        name: value.value.to(
-            out_dtypes.get(name, dtype) if value.fmt is not None else value.value.dtype
-        )
+        name: value.value.to(out_dtypes.get(name, dtype)) if value.fmt is not None else value.value
         for name, value in values.items()
     }
+
+
+def judge_emulated(
+    case: TritonCase, shape: Shape, dtype: torch.dtype, env: CheckEnv, run_seed: int
+) -> list[OutputJudgement]:
+    """Every output of one check of ``case`` (the inputs of ``run_seed``, as the harness draws
+    them) computed by an emulated correct device and judged against the reference."""
+    from diagnose.probes.triton_cases.check import check_seed, reference_of
+
+    seed = check_seed(run_seed, case.name, shape, dtype)
+    inputs = case.make_inputs(shape, dtype, torch.Generator().manual_seed(seed))
+    expected, _ = reference_of(case, inputs, dtype, env)
+    # Another stream than the inputs': which correct kernel this is.
+    device = torch.Generator().manual_seed(seed ^ 0x5DEECE66D)
+    got = emulated_outputs(case, shape, dtype, inputs, env, device)
+    return [judge_output(name, got[name], want) for name, want in expected.items()]

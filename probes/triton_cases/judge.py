@@ -58,6 +58,21 @@ class OutputJudgement:
     detail: str = ""
 
 
+def element_bounds(out_dtype: torch.dtype, want: Bounded | torch.Tensor) -> torch.Tensor:
+    """Each element's bound for an output stored as ``out_dtype``: the reference's own, plus one
+    ulp of the output's format for the store (twice what the rounding can cost, so a rounding
+    alone never comes near the bound); zero for integers."""
+    value = want.value if isinstance(want, Bounded) else want.detach().cpu()
+    out_format = format_of(out_dtype)
+    if out_format is None or not value.is_floating_point():
+        return torch.zeros(value.shape, dtype=torch.float64)
+    want64 = value.to(torch.float64)
+    err = want.err if isinstance(want, Bounded) else torch.zeros((), dtype=torch.float64)
+    err = err.expand(want64.shape) if err.dim() else err
+    bound = err + out_format.ulp * (want64.abs() + err) + out_format.min_spacing
+    return torch.as_tensor(bound, dtype=torch.float64).expand(want64.shape)
+
+
 def judge_output(
     name: str, got: torch.Tensor, want: Bounded | torch.Tensor, outside_writes: int = 0
 ) -> OutputJudgement:
@@ -73,24 +88,15 @@ def judge_output(
             pattern="shape",
             detail=f"output shape {tuple(got.shape)} != expected {tuple(value.shape)}",
         )
-    out_format = format_of(got.dtype)
-    if out_format is None or not value.is_floating_point():
-        actual = got.detach().cpu()
-        bound = torch.zeros(value.shape, dtype=torch.float64)
-        diff = (actual.to(torch.float64) - value.to(torch.float64)).abs()
+    bound = element_bounds(got.dtype, want)
+    got64 = got.detach().to("cpu", torch.float64)
+    want64 = value.to(torch.float64)
+    diff = (got64 - want64).abs()
+    if format_of(got.dtype) is None or not value.is_floating_point():
+        # Integers and booleans: exact.
         ratio = torch.where(diff > 0, math.inf, 0.0)
         nonfinite = torch.zeros(value.shape, dtype=torch.bool)
-        got64, want64 = actual.to(torch.float64), value.to(torch.float64)
     else:
-        got64 = got.detach().to("cpu", torch.float64)
-        want64 = value.to(torch.float64)
-        err = want.err if isinstance(want, Bounded) else torch.zeros(())
-        err = err.expand(want64.shape) if err.dim() else err
-        # The kernel stores its fp32 result in the output's format: one more rounding, allowed
-        # one ulp (twice its worst case, so a rounding alone never comes near the bound).
-        bound = err + out_format.ulp * (want64.abs() + err) + out_format.min_spacing
-        bound = torch.as_tensor(bound, dtype=torch.float64).expand(want64.shape)
-        diff = (got64 - want64).abs()
         nonfinite = ~torch.isfinite(got64) & torch.isfinite(want64)
         ratio = torch.where(nonfinite, math.inf, diff / bound)
         ratio = torch.nan_to_num(ratio, nan=math.inf, posinf=math.inf)

@@ -219,6 +219,19 @@ def _nonzero(t: torch.Tensor) -> bool:
     return bool((t != 0).any())
 
 
+def _none(t: torch.Tensor) -> bool:
+    """A part that is known to be zero without looking at every element (kept 0-dim)."""
+    return t.dim() == 0 and float(t) == 0.0
+
+
+def _plus(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return b if _none(a) else a if _none(b) else a + b
+
+
+def _times(t: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
+    return t if _none(t) else t * factor
+
+
 @dataclass(frozen=True)
 class Error:
     """How far a correct kernel's value may be from the reference, per element.
@@ -250,25 +263,33 @@ class Error:
 
     @property
     def exact(self) -> bool:
-        return not _nonzero(self.worst)
+        return _none(self.worst) or not _nonzero(self.worst)
 
     def _parts(self) -> tuple[torch.Tensor, ...]:
         return (self.worst, self.fresh, self.mixed, self.var)
 
     def __add__(self, other: Error) -> Error:
-        return Error(*(a + b for a, b in zip(self._parts(), other._parts(), strict=True)))
+        return Error(*(_plus(a, b) for a, b in zip(self._parts(), other._parts(), strict=True)))
 
     def scaled(self, factor: torch.Tensor | float) -> Error:
         """The error of ``factor·x`` (to first order)."""
+        if self.exact:
+            return self
         size = abs(factor) if isinstance(factor, float) else factor.abs()
-        return Error(self.worst * size, self.fresh * size, self.mixed * size, self.var * size**2)
+        square = size**2 if not _none(self.var) else size
+        return Error(
+            _times(self.worst, size),
+            _times(self.fresh, size),
+            _times(self.mixed, size),
+            _times(self.var, square),
+        )
 
     def plus_worst(self, extra: torch.Tensor | float) -> Error:
-        return Error(self.worst + extra, self.fresh, self.mixed, self.var)
+        return Error(_plus(self.worst, torch.as_tensor(extra)), self.fresh, self.mixed, self.var)
 
     def plus_noise(self, extra: torch.Tensor) -> Error:
         """The element's own independent error of up to ``extra``."""
-        return Error(self.worst + extra, self.fresh + extra, self.mixed, self.var)
+        return Error(_plus(self.worst, extra), _plus(self.fresh, extra), self.mixed, self.var)
 
     def shared(self) -> Error:
         """The same error, no longer independent between the elements it will be spread over."""
@@ -277,11 +298,14 @@ class Error:
     def added_up(self, total: Callable[[torch.Tensor, bool], torch.Tensor]) -> Error:
         """The error of a sum of such elements: ``total(part, squared)`` adds a part up over the
         terms (weighted by |w|, or by w² for variances). The noise becomes mixed."""
+        if self.exact:
+            return self
         worst = total(self.worst, False)
-        if not (_nonzero(self.fresh) or _nonzero(self.mixed)):
+        noise = _plus(self.fresh, self.mixed)
+        if _none(noise):
             return Error(worst, _zero(), _zero(), _zero())
-        mixed = total(self.fresh + self.mixed, False)
-        var = total(self.fresh.square() / 3 + self.var, True)
+        mixed = total(noise, False)
+        var = total(_plus(self.fresh.square() / 3, self.var), True)
         return Error(worst, _zero(), mixed, var)
 
     def moved(self, op: str, like: torch.Tensor, *args: object) -> Error:
@@ -302,7 +326,7 @@ class Error:
 
     def bound(self) -> torch.Tensor:
         """The bound: the worst case, with the mixed noise capped at its statistical bound."""
-        if not _nonzero(self.mixed):
+        if _none(self.mixed):
             return self.worst
         capped = torch.minimum(self.mixed, NOISE_SIGMAS * self.var.sqrt())
         return self.worst - self.mixed + capped
