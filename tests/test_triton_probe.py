@@ -442,6 +442,31 @@ def test_correct_twins_pass(capsys: pytest.CaptureFixture[str]) -> None:
     assert "21 checks: 21 pass" in printed and "seeds 1–3" in printed
 
 
+@pytest.mark.slow
+def test_the_corpus_gives_the_same_verdicts_on_every_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No seed asked for: the fixed default, so two runs print the same bytes (but the time)."""
+    printed, verdicts = [], []
+    for run in ("first", "second"):
+        out = tmp_path / f"{run}.json"
+        assert _cli(["triton", "--json", str(out)]) == ExitCode.OK
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[-1].endswith(" s)")  # the one line that may differ: how long it took
+        printed.append("\n".join(lines[:-1]))
+        document = json.loads(out.read_text())
+        assert document["seeds"] == [DEFAULT_SEED]
+        verdicts.append(
+            [
+                (c["case"], c["shape"], c["dtype"], c["verdict"], c["worst_ratio"])
+                for c in document["checks"]
+            ]
+        )
+    assert printed[0] == printed[1]
+    assert verdicts[0] == verdicts[1]
+    assert f"seed {DEFAULT_SEED}" in printed[0]
+
+
 def test_a_crash_and_a_compile_error_cost_only_their_own_checks(tmp_path: Path) -> None:
     out = tmp_path / "verdicts.json"
     code = _cli(
