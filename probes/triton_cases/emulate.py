@@ -25,6 +25,7 @@ from diagnose.probes.triton_cases.numerics import (
     Error,
     Format,
     Numerics,
+    _blocked,
     _cross_products,
 )
 
@@ -82,11 +83,25 @@ class EmulatedDevice(Numerics):
             value = value * (1.0 + (2.0 * noise - 1.0) * unit)
         return self._value(_fp32(value))
 
-    def reduce_sum(self, x: Bounded, dim: int) -> Bounded:
+    def reduce_sum(self, x: Bounded, dim: int, block: int | None = None) -> Bounded:
         values = x.value.movedim(dim, -1)
         n = values.shape[-1]
         order = torch.randperm(n, generator=self.generator)
         values = values[..., order]
+        if block is not None and block < n:
+            # Each block summed on its own (a tile), then the sums added one by one in a random
+            # order, as atomics land.
+            sums = self._lanes_then_tree(_blocked(values, block))
+            total = torch.zeros(sums.shape[:-1], dtype=torch.float64)
+            for index in torch.randperm(sums.shape[-1], generator=self.generator).tolist():
+                total = _fp32(total + sums[..., index])
+            return self._value(total.unsqueeze(-1).movedim(-1, dim))
+        return self._value(self._lanes_then_tree(values).unsqueeze(-1).movedim(-1, dim))
+
+    def _lanes_then_tree(self, values: torch.Tensor) -> torch.Tensor:
+        """Sums of the last dim: lanes that each add their share in sequence, then a tree over
+        the lanes (as ``acc += x`` loops and ``tl.sum`` do)."""
+        n = values.shape[-1]
         lanes = self._choice(LANES, n, least=math.ceil(n / MAX_SEQUENTIAL))
         padded = math.ceil(n / lanes) * lanes
         values = torch.nn.functional.pad(values, (0, padded - n))
@@ -97,7 +112,7 @@ class EmulatedDevice(Numerics):
         while acc.shape[-1] > 1:
             half = acc.shape[-1] // 2
             acc = _fp32(acc[..., :half] + acc[..., half:])
-        return self._value(acc.movedim(-1, dim))
+        return acc[..., 0]
 
     def multiply(self, a: Bounded, b: Bounded, precision: DotPrecision) -> Bounded:
         a_parts, b_parts = self._parts(a, precision), self._parts(b, precision)

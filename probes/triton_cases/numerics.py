@@ -263,7 +263,8 @@ class Error:
 
     @property
     def exact(self) -> bool:
-        return _none(self.worst) or not _nonzero(self.worst)
+        # Exact values keep a 0-dim zero: no operation turns it into a tensor of zeros.
+        return _none(self.worst)
 
     def _parts(self) -> tuple[torch.Tensor, ...]:
         return (self.worst, self.fresh, self.mixed, self.var)
@@ -452,7 +453,9 @@ class Bounded:
         b = self.num.lift(other)
         value = self.value * b.value
         error = self.spread(value.shape).scaled(b.value) + b.spread(value.shape).scaled(self.value)
-        return self.num.pointwise(value, error.plus_worst(self.error.worst * b.error.worst))
+        if not (self.exact or b.exact):
+            error = error.plus_worst(self.error.worst * b.error.worst)  # second order
+        return self.num.pointwise(value, error)
 
     __rmul__ = __mul__
 
@@ -521,13 +524,33 @@ class Numerics:
         own = (ROUNDING_ALLOWANCE + approximate * unit) * value.abs() + self.compute.min_spacing
         return Bounded(value, error.plus_noise(own), self.compute, self)
 
-    def reduce_sum(self, x: Bounded, dim: int) -> Bounded:
+    def reduce_sum(self, x: Bounded, dim: int, block: int | None = None) -> Bounded:
         n = x.shape[dim]
         value = x.value.sum(dim, keepdim=True)
-        magnitude = x.value.abs().sum(dim, keepdim=True)
-        l2 = x.value.square().sum(dim, keepdim=True).sqrt()
         error = x.error.added_up(_summed(x.value, dim))
-        own = accumulation_error(n, ROUNDING_ALLOWANCE, magnitude, value, l2)
+        if block is None or block >= n:
+            magnitude = x.value.abs().sum(dim, keepdim=True)
+            l2 = x.value.square().sum(dim, keepdim=True).sqrt()
+            own = accumulation_error(n, ROUNDING_ALLOWANCE, magnitude, value, l2)
+        else:
+            # Each block's sum, then the sum of the block sums.
+            blocks = _blocked(x.value.movedim(dim, -1), block)
+            sums = blocks.sum(-1)
+            within = accumulation_error(
+                block,
+                ROUNDING_ALLOWANCE,
+                blocks.abs().sum(-1),
+                sums,
+                blocks.square().sum(-1).sqrt(),
+            ).sum(-1, keepdim=True)
+            across = accumulation_error(
+                sums.shape[-1],
+                ROUNDING_ALLOWANCE,
+                sums.abs().sum(-1, keepdim=True),
+                sums.sum(-1, keepdim=True),
+                sums.square().sum(-1, keepdim=True).sqrt(),
+            )
+            own = (within + across).movedim(-1, dim)
         return Bounded(value, error.plus_noise(own + self.compute.min_spacing), self.compute, self)
 
     def multiply(self, a: Bounded, b: Bounded, precision: DotPrecision) -> Bounded:
@@ -541,8 +564,9 @@ class Numerics:
         l2 = (a_abs.square() @ b_abs.square()).sqrt()
         k = a.shape[-1] * len(a_parts)
         own = accumulation_error(k, ROUNDING_ALLOWANCE, magnitude, value, l2)
-        own = own + precision.residual * magnitude + self.compute.min_spacing
-        error = Error.none().plus_noise(own)
+        if precision.residual:
+            own = own + precision.residual * magnitude
+        error = Error.none().plus_noise(own + self.compute.min_spacing)
         if not a_error.exact:
             error = error + _through(a_error, a.value, b_abs, b_abs.square(), left=True)
         if not b_error.exact:
@@ -572,7 +596,8 @@ class Numerics:
         # the rounding's one-unit allowance above already covers.
         blocks = math.ceil(scores.shape[-1] / MIN_KEY_BLOCK)
         rescale = gamma(blocks, (APPROXIMATE_UNITS + 2) * self.compute.unit)
-        spread = (weights.value.abs() @ v.value.abs()) / l_sum.value
+        # Σ p·|v| / Σ p is at most the largest |v| of the column.
+        spread = v.value.abs().amax(-2, keepdim=True)
         out = Bounded(out.value, out.error.plus_worst(rescale * spread), out.fmt, self)
         l_sum = Bounded(l_sum.value, l_sum.error.plus_worst(rescale * l_sum.value), l_sum.fmt, self)
         log_sum = m + self.log2(l_sum)
@@ -638,9 +663,11 @@ class Numerics:
         kernel finds, the error it carries is not the result's: it is taken as exact."""
         return Bounded(x.value.amax(dim, keepdim=True), Error.none(), x.fmt, self)
 
-    def sum(self, x: Bounded, dim: int) -> Bounded:
-        """The sum along ``dim`` (kept), in any order and blocking."""
-        return self.reduce_sum(x, dim)
+    def sum(self, x: Bounded, dim: int, *, block: int | None = None) -> Bounded:
+        """The sum along ``dim`` (kept), in any order and blocking. ``block``: the kernel sums
+        blocks of that many elements first (a tile) and then adds the blocks' sums in any order
+        (``tl.atomic_add`` across programs): far fewer additions at the total's own size."""
+        return self.reduce_sum(x, dim, block)
 
     def mean(self, x: Bounded, dim: int) -> Bounded:
         return self.sum(x, dim) / float(x.shape[dim])
@@ -731,6 +758,14 @@ class Numerics:
             # Truncated or rounded: up to one ulp apart, the same way for every element.
             error = error.plus_worst(fmt.ulp * first.abs())
         return parts, error
+
+
+def _blocked(values: torch.Tensor, block: int) -> torch.Tensor:
+    """The last dim cut into blocks of ``block`` (zero-padded): shape (..., blocks, block)."""
+    n = values.shape[-1]
+    count = math.ceil(n / block)
+    padded = torch.nn.functional.pad(values, (0, count * block - n))
+    return padded.reshape(*values.shape[:-1], count, block)
 
 
 def _total_abs(parts: Sequence[torch.Tensor]) -> torch.Tensor:
