@@ -26,12 +26,11 @@ from diagnose.probes.triton_cases import CheckResult, TritonCase, load_cases
 from diagnose.probes.triton_cases.check import (
     DEFAULT_SEED,
     check_seed,
-    classify_exception,
     inductor_cpu_unavailable,
-    is_fatal_device_error,
     plan_checks,
     run_seeds,
 )
+from diagnose.probes.triton_cases.failures import classify_exception, is_fatal_device_error
 from diagnose.probes.triton_cases.loading import CaseLoadError
 from diagnose.probes.triton_cases.runner import SuiteResult, verdict_table
 from diagnose.probes.triton_probe import (

@@ -73,9 +73,10 @@ from diagnose.probes.triton_cases.check import (
     Tolerance,
     Verdict,
 )
+from diagnose.probes.triton_cases.formats import Format
 from diagnose.probes.triton_cases.judge import OutputJudgement, judge_output
 from diagnose.probes.triton_cases.loading import CaseLoadError, load_cases
-from diagnose.probes.triton_cases.numerics import Bounded, Format, Numerics
+from diagnose.probes.triton_cases.numerics import Bounded, Numerics
 
 __all__ = [
     "DEFAULT_SEED",

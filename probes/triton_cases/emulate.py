@@ -17,17 +17,10 @@ import math
 import torch
 
 from diagnose.probes.triton_cases.api import CheckEnv, Shape, Tensors, TritonCase
+from diagnose.probes.triton_cases.bounds import Error, in_blocks
+from diagnose.probes.triton_cases.formats import FP32, DotPrecision, Format
 from diagnose.probes.triton_cases.judge import OutputJudgement, judge_output
-from diagnose.probes.triton_cases.numerics import (
-    FP32,
-    Bounded,
-    DotPrecision,
-    Error,
-    Format,
-    Numerics,
-    _blocked,
-    _cross_products,
-)
+from diagnose.probes.triton_cases.numerics import Bounded, Numerics, cross_products
 
 #: The emulated approximate functions' error, in fp32 units (within the judge's allowance).
 EMULATED_APPROXIMATE_UNITS = 4.0
@@ -91,7 +84,7 @@ class EmulatedDevice(Numerics):
         if block is not None and block < n:
             # Each block summed on its own (a tile), then the sums added one by one in a random
             # order, as atomics land.
-            sums = self._lanes_then_tree(_blocked(values, block))
+            sums = self._lanes_then_tree(in_blocks(values, block))
             total = torch.zeros(sums.shape[:-1], dtype=torch.float64)
             for index in torch.randperm(sums.shape[-1], generator=self.generator).tolist():
                 total = _fp32(total + sums[..., index])
@@ -123,7 +116,7 @@ class EmulatedDevice(Numerics):
         for start in range(0, k, block):
             index = order[start : start + block]
             partial = self.dot_add(
-                _cross_products(
+                cross_products(
                     [p[..., index] for p in a_parts], [p[..., index, :] for p in b_parts]
                 )
             )

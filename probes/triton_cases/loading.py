@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from diagnose.probes.triton_cases.api import TritonCase
-from diagnose.probes.triton_cases.check import first_line
+from diagnose.probes.triton_cases.failures import first_line
 
 
 class CaseLoadError(Exception):

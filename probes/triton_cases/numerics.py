@@ -4,15 +4,11 @@ it a correct kernel may land.
 A case's reference is written with the operations of :class:`Numerics` (``num.dot``,
 ``num.round``, ``num.sum``, ``num.exp2``...), and that is how it declares where its kernel rounds:
 a ``dot`` rounds its fp32 operands to the precision the kernel's ``tl.dot`` uses on this backend
-(TF32 truncated on NVIDIA tensor cores, xf32 on MI300, fp32 in the interpreter), fp16 / bf16 / fp8
-operands are taken as stored, and ``round`` rounds an intermediate the kernel casts (the softmax
-weights before the second dot of attention) the same way. Each value carries, beside its float64
-value, a componentwise bound on the error a correct kernel can add to it (first-order, worst
-case): fp32 rounding of every operation, reductions bounded by γ(n) = n·u/(1 − n·u) against the sum
-of the absolute terms (|A|·|B| for a dot, not the result), approximate exp2/log2/rsqrt within
-:data:`APPROXIMATE_UNITS` units, and one unit in the last place wherever the kernel may round at
-another point than the reference (an intermediate whose own value is uncertain, a cast a compiler
-may fuse away). What is left between a correct kernel and the reference is accumulation order.
+(:mod:`~.formats`: TF32 truncated on NVIDIA tensor cores, xf32 on MI300, fp32 in the interpreter),
+fp16 / bf16 / fp8 operands are taken as stored, and ``round`` rounds an intermediate the kernel
+casts (the softmax weights before the second dot of attention) the same way. Each value carries,
+beside its float64 value, how far a correct kernel's may be from it (:mod:`~.bounds`). What is
+left between a correct kernel and the reference is the order of its roundings.
 
 :mod:`diagnose.probes.triton_cases.emulate` runs the same references as a device would (fp32
 arithmetic in random orders and block sizes): that is how the bounds are calibrated.
@@ -21,343 +17,32 @@ arithmetic in random orders and block sizes): that is how the bounds are calibra
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 
 from diagnose.probes.triton_cases.api import CheckEnv
-
-Rounding = Literal["nearest-even", "nearest-away", "truncate"]
-
-
-@dataclass(frozen=True)
-class Format:
-    """A floating-point format a kernel holds or multiplies values in."""
-
-    name: str
-    #: Explicit mantissa bits: fp32 23, tf32 10, fp16 10, bf16 7.
-    mantissa_bits: int
-    rounding: Rounding = "nearest-even"
-    #: The absolute error floor of a rounding into it: fp16's subnormal spacing, the smallest
-    #: normal fp32 (GPUs flush fp32 subnormals to zero).
-    min_spacing: float = 0.0
-    #: The torch dtype that holds it; None for tf32 / xf32 (fp32 bits with the low ones dropped).
-    storage: torch.dtype | None = None
-    #: False where the hardware's rounding mode is not documented: the reference rounds to
-    #: nearest and the bound allows one unit in the last place for the difference.
-    rounding_known: bool = True
-
-    @property
-    def ulp(self) -> float:
-        """The spacing of values in [1, 2)."""
-        return 2.0**-self.mantissa_bits
-
-    @property
-    def unit(self) -> float:
-        """The largest relative error of one rounding into this format."""
-        return self.ulp if self.rounding == "truncate" else self.ulp / 2
-
-    def round(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (float64) rounded into this format, returned as float64."""
-        if self.storage is torch.float64:
-            return x
-        # Device values reach a narrower format from fp32, so round through fp32 first.
-        single = x.to(torch.float32)
-        if self.storage is not None:
-            return single.to(self.storage).to(torch.float64)
-        dropped = 23 - self.mantissa_bits
-        bits = single.view(torch.int32)
-        half = 1 << (dropped - 1)
-        # IEEE floats are sign and magnitude: adding to the bit pattern rounds the magnitude.
-        if self.rounding == "nearest-away":
-            bits = bits + half
-        elif self.rounding == "nearest-even":
-            bits = bits + (half - 1) + ((bits >> dropped) & 1)
-        bits = bits & ~((1 << dropped) - 1)
-        return bits.view(torch.float32).to(torch.float64)
-
-
-FP64 = Format("fp64", 52, storage=torch.float64)
-FP32 = Format("fp32", 23, min_spacing=2.0**-126, storage=torch.float32)
-#: NVIDIA tensor cores read fp32 operands as TF32 by ignoring the 13 low mantissa bits (Triton's
-#: tl.dot documents that its "tf32" inputs "may be truncated ... without rounding"; the H200's
-#: recorded errors match truncation, not rounding).
-TF32 = Format("tf32", 10, "truncate", 2.0**-126)
-#: ``cvt.rna.tf32.f32``: Triton's tf32x3 splits its operands with it.
-TF32_RNA = Format("tf32 (rounded)", 10, "nearest-away", 2.0**-126)
-#: MI300's xf32 (and cuBLAS's TF32): 10 bits, rounding mode not documented.
-XF32 = Format("xf32", 10, "nearest-even", 2.0**-126, rounding_known=False)
-FP16 = Format("fp16", 10, min_spacing=2.0**-24, storage=torch.float16)
-BF16 = Format("bf16", 7, min_spacing=2.0**-133, storage=torch.bfloat16)
-FP8E4M3 = Format("fp8e4m3", 3, min_spacing=2.0**-9, storage=torch.float8_e4m3fn)
-FP8E5M2 = Format("fp8e5m2", 2, min_spacing=2.0**-16, storage=torch.float8_e5m2)
-
-_BY_DTYPE = {
-    torch.float64: FP64,
-    torch.float32: FP32,
-    torch.float16: FP16,
-    torch.bfloat16: BF16,
-    torch.float8_e4m3fn: FP8E4M3,
-    torch.float8_e5m2: FP8E5M2,
-}
-
-
-def format_of(dtype: torch.dtype) -> Format | None:
-    """The format of a floating dtype (None for integers and booleans)."""
-    return _BY_DTYPE.get(dtype)
-
-
-#: Every rounding a kernel does is allowed one ulp of its result, twice what rounding to nearest
-#: can cost: that covers additions that truncate (tensor cores' accumulators, some atomics), fused
-#: multiply-adds that round once where the reference's model rounds twice, and leaves room below
-#: the bound for a correct kernel.
-ROUNDING_ALLOWANCE = FP32.ulp
-#: How many units of fp32 the GPU's approximate exp2 / log2 / rsqrt / division and libdevice's erf
-#: may be off by: their documented worst cases are about 2 ulps (4 units); twice that.
-APPROXIMATE_UNITS = 8.0
-#: The fewest keys a flash-attention block holds (tl.dot's smallest size): bounds how many times
-#: the online softmax rescales its running sums.
-MIN_KEY_BLOCK = 16
-
-
-#: How far a running sum may wander from its drift, in multiples of its random walk's mean path.
-WALK_ALLOWANCE = 4.0
-
-
-def gamma(n: int, unit: float) -> float:
-    """γ(n) = n·u/(1 − n·u): the relative bound of a sum of n terms in any order."""
-    nu = n * unit
-    return nu / (1.0 - nu) if nu < 1.0 else math.inf
-
-
-def accumulation_error(
-    n: int, unit: float, absolute: torch.Tensor, total: torch.Tensor, l2: torch.Tensor
-) -> torch.Tensor:
-    """A bound on the rounding error of adding n terms x_k in a kernel's order and blocking.
-
-    Each addition loses at most ``unit`` of the running sum s_k, so the error is at most
-    unit·Σ|s_k|. In the worst case that is γ(n)·Σ|x| (``absolute``); a kernel adds its terms in
-    index order, where the running sum follows its drift k/n·Σx (``total``) plus a random walk
-    whose mean size after k terms is √(k/n)·‖x‖₂ (``l2``): Σ|s_k| ≤ n/2·|Σx| + (2/3)·n·‖x‖₂
-    on average, allowed :data:`WALK_ALLOWANCE` times. The smaller of the two bounds.
-    """
-    worst = gamma(n, unit) * absolute
-    walk = unit * (0.5 * n * total.abs() + WALK_ALLOWANCE * (2.0 / 3.0) * n * l2)
-    return torch.minimum(worst, walk)
-
-
-# --- what a dot multiplies ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DotPrecision:
-    """What a dot does to its operands on one backend."""
-
-    #: The format fp32 operands are rounded to (None: taken as stored).
-    operand: Format | None
-    #: Precision recovered by splitting each operand into pieces (Triton's tf32x3, bf16x3, bf16x6).
-    pieces: int = 1
-    #: The format the pieces after the first are rounded to.
-    piece_format: Format | None = None
-    #: Relative error the splitting leaves (the dropped cross products, the pieces' rounding).
-    residual: float = 0.0
-    label: str = "as stored"
-
-
-def _triton_fp32_precision(env: CheckEnv, requested: str | None) -> DotPrecision:
-    if env.mode == "interpreter":
-        # The interpreter multiplies in numpy's float32 whatever input_precision asks for.
-        return DotPrecision(FP32, label="fp32 (Triton's interpreter)")
-    precision = (requested or os.environ.get("TRITON_F32_DEFAULT") or "").lower()
-    sm = env.arch.removeprefix("sm_")
-    tensor_cores = env.backend == "cuda" and not (sm.isdigit() and int(sm) < 80)
-    if env.backend == "hip":
-        tensor_cores = env.arch == "gfx942"
-    if not precision:
-        precision = "tf32" if tensor_cores else "ieee"
-    if precision == "ieee" or not tensor_cores:
-        return DotPrecision(FP32, label="fp32 (ieee)")
-    if precision == "tf32":
-        if env.backend == "hip":
-            return DotPrecision(XF32, label="xf32 (MI300; rounding mode not documented)")
-        return DotPrecision(TF32, label="tf32, truncated (NVIDIA tensor cores)")
-    if precision == "tf32x3":
-        return DotPrecision(
-            TF32_RNA, 2, TF32, residual=2.0 * TF32.ulp**2, label="tf32x3 (3 tf32 products)"
-        )
-    if precision in ("bf16x3", "bf16x6"):
-        pieces = 2 if precision == "bf16x3" else 3
-        left = 2.0 * BF16.ulp**pieces
-        return DotPrecision(BF16, pieces, BF16, residual=left, label=precision)
-    raise ValueError(f"unknown tl.dot input_precision {precision!r}")
-
-
-def _torch_fp32_precision(env: CheckEnv) -> DotPrecision:
-    """fp32 matmuls of torch (and inductor's kernels for them) follow torch's TF32 switches."""
-    if env.mode == "device" and (
-        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-    ):
-        return DotPrecision(XF32, label="tf32 (torch allows TF32 matmuls; rounding not documented)")
-    return DotPrecision(FP32, label="fp32")
-
-
-# --- errors -------------------------------------------------------------------------------------
-
-#: How many standard deviations the independent rounding noise of an element may reach: a normal
-#: tail beyond 8σ has a probability of about 1e-15, so a million-element output stays inside.
-NOISE_SIGMAS = 8.0
-
-
-def _zero() -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float64)
-
-
-def _nonzero(t: torch.Tensor) -> bool:
-    return bool((t != 0).any())
-
-
-def _none(t: torch.Tensor) -> bool:
-    """A part that is known to be zero without looking at every element (kept 0-dim)."""
-    return t.dim() == 0 and float(t) == 0.0
-
-
-def _plus(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return b if _none(a) else a if _none(b) else a + b
-
-
-def _times(t: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
-    return t if _none(t) else t * factor
-
-
-@dataclass(frozen=True)
-class Error:
-    """How far a correct kernel's value may be from the reference, per element.
-
-    ``worst`` bounds everything, in the worst case. Part of it is noise that each element gets on
-    its own: the roundings of its own operations and sums, and the roundings to a narrow format
-    the kernel may do differently (a cast a compiler may fuse away, a value near a rounding
-    boundary that the kernel's slightly different value crosses). Such errors are independent from
-    element to element, so where a later dot or sum adds many of them they partly cancel:
-
-    - ``fresh``: the element's own noise, not yet added up with others' (its worst case);
-    - ``mixed``: noise that reached it through dots and sums (its worst case), and ``var``, the
-      variance of that sum (each noise taken as uniform over its range), whose
-      :data:`NOISE_SIGMAS` standard deviations bound it more tightly when many terms were added.
-
-    Noise shared by several elements (a row's mean broadcast over the row) is no longer
-    independent and stays in the worst case alone, as do errors with a sign of their own (a
-    rounding mode that is not documented).
-    """
-
-    worst: torch.Tensor
-    fresh: torch.Tensor
-    mixed: torch.Tensor
-    var: torch.Tensor
-
-    @staticmethod
-    def none() -> Error:
-        return Error(_zero(), _zero(), _zero(), _zero())
-
-    @property
-    def exact(self) -> bool:
-        # Exact values keep a 0-dim zero: no operation turns it into a tensor of zeros.
-        return _none(self.worst)
-
-    def _parts(self) -> tuple[torch.Tensor, ...]:
-        return (self.worst, self.fresh, self.mixed, self.var)
-
-    def __add__(self, other: Error) -> Error:
-        return Error(*(_plus(a, b) for a, b in zip(self._parts(), other._parts(), strict=True)))
-
-    def scaled(self, factor: torch.Tensor | float) -> Error:
-        """The error of ``factor·x`` (to first order)."""
-        if self.exact:
-            return self
-        size = abs(factor) if isinstance(factor, float) else factor.abs()
-        square = size**2 if not _none(self.var) else size
-        return Error(
-            _times(self.worst, size),
-            _times(self.fresh, size),
-            _times(self.mixed, size),
-            _times(self.var, square),
-        )
-
-    def plus_worst(self, extra: torch.Tensor | float) -> Error:
-        return Error(_plus(self.worst, torch.as_tensor(extra)), self.fresh, self.mixed, self.var)
-
-    def plus_noise(self, extra: torch.Tensor) -> Error:
-        """The element's own independent error of up to ``extra``."""
-        return Error(_plus(self.worst, extra), _plus(self.fresh, extra), self.mixed, self.var)
-
-    def shared(self) -> Error:
-        """The same error, no longer independent between the elements it will be spread over."""
-        return Error(self.worst, _zero(), _zero(), _zero())
-
-    def added_up(self, total: Callable[[torch.Tensor, bool], torch.Tensor]) -> Error:
-        """The error of a sum of such elements: ``total(part, squared)`` adds a part up over the
-        terms (weighted by |w|, or by w² for variances). The noise becomes mixed."""
-        if self.exact:
-            return self
-        worst = total(self.worst, False)
-        noise = _plus(self.fresh, self.mixed)
-        if _none(noise):
-            return Error(worst, _zero(), _zero(), _zero())
-        mixed = total(noise, False)
-        var = total(_plus(self.fresh.square() / 3, self.var), True)
-        return Error(worst, _zero(), mixed, var)
-
-    def moved(self, op: str, like: torch.Tensor, *args: object) -> Error:
-        """A shape operation (``op`` of torch.Tensor) applied to every part."""
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t if t.dim() == 0 else getattr(t.expand(like.shape), op)(*args)
-
-        return Error(*(move(t) for t in self._parts()))
-
-    def largest(self, like: torch.Tensor, dim: int) -> Error:
-        """Of elements along ``dim`` (kept), the largest of each part: the error of their max."""
-
-        def most(t: torch.Tensor) -> torch.Tensor:
-            return t if t.dim() == 0 else t.expand(like.shape).amax(dim, keepdim=True)
-
-        return Error(*(most(t) for t in self._parts()))
-
-    def bound(self) -> torch.Tensor:
-        """The bound: the worst case, with the mixed noise capped at its statistical bound."""
-        if _none(self.mixed):
-            return self.worst
-        capped = torch.minimum(self.mixed, NOISE_SIGMAS * self.var.sqrt())
-        return self.worst - self.mixed + capped
-
-
-def _summed(like: torch.Tensor, dim: int) -> Callable[[torch.Tensor, bool], torch.Tensor]:
-    """Adds a part up along ``dim`` (kept), for :meth:`Error.added_up`."""
-
-    def total(t: torch.Tensor, squared: bool) -> torch.Tensor:
-        del squared  # unit weights
-        if t.dim() == 0:
-            return t * like.shape[dim]
-        return t.expand(like.shape).sum(dim, keepdim=True)
-
-    return total
-
-
-def _through(
-    error: Error, like: torch.Tensor, other_abs: torch.Tensor, other_sq: torch.Tensor, *, left: bool
-) -> Error:
-    """The error a dot inherits from one operand's: ``x @ B`` (``left``) or ``A @ x``, where
-    ``other_abs`` and ``other_sq`` are |B| and B² (or |A| and A²)."""
-
-    def total(t: torch.Tensor, squared: bool) -> torch.Tensor:
-        full = t.expand(like.shape)
-        other = other_sq if squared else other_abs
-        return full @ other if left else other @ full
-
-    return error.added_up(total)
-
+from diagnose.probes.triton_cases.bounds import (
+    APPROXIMATE_UNITS,
+    MIN_KEY_BLOCK,
+    ROUNDING_ALLOWANCE,
+    Error,
+    accumulation_error,
+    gamma,
+    in_blocks,
+    summed_along,
+    through_dot,
+)
+from diagnose.probes.triton_cases.formats import (
+    FP32,
+    FP64,
+    DotPrecision,
+    Format,
+    format_of,
+    torch_fp32_precision,
+    triton_fp32_precision,
+)
 
 # --- values with a bound ------------------------------------------------------------------------
 
@@ -527,14 +212,14 @@ class Numerics:
     def reduce_sum(self, x: Bounded, dim: int, block: int | None = None) -> Bounded:
         n = x.shape[dim]
         value = x.value.sum(dim, keepdim=True)
-        error = x.error.added_up(_summed(x.value, dim))
+        error = x.error.added_up(summed_along(x.value, dim))
         if block is None or block >= n:
             magnitude = x.value.abs().sum(dim, keepdim=True)
             l2 = x.value.square().sum(dim, keepdim=True).sqrt()
             own = accumulation_error(n, ROUNDING_ALLOWANCE, magnitude, value, l2)
         else:
             # Each block's sum, then the sum of the block sums.
-            blocks = _blocked(x.value.movedim(dim, -1), block)
+            blocks = in_blocks(x.value.movedim(dim, -1), block)
             sums = blocks.sum(-1)
             within = accumulation_error(
                 block,
@@ -558,7 +243,7 @@ class Numerics:
             self._operand(a, precision),
             self._operand(b, precision),
         )
-        value = _cross_products(a_parts, b_parts)
+        value = cross_products(a_parts, b_parts)
         a_abs, b_abs = _total_abs(a_parts), _total_abs(b_parts)
         magnitude = a_abs @ b_abs
         l2 = (a_abs.square() @ b_abs.square()).sqrt()
@@ -568,9 +253,9 @@ class Numerics:
             own = own + precision.residual * magnitude
         error = Error.none().plus_noise(own + self.compute.min_spacing)
         if not a_error.exact:
-            error = error + _through(a_error, a.value, b_abs, b_abs.square(), left=True)
+            error = error + through_dot(a_error, a.value, b_abs, b_abs.square(), left=True)
         if not b_error.exact:
-            error = error + _through(b_error, b.value, a_abs, a_abs.square(), left=False)
+            error = error + through_dot(b_error, b.value, a_abs, a_abs.square(), left=False)
         return Bounded(value, error, self.compute, self)
 
     def rounded(self, x: Bounded, fmt: Format, optional: bool) -> Bounded:
@@ -734,8 +419,8 @@ class Numerics:
         if a.fmt is FP64:
             return DotPrecision(None, label="fp64")
         if self.kind == "inductor":
-            return _torch_fp32_precision(self.env)
-        return _triton_fp32_precision(self.env, requested)
+            return torch_fp32_precision(self.env)
+        return triton_fp32_precision(self.env, requested)
 
     def _operand(self, x: Bounded, precision: DotPrecision) -> tuple[list[torch.Tensor], Error]:
         """The pieces the dot multiplies and their bound."""
@@ -760,14 +445,6 @@ class Numerics:
         return parts, error
 
 
-def _blocked(values: torch.Tensor, block: int) -> torch.Tensor:
-    """The last dim cut into blocks of ``block`` (zero-padded): shape (..., blocks, block)."""
-    n = values.shape[-1]
-    count = math.ceil(n / block)
-    padded = torch.nn.functional.pad(values, (0, count * block - n))
-    return padded.reshape(*values.shape[:-1], count, block)
-
-
 def _total_abs(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     total = parts[0].abs()
     for part in parts[1:]:
@@ -775,7 +452,7 @@ def _total_abs(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _cross_products(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
+def cross_products(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
     """Σ a_i·b_j over i + j < pieces: one product as stored, three for the x3 splits."""
     pieces = len(a)
     total: torch.Tensor | None = None
@@ -787,18 +464,4 @@ def _cross_products(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tor
     return total
 
 
-__all__ = [
-    "APPROXIMATE_UNITS",
-    "BF16",
-    "FP16",
-    "FP32",
-    "FP64",
-    "TF32",
-    "XF32",
-    "Bounded",
-    "DotPrecision",
-    "Format",
-    "Numerics",
-    "format_of",
-    "gamma",
-]
+__all__ = ["Bounded", "Numerics", "Operand", "cross_products"]
