@@ -98,9 +98,12 @@ class Error:
       variance of that sum (each noise taken as uniform over its range), whose
       :data:`NOISE_SIGMAS` standard deviations bound it more tightly when many terms were added.
 
-    Noise shared by several elements (a row's mean broadcast over the row) is no longer
-    independent and stays in the worst case alone, as do errors with a sign of their own (a
-    rounding mode that is not documented).
+    Noise shared by several elements (a row's mean broadcast over the row) is still taken as
+    independent where a later sum adds those elements up: that sum's other factor (a weight
+    matrix, the values attention weighs) has signs of its own, so the shared error cancels like
+    independent ones would; the calibration benchmark checks that this holds for the corpus's
+    computations. Errors with a sign of their own (a rounding mode that is not documented) stay
+    in the worst case alone.
     """
 
     worst: torch.Tensor
@@ -142,10 +145,6 @@ class Error:
     def plus_noise(self, extra: torch.Tensor) -> Error:
         """The element's own independent error of up to ``extra``."""
         return Error(_plus(self.worst, extra), _plus(self.fresh, extra), self.mixed, self.var)
-
-    def shared(self) -> Error:
-        """The same error, no longer independent between the elements it will be spread over."""
-        return Error(self.worst, _zero(), _zero(), _zero())
 
     def added_up(self, total: Callable[[torch.Tensor, bool], torch.Tensor]) -> Error:
         """The error of a sum of such elements: ``total(part, squared)`` adds a part up over the

@@ -114,22 +114,18 @@ class Bounded:
         size = self.shape[dim] // chunks
         return [self._moved("narrow", dim, i * size, size) for i in range(chunks)]
 
-    def spread(self, shape: torch.Size) -> Error:
-        """This value's error, as seen by elements of ``shape`` it is broadcast over."""
-        return self.error
-
     # Arithmetic in the kernel's compute format.
     def __add__(self, other: Operand) -> Bounded:
         b = self.num.lift(other)
         value = self.value + b.value
-        return self.num.pointwise(value, self.spread(value.shape) + b.spread(value.shape))
+        return self.num.pointwise(value, self.error + b.error)
 
     __radd__ = __add__
 
     def __sub__(self, other: Operand) -> Bounded:
         b = self.num.lift(other)
         value = self.value - b.value
-        return self.num.pointwise(value, self.spread(value.shape) + b.spread(value.shape))
+        return self.num.pointwise(value, self.error + b.error)
 
     def __rsub__(self, other: Operand) -> Bounded:
         return self.num.lift(other) - self
@@ -137,7 +133,7 @@ class Bounded:
     def __mul__(self, other: Operand) -> Bounded:
         b = self.num.lift(other)
         value = self.value * b.value
-        error = self.spread(value.shape).scaled(b.value) + b.spread(value.shape).scaled(self.value)
+        error = self.error.scaled(b.value) + b.error.scaled(self.value)
         if not (self.exact or b.exact):
             error = error.plus_worst(self.error.worst * b.error.worst)  # second order
         return self.num.pointwise(value, error)
@@ -147,9 +143,7 @@ class Bounded:
     def __truediv__(self, other: Operand) -> Bounded:
         b = self.num.lift(other)
         value = self.value / b.value
-        error = (self.spread(value.shape) + b.spread(value.shape).scaled(value)).scaled(
-            1.0 / b.value
-        )
+        error = (self.error + b.error.scaled(value)).scaled(1.0 / b.value)
         # Triton's fp32 division is div.full.f32, within 2 ulps, not correctly rounded.
         return self.num.pointwise(value, error, approximate=APPROXIMATE_UNITS)
 
@@ -333,7 +327,7 @@ class Numerics:
     def maximum(self, a: Bounded, b: Operand) -> Bounded:
         other = self.lift(b)
         value = torch.maximum(a.value, other.value)
-        sa, sb = a.spread(value.shape), other.spread(value.shape)
+        sa, sb = a.error, other.error
         error = Error(*(torch.maximum(x, y) for x, y in zip(sa._parts(), sb._parts(), strict=True)))
         return Bounded(value, error, self.compute, self)
 
