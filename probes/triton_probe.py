@@ -352,8 +352,8 @@ def judge_suite(suite: SuiteResult, env: TritonEnvironment) -> ProbeResult:
         closest = max((c.worst_ratio or 0.0) for c in passed)
         result.add_ok(
             DRIFT.id,
-            f"every answer within its error bound (the closest at {closest:.2g} of it; "
-            f"{seeds_label(suite.seeds)})",
+            f"no answer drifted beyond its error bound (the passing ones came at most "
+            f"{closest:.2g} of it; {seeds_label(suite.seeds)})",
         )
     errors = [c for c in suite.checks if c.verdict in ("compile_error", "launch_error")]
     if errors:

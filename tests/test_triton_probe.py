@@ -317,6 +317,8 @@ def test_a_device_mismatch_is_a_critical_miscompile() -> None:
     [finding] = result.findings
     assert finding.id == "triton.miscompile" and finding.severity == "critical"
     assert "the tail wrong" in finding.title  # what kind of wrongness
+    [drift_line] = [c.text for c in result.checks if c.id == "triton.numeric_drift"]
+    assert drift_line.startswith("no answer drifted") and "0.2 of it" in drift_line
     assert finding.evidence["first_wrong_index"] == [0, 76]
     assert finding.evidence["mode"] == "device" and finding.evidence["seed"] == 42
     assert finding.evidence["case"] == "softmax" and finding.evidence["dtype"] == "float16"
