@@ -7,8 +7,9 @@ planted wrong kernels.
 
 False alarms: every case of the built-in corpus, at every dtype and shape the interpreter runs,
 computed by an emulated correct device (``diagnose.probes.triton_cases.emulate``: fp32 arithmetic,
-reductions and dots in a random order and block size, tensor-core accumulators that truncate or
-round, approximate exp2/rsqrt, flash attention's running max, casts a compiler may fuse away) and
+reductions and dots in a random order and block size, tensor-core accumulators and stores that
+truncate or round, approximate exp2/rsqrt, flash attention's running max, casts a compiler may
+fuse away) and
 judged against the reference, for each backend model: NVIDIA (tl.dot's TF32, truncated), MI300
 (xf32, rounding unknown), and the interpreter (fp32). Each seed draws the inputs the harness would,
 and another correct device. A correct device must pass every time: any drift or mismatch is a

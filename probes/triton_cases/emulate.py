@@ -4,8 +4,9 @@
 operation's result is rounded to fp32 as the kernel's would be, approximate functions are off by up
 to two ulps, reductions and dots accumulate in fp32 in a random order with a random block size
 (per-lane sequential sums then a tree, as ``acc += x`` loops and ``tl.sum`` do; dots block by block
-as tensor cores do), flash attention walks its keys in random-sized blocks with a running max, and
-casts a compiler may fuse away are kept or dropped at random. These are the ways correct kernels
+as tensor cores do, their accumulators rounding or truncating), flash attention walks its keys in
+random-sized blocks with a running max, casts a compiler may fuse away are kept or dropped at
+random, and outputs are stored rounded to nearest or truncated. These are the ways correct kernels
 differ from one another; the judge's bounds must hold for all of them (the calibration benchmark
 and the tests check that they do on every corpus case, and that planted bugs fall far outside).
 """
@@ -49,11 +50,11 @@ class EmulatedDevice(Numerics):
         super().__init__(env, kind)
         self.generator = generator
         #: Where the hardware's rounding mode is not documented, this device picks one.
-        self.undocumented_rounding = "truncate" if self._coin() else "nearest-even"
+        self.undocumented_rounding = "truncate" if self.coin() else "nearest-even"
         #: Dots accumulate rounding to nearest, or toward zero as tensor cores do.
-        self.dot_add = _fp32_toward_zero if self._coin() else _fp32
+        self.dot_add = _fp32_toward_zero if self.coin() else _fp32
 
-    def _coin(self) -> bool:
+    def coin(self) -> bool:
         return bool(torch.randint(0, 2, (), generator=self.generator))
 
     def _choice(self, options: tuple[int, ...], limit: int, least: int = 1) -> int:
@@ -125,7 +126,7 @@ class EmulatedDevice(Numerics):
         return self._value(acc)
 
     def rounded(self, x: Bounded, fmt: Format, optional: bool) -> Bounded:
-        if optional and self._coin():
+        if optional and self.coin():
             return self._value(x.value, x.fmt)
         return self._value(self._round_as_device(fmt, x.value), fmt)
 
@@ -183,10 +184,26 @@ def emulated_outputs(
     values, _ = reference_of(case, inputs, dtype, env, device)
     specs = case.outputs_for(shape, dtype) if case.outputs_for else {}
     out_dtypes = {name: spec.dtype or dtype for name, spec in specs.items()}
+    # Stores round to nearest, or toward zero (fp_downcast_rounding="rtz"; the interpreter's
+    # bfloat16).
+    store = _store_toward_zero if device.coin() else _store_to_nearest
     return {
-        name: value.value.to(out_dtypes.get(name, dtype)) if value.fmt is not None else value.value
+        name: store(value.value, out_dtypes.get(name, dtype))
+        if value.fmt is not None
+        else value.value
         for name, value in values.items()
     }
+
+
+def _store_to_nearest(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return value.to(torch.float32).to(dtype)
+
+
+def _store_toward_zero(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    single = value.to(torch.float32)
+    stored = single.to(dtype)
+    over = stored.to(torch.float32).abs() > single.abs()
+    return torch.where(over, torch.nextafter(stored, torch.zeros_like(stored)), stored)
 
 
 def judge_emulated(

@@ -27,6 +27,12 @@ from diagnose.probes.triton_cases.formats import format_of
 from diagnose.probes.triton_cases.numerics import Bounded
 
 JudgedAs = Literal["pass", "drift", "mismatch"]
+
+#: What storing the kernel's fp32 result in the output's format may cost, in ulps of that format:
+#: a store that truncates (``fp_downcast_rounding="rtz"``, and Triton's interpreter for bfloat16)
+#: loses up to one, rounding to nearest half of one; twice the worse, so a store alone never comes
+#: near the bound.
+STORE_ULPS = 2.0
 #: A row, a column or the tail counts as wrong when at least this share of it is beyond the bound
 #: (and at least two elements).
 _PATTERN_SHARE = 0.5
@@ -60,9 +66,8 @@ class OutputJudgement:
 
 
 def element_bounds(out_dtype: torch.dtype, want: Bounded | torch.Tensor) -> torch.Tensor:
-    """Each element's bound for an output stored as ``out_dtype``: the reference's own, plus one
-    ulp of the output's format for the store (twice what the rounding can cost, so a rounding
-    alone never comes near the bound); zero for integers."""
+    """Each element's bound for an output stored as ``out_dtype``: the reference's own, plus
+    :data:`STORE_ULPS` ulps of the output's format for the store; zero for integers."""
     value = want.value if isinstance(want, Bounded) else want.detach().cpu()
     out_format = format_of(out_dtype)
     if out_format is None or not value.is_floating_point():
@@ -70,7 +75,8 @@ def element_bounds(out_dtype: torch.dtype, want: Bounded | torch.Tensor) -> torc
     want64 = value.to(torch.float64)
     err = want.err if isinstance(want, Bounded) else torch.zeros((), dtype=torch.float64)
     err = err.expand(want64.shape) if err.dim() else err
-    bound = err + out_format.ulp * (want64.abs() + err) + out_format.min_spacing
+    store = out_format.ulp * (want64.abs() + err) + out_format.min_spacing
+    bound = err + STORE_ULPS * store
     return torch.as_tensor(bound, dtype=torch.float64).expand(want64.shape)
 
 
