@@ -175,9 +175,12 @@ def emulated_outputs(
     inputs: Tensors,
     env: CheckEnv,
     generator: torch.Generator,
+    *,
+    truncating_stores: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """What one correct kernel, drawn with ``generator``, would return for ``inputs``: the case's
-    reference run on an :class:`EmulatedDevice`, stored in the outputs' dtypes."""
+    reference run on an :class:`EmulatedDevice`, stored in the outputs' dtypes (rounded to
+    nearest or truncated: ``truncating_stores``, or at random when None)."""
     from diagnose.probes.triton_cases.check import reference_of
 
     device = EmulatedDevice(env, case.kind, generator)
@@ -186,7 +189,9 @@ def emulated_outputs(
     out_dtypes = {name: spec.dtype or dtype for name, spec in specs.items()}
     # Stores round to nearest, or toward zero (fp_downcast_rounding="rtz"; the interpreter's
     # bfloat16).
-    store = _store_toward_zero if device.coin() else _store_to_nearest
+    if truncating_stores is None:
+        truncating_stores = device.coin()
+    store = _store_toward_zero if truncating_stores else _store_to_nearest
     return {
         name: store(value.value, out_dtypes.get(name, dtype))
         if value.fmt is not None
