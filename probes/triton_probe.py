@@ -28,10 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from diagnose.catalogs.triton_catalog import (
     COMPILE_ERROR,
+    DRIFT,
     MISCOMPILE,
     VERSION_MISMATCH,
     compile_error_finding,
+    drift_finding,
     miscompile_finding,
+    seeds_label,
     version_mismatch_finding,
 )
 from diagnose.probes.base import ProbeContext, ProbeSkipped
@@ -251,17 +254,20 @@ def _check_evidence(check: CheckResult) -> dict[str, Any]:
         "shape": dict(check.shape),
         "dtype": check.dtype,
         "output": check.output,
+        "worst_ratio": check.worst_ratio,
+        "pattern": check.pattern,
         "rel_l2": check.rel_l2,
         "max_abs": check.max_abs,
-        "max_rel": check.max_rel,
         "wrong_elements": check.wrong_elements,
         "numel": check.numel,
         "first_wrong_index": check.first_wrong_index,
         "expected": check.expected,
         "actual": check.actual,
-        "tolerance": check.tolerance,
+        "bound": check.bound,
+        "precision": check.precision,
         "mode": check.mode,
         "backend": check.backend,
+        "run_seed": check.run_seed,
         "check_seed": check.seed,
         "message": check.message,
     }
@@ -280,17 +286,24 @@ def judge_suite(suite: SuiteResult, env: TritonEnvironment) -> ProbeResult:
     result = ProbeResult(name="triton")
     # A case error is a bug of the check itself: it answers neither kernel question.
     ran = [c for c in suite.checks if c.verdict not in ("unsupported", "case_error")]
-    passed = [c for c in suite.checks if c.verdict == "pass"]
+    passed = [c for c in suite.checks if c.verdict in ("pass", "drift")]
     expected = (env.expected_package, env.expected_version)
     mismatches = [c for c in suite.checks if c.verdict == "mismatch"]
     if mismatches:
         first = mismatches[0]
         evidence = _check_evidence(first)
         # The run's seed: `diagnose triton --seed N` draws the same inputs again.
-        evidence["seed"] = suite.seed
+        evidence["seed"] = first.run_seed
+        evidence["seeds"] = list(suite.seeds)
         evidence["triton_version"] = env.triton_version
         evidence["failing_checks"] = [
-            {"check": c.label, "rel_l2": c.rel_l2, "first_wrong_index": c.first_wrong_index}
+            {
+                "check": c.label,
+                "seed": c.run_seed,
+                "pattern": c.pattern,
+                "worst_ratio": c.worst_ratio,
+                "first_wrong_index": c.first_wrong_index,
+            }
             for c in mismatches
         ]
         inductor = any(c.kind == "inductor" for c in mismatches)
@@ -300,11 +313,12 @@ def judge_suite(suite: SuiteResult, env: TritonEnvironment) -> ProbeResult:
             miscompile_finding(
                 wrong=len(mismatches),
                 cases=sorted({c.case for c in mismatches}),
+                patterns=[c.pattern for c in mismatches],
                 where=_where(suite),
                 runs_in_training=runs_in_training,
                 interpreted=suite.mode == "interpreter",
                 inductor=inductor,
-                seed=suite.seed,
+                seed=first.run_seed,
                 cache_dirs=[env.cache_dir, env.inductor_cache_dir if inductor else ""],
                 expected_package=expected[0],
                 expected_version=expected[1],
@@ -316,6 +330,31 @@ def judge_suite(suite: SuiteResult, env: TritonEnvironment) -> ProbeResult:
         result.add_ok(MISCOMPILE.id, _passed_line(suite))
     else:
         result.add_not_judged(MISCOMPILE.id, "kernel answers: no kernel check ran here")
+    drifted = suite.drifted
+    if drifted:
+        result.add_finding(
+            drift_finding(
+                drifted=len(drifted),
+                cases=sorted({c.case for c in drifted}),
+                worst_ratio=max(c.worst_ratio or 0.0 for c in drifted),
+                seeds=seeds_label(suite.seeds),
+                rerun_seed=suite.seeds[-1] + 1,
+                evidence={
+                    "drifting_checks": [
+                        {"check": c.label, "seed": c.run_seed, "message": c.message}
+                        for c in drifted
+                    ],
+                    "seeds": list(suite.seeds),
+                },
+            )
+        )
+    elif passed:
+        closest = max((c.worst_ratio or 0.0) for c in passed)
+        result.add_ok(
+            DRIFT.id,
+            f"no answer drifted beyond its error bound (the passing ones came at most "
+            f"{closest:.2g} of it; {seeds_label(suite.seeds)})",
+        )
     errors = [c for c in suite.checks if c.verdict in ("compile_error", "launch_error")]
     if errors:
         result.add_finding(
@@ -440,7 +479,7 @@ class TritonProbe:
         timeout_s: float = 900.0,
         device_kinds: Sequence[str] = (),
     ) -> None:
-        #: None: fresh inputs each run (the seed used is recorded).
+        #: None: the fixed default seed, so the same stack gives the same verdicts.
         self.seed = seed
         self.sources = tuple(sources) if sources is not None else None
         self.timeout_s = timeout_s

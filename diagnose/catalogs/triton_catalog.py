@@ -16,7 +16,8 @@ MISCOMPILE = FindingSpec(
     "triton.miscompile",
     "triton",
     "a Triton or `torch.compile` kernel typical of LoRA training compiles and runs here but "
-    "computes a wrong answer (checked against a float64 CPU reference)",
+    "computes a wrong answer: far outside the error bound of a float64 reference at the kernel's "
+    "own precision, or wrong in a pattern (rows, blocks, the tail, NaN, writes outside the output)",
     ("probe",),
     severity_without_saving="critical",
     at_full_size=carries_over(
@@ -43,11 +44,55 @@ VERSION_MISMATCH = FindingSpec(
     severity_without_saving="warn",
     at_full_size=carries_over("the installed packages"),
 )
-SPECS = (MISCOMPILE, COMPILE_ERROR, VERSION_MISMATCH)
+DRIFT = FindingSpec(
+    "triton.numeric_drift",
+    "triton",
+    "a kernel check's answer went a little beyond its error bound, without a pattern: numerical "
+    "drift a correct kernel may show on a rare input, reported so a rerun with another seed can "
+    "tell",
+    ("probe",),
+    severity_without_saving="info",
+    at_full_size=carries_over(
+        "the probe's own kernels at their own shapes: a property of the compiler and device"
+    ),
+)
+SPECS = (MISCOMPILE, DRIFT, COMPILE_ERROR, VERSION_MISMATCH)
+
+#: How a wrong answer is wrong (the judge's pattern), in words for a finding's title.
+WRONGNESS = {
+    "nonfinite": "NaN or Inf where the reference is finite",
+    "outside": "writes outside the output",
+    "everywhere": "wrong nearly everywhere",
+    "scaled": "off by a constant factor",
+    "tail": "the tail wrong",
+    "rows": "whole rows wrong",
+    "columns": "whole columns wrong",
+    "block": "a block wrong",
+    "scattered": "elements far beyond the error bound",
+    "shape": "the wrong output shape",
+}
+
+#: The inputs' seed when none is asked for: the same stack gives the same verdicts on every run.
+DEFAULT_SEED = 1
+#: A check whose elements go beyond their error bound by at most this factor, everywhere and
+#: without a pattern, drifted: an info line, not a wrong answer (the bounds are worst cases, so a
+#: correct kernel stays inside them; a little beyond is a numerical effect they do not model).
+DRIFT_FACTOR = 4.0
+#: As many as this many isolated elements beyond their bounds (no two adjacent) also drifted ...
+HANDFUL = 4
+#: ... as long as each stays within this factor of its bound.
+ISOLATED_FACTOR = 64.0
 
 #: A wrong answer found only by Triton's interpreter on the CPU: the kernel's logic (or the
 #: interpreter) is wrong, but no training step runs that code, so it is not critical.
 INTERPRETED_MISCOMPILE_SEVERITY: Severity = "warn"
+
+
+def seeds_label(seeds: Sequence[int]) -> str:
+    """ "seed 1" or "seeds 1–20"."""
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"seeds {seeds[0]}–{seeds[-1]}"
 
 
 def _plural(n: int, word: str) -> str:
@@ -62,6 +107,7 @@ def miscompile_finding(
     *,
     wrong: int,
     cases: Sequence[str],
+    patterns: Sequence[str],
     where: str,
     runs_in_training: bool,
     interpreted: bool,
@@ -73,7 +119,8 @@ def miscompile_finding(
     first_failure: str,
     evidence: Mapping[str, Any],
 ) -> Finding:
-    """``wrong`` kernel checks computed wrong answers; ``first_failure`` says how (label: why).
+    """``wrong`` kernel checks computed wrong answers, in the judge's ``patterns``;
+    ``first_failure`` says how (label: why).
 
     ``runs_in_training``: a GPU kernel or inductor's output failed, which a training step runs."""
     fix = (
@@ -86,20 +133,53 @@ def miscompile_finding(
         + ", and report the case, shape and dtype upstream."
     )
     detail = (
-        f"{first_failure}. Inputs were fresh random values (seed {seed}); outputs were filled "
-        "with NaN before the launch, so an element the kernel never wrote shows as NaN."
+        f"{first_failure}. Inputs were random values of seed {seed}; the reference is computed "
+        "in float64 at the kernel's own precision, and each element has a bound on what a "
+        "correct kernel can differ by; outputs were filled with NaN inside a poisoned margin "
+        "before the launch, so an element never written shows as NaN and a write outside the "
+        "output is seen."
     )
     if interpreted and not runs_in_training:
         detail += (
             " These ran in Triton's interpreter: the kernel logic (or the interpreter) is wrong; "
             "it says nothing about a GPU compiler."
         )
+    kinds = "; ".join(dict.fromkeys(WRONGNESS.get(p, p) for p in patterns if p))
     return MISCOMPILE.build(
-        f"{_plural(wrong, 'kernel check')} computed wrong answers ({', '.join(cases)}; {where})",
+        f"{_plural(wrong, 'kernel check')} computed wrong answers"
+        + (f": {kinds}" if kinds else "")
+        + f" ({', '.join(cases)}; {where})",
         fix=fix,
         evidence=evidence,
         detail=detail,
         severity=None if runs_in_training else INTERPRETED_MISCOMPILE_SEVERITY,
+    )
+
+
+def drift_finding(
+    *,
+    drifted: int,
+    cases: Sequence[str],
+    worst_ratio: float,
+    seeds: str,
+    rerun_seed: int,
+    evidence: Mapping[str, Any],
+) -> Finding:
+    """``drifted`` checks went beyond their bound by at most ``worst_ratio`` times it."""
+    return DRIFT.build(
+        f"{_plural(drifted, 'kernel check')} went a little beyond the error bound, by at most "
+        f"{worst_ratio:.2g}× it, without a pattern ({', '.join(cases)})",
+        fix=(
+            f"Rerun `diagnose triton --seed {rerun_seed}` (other inputs). Drift that does not "
+            "repeat is a rare input, not a fault; drift that repeats on every seed, at the same "
+            "places, is worth reporting upstream with the case, shape and dtype."
+        ),
+        evidence=evidence,
+        detail=(
+            f"Judged with {seeds}. The bound is a worst case for a correct kernel, so going a "
+            "little beyond it, at isolated elements, is a numerical effect it does not model "
+            "rather than a wrong answer; it is not counted as a failure."
+        ),
     )
 
 
@@ -138,11 +218,19 @@ def version_mismatch_finding(*, problem: str, fix: str, evidence: Mapping[str, A
 
 __all__ = [
     "COMPILE_ERROR",
+    "DEFAULT_SEED",
+    "DRIFT",
+    "DRIFT_FACTOR",
+    "HANDFUL",
     "INTERPRETED_MISCOMPILE_SEVERITY",
+    "ISOLATED_FACTOR",
     "MISCOMPILE",
     "SPECS",
     "VERSION_MISMATCH",
+    "WRONGNESS",
     "compile_error_finding",
+    "drift_finding",
     "miscompile_finding",
+    "seeds_label",
     "version_mismatch_finding",
 ]

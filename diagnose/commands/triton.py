@@ -2,7 +2,9 @@
 
 Runs the built-in corpus, or the user's own cases (``--cases MODULE_OR_FILE``: a module with a
 ``CASES`` list of ``diagnose.probes.triton_cases.TritonCase``), prints one verdict per case, shape
-and dtype, and exits 0 when all pass, :data:`CHECKS_FAILED` when any fails.
+and dtype (pass, drift or mismatch, or a build/launch failure), and exits 0 when none fails (drift
+is reported, not a failure), :data:`CHECKS_FAILED` when any does. The inputs come from a fixed
+seed unless asked otherwise, so the same stack gives the same verdicts every time.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from diagnose.catalogs.triton_catalog import DEFAULT_SEED
 from diagnose.errors import DiagnoseError, ExitCode
 
 #: Exit code when a check fails (a wrong answer, or a kernel that does not build or run).
@@ -48,7 +51,14 @@ class TritonCommand:
         parser.add_argument(
             "--seed",
             type=int,
-            help="seed of the random inputs (default: a new one each run; printed, to redo a run)",
+            help=f"seed of the random inputs (default {DEFAULT_SEED}, the same every run; printed)",
+        )
+        parser.add_argument(
+            "--seeds",
+            type=int,
+            default=1,
+            metavar="N",
+            help="run every check with N seeds, from --seed on (default 1)",
         )
         parser.add_argument(
             "--json", type=Path, metavar="FILE", help="also write every verdict to FILE as JSON"
@@ -69,9 +79,10 @@ class TritonCommand:
 
         from diagnose.device import select_device
         from diagnose.output import check_writable_file, write_text_atomic
-        from diagnose.probes.triton_cases.check import CaseLoadError
+        from diagnose.probes.triton_cases.loading import CaseLoadError
         from diagnose.probes.triton_cases.runner import (
             CORPUS,
+            drift_line,
             jsonable,
             run_suite,
             summary_line,
@@ -82,6 +93,8 @@ class TritonCommand:
 
         if args.timeout <= 0:
             raise DiagnoseError("--timeout must be positive", ExitCode.USAGE)
+        if args.seeds < 1:
+            raise DiagnoseError("--seeds must be at least 1", ExitCode.USAGE)
         if args.json is not None:
             check_writable_file(args.json, force=args.force, option="--json")
         sources = list(args.cases or [])
@@ -106,6 +119,7 @@ class TritonCommand:
                     sources,
                     device=device,
                     seed=args.seed,
+                    seeds=args.seeds,
                     timeout_s=args.timeout,
                     progress=progress,
                 )
@@ -118,7 +132,11 @@ class TritonCommand:
             print(f"note: {note}")
         for problem in version_problems(env):
             print(f"warning: {problem.message}; fix: {problem.fix}")
+        drift = drift_line(suite)
+        if drift:
+            print(f"info: {drift}")
         print(summary_line(suite))
+        print(f"({suite.seconds:.1f} s)")
         if args.json is not None:
             document = suite.to_dict()
             document["environment"] = env.to_dict()

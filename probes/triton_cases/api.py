@@ -1,9 +1,10 @@
 """The case format: what a kernel check is made of. Users write these for their own kernels.
 
 A :class:`TritonCase` bundles a kernel launcher, an input generator and a reference. The harness
-(:mod:`diagnose.probes.triton_cases.check`) generates fresh random inputs, allocates the outputs
-filled with NaN (so an element the kernel never writes is caught), launches, computes the reference
-on the CPU in float64 from the very same inputs, and compares with a dtype-aware tolerance.
+(:mod:`diagnose.probes.triton_cases.check`) generates seeded random inputs, allocates the outputs
+filled with NaN inside a poisoned margin (so an element the kernel never writes, or one it writes
+outside the output, is caught), launches, computes the reference on the CPU in float64 from the
+very same inputs, and judges every element against its own bound (:mod:`~.judge`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -52,15 +53,23 @@ class TritonCase:
 
     ``launch(inputs, outputs)`` runs the kernel on device tensors and either fills ``outputs`` (the
     buffers described by ``outputs_for``, poisoned with NaN) or returns a mapping of result
-    tensors. ``reference(inputs)`` gets CPU float64 copies of the same inputs and returns the
-    expected results under the same names.
+    tensors. The reference returns the expected results under the same names, in one of two forms:
+
+    - ``reference(inputs, num)`` (preferred) gets the same inputs as
+      :class:`~.numerics.Bounded` values and a :class:`~.numerics.Numerics`, and computes with its
+      operations (``num.dot``, ``num.round``, ``num.sum``, ``num.exp2``...): that declares where
+      the kernel rounds, so the reference is computed at the kernel's own precision and each
+      element gets a bound on what a correct kernel may add to it;
+    - ``reference(inputs)`` gets CPU float64 copies of the inputs and returns plain tensors,
+      judged with a generic bound for the dtype (``tolerance_overrides`` picks another).
     """
 
     name: str
     #: ``(shape, dtype, generator) -> {name: CPU tensor}``; use :func:`random_tensor`.
     make_inputs: Callable[[Shape, torch.dtype, torch.Generator], Tensors]
     launch: Callable[[Tensors, Tensors], Mapping[str, torch.Tensor] | None]
-    reference: Callable[[Tensors], Mapping[str, torch.Tensor]]
+    #: ``(inputs, num) -> {name: Bounded}`` or ``(inputs) -> {name: float64 tensor}``.
+    reference: Callable[..., Mapping[str, Any]]
     #: Shapes checked everywhere; keep them small, the interpreter is slow.
     shapes: Sequence[Shape]
     dtypes: Sequence[torch.dtype] = (torch.float32,)
@@ -71,7 +80,8 @@ class TritonCase:
     gpu_dtypes: Sequence[torch.dtype] = ()
     #: "triton" for a Triton kernel, "inductor" for a torch.compile'd function.
     kind: Literal["triton", "inductor"] = "triton"
-    #: Tolerance name per dtype, overriding the default for the dtype ("tf32" for fp32 tl.dot).
+    #: For a ``reference(inputs)`` that declares nothing: the generic bound per dtype, by format
+    #: name ("tf32" for an fp32 tl.dot on NVIDIA), instead of the dtype's own.
     tolerance_overrides: Mapping[torch.dtype, str] = field(default_factory=dict)
     #: ``(env, dtype) -> reason`` when this check cannot run here, else None.
     unsupported: Callable[[CheckEnv, torch.dtype], str | None] | None = None

@@ -18,6 +18,7 @@ from diagnose.probes.triton_cases.api import (
     cdiv,
     random_tensor,
 )
+from diagnose.probes.triton_cases.numerics import Bounded, Numerics
 
 _HALF_AND_FULL = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 256
@@ -56,7 +57,8 @@ def _axpy_launch(inputs: Tensors, outputs: Tensors) -> None:
     )
 
 
-def _axpy_reference(inputs: Tensors) -> dict[str, torch.Tensor]:
+def _axpy_reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
+    # alpha reaches the kernel as an fp32 scalar; x and y are upcast exactly.
     return {"out": inputs["alpha"] * inputs["x"] + inputs["y"]}
 
 
@@ -82,8 +84,8 @@ def _silu_launch(inputs: Tensors, outputs: Tensors) -> None:
     _silu_mul_kernel[(cdiv(n, _BLOCK),)](inputs["a"], inputs["b"], outputs["out"], n, BLOCK=_BLOCK)
 
 
-def _silu_reference(inputs: Tensors) -> dict[str, torch.Tensor]:
-    return {"out": torch.nn.functional.silu(inputs["a"]) * inputs["b"]}
+def _silu_reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
+    return {"out": num.sigmoid_mul(inputs["a"]) * inputs["b"]}
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -121,9 +123,10 @@ def _geglu_launch(inputs: Tensors, outputs: Tensors) -> None:
     )
 
 
-def _geglu_reference(inputs: Tensors) -> dict[str, torch.Tensor]:
+def _geglu_reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
     value, gate = inputs["x"].chunk(2, dim=-1)
-    return {"out": value * torch.nn.functional.gelu(gate)}
+    gelu = 0.5 * gate * (1.0 + num.erf(gate * 0.7071067811865476))
+    return {"out": value * gelu}
 
 
 CASES = [

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from diagnose.probes.triton_cases.api import Shape, Tensors, TritonCase, random_tensor
+from diagnose.probes.triton_cases.numerics import Bounded, Numerics
 
 _LORA_SCALE = 0.5  # alpha / rank, as peft applies it
 
@@ -105,9 +106,40 @@ def _lora_launch(inputs: Tensors, outputs: Tensors) -> dict[str, torch.Tensor]:
         return _lora_run(compiled_for(_lora_linear, inputs), inputs)
 
 
-def _lora_reference(inputs: Tensors) -> dict[str, torch.Tensor]:
-    with torch.enable_grad():
-        return _lora_run(_lora_linear, inputs)
+class _Eager:
+    """Rounding between ops as eager mode does it, which inductor may fuse away (so each is a
+    cast that may or may not happen), for inputs of one dtype."""
+
+    def __init__(self, num: Numerics, like: Bounded) -> None:
+        self.num = num
+        self.fmt = like.fmt or num.compute
+
+    def __call__(self, x: Bounded, name: str) -> Bounded:
+        return self.num.round(x, self.fmt, name=name, optional=True)
+
+    def mm(self, a: Bounded, b: Bounded, name: str) -> Bounded:
+        return self(self.num.dot(a, b, name=name), f"{name} output")
+
+
+def _lora_reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
+    """The forward and the gradients autograd takes through it, written out."""
+    x, weight, lora_a, lora_b, grad_y = (
+        inputs[n] for n in ("x", "weight", "lora_a", "lora_b", "grad_y")
+    )
+    eager = _Eager(num, x)
+    down = eager.mm(x, lora_a.mT, "x·Aᵀ")
+    y = eager(
+        eager.mm(x, weight.mT, "x·Wᵀ") + eager.mm(down, lora_b.mT, "(x·Aᵀ)·Bᵀ") * _LORA_SCALE, "y"
+    )
+    grad_up = eager(grad_y * _LORA_SCALE, "dy·scale")
+    grad_down = eager.mm(grad_up, lora_b, "dy·B")
+    grad_x = eager(eager.mm(grad_y, weight, "dy·W") + eager.mm(grad_down, lora_a, "(dy·B)·A"), "dx")
+    return {
+        "y": y,
+        "grad_x": grad_x,
+        "grad_lora_a": eager.mm(grad_down.mT, x, "dA"),
+        "grad_lora_b": eager.mm(grad_up.mT, down, "dB"),
+    }
 
 
 def _block_inputs(shape: Shape, dtype: torch.dtype, gen: torch.Generator) -> Tensors:
@@ -133,8 +165,24 @@ def _block_launch(inputs: Tensors, outputs: Tensors) -> dict[str, torch.Tensor]:
     return _block_call(compiled_for(_attention_block, inputs), inputs)
 
 
-def _block_reference(inputs: Tensors) -> dict[str, torch.Tensor]:
-    return _block_call(_attention_block, inputs)
+def _block_reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
+    x = inputs["x"]
+    batch, seq, channels = x.shape
+    heads = int(inputs["heads"])
+    eager = _Eager(num, x)
+    h, _, _ = num.layer_norm(x, inputs["norm_weight"], inputs["norm_bias"], 1e-5)
+    h = eager(h, "layer_norm")
+    # SDPA's math path scales q and k by √scale in their dtype; fused kernels scale the scores.
+    root_scale = (channels // heads) ** -0.25
+
+    def split(t: Bounded, name: str) -> Bounded:
+        scaled = eager(t * root_scale, f"{name}·√scale") if name != "v" else t
+        return scaled.reshape(batch, seq, heads, channels // heads).transpose(1, 2)
+
+    q, k, v = (split(eager.mm(h, inputs[f"w{n}"].mT, f"h·W{n}ᵀ"), n) for n in "qkv")
+    attended, _ = num.attend(q, k, v, 1.0, name="sdpa")
+    merged = eager(attended, "sdpa output").transpose(1, 2).reshape(batch, seq, channels)
+    return {"out": eager(x + eager.mm(merged, inputs["wo"].mT, "attention·Woᵀ"), "out")}
 
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)

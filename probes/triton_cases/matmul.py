@@ -1,8 +1,9 @@
 """Blocked matmul with ``tl.dot`` in the layout of a linear layer: out = a · wᵀ.
 
 fp16 and bf16 operands accumulate in fp32; fp32 operands run once with the backend's default
-precision (TF32 on NVIDIA and MI300, so judged by the tf32 tolerance) and once with
-``input_precision="ieee"`` (judged as fp32: a backend that silently drops to TF32 there fails).
+precision (TF32 on NVIDIA and MI300: the reference rounds its operands the same way) and once with
+``input_precision="ieee"`` (the reference keeps them fp32: a backend that silently drops to TF32
+there is far outside the bound).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from diagnose.probes.triton_cases.api import (
     cdiv,
     random_tensor,
 )
+from diagnose.probes.triton_cases.numerics import Bounded, Numerics
 
 _BLOCK = 32
 
@@ -91,8 +93,15 @@ def _launcher(precision: str | None) -> Callable[[Tensors, Tensors], None]:
     return launch
 
 
-def _reference(inputs: Tensors) -> dict[str, torch.Tensor]:
-    return {"out": inputs["a"] @ inputs["w"].T}
+def _reference_for(
+    precision: str | None,
+) -> Callable[[dict[str, Bounded], Numerics], dict[str, Bounded]]:
+    """The reference of the kernel launched with ``input_precision=precision``."""
+
+    def reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
+        return {"out": num.dot(inputs["a"], inputs["w"].mT, input_precision=precision, name="a·wᵀ")}
+
+    return reference
 
 
 def _outputs(shape: Shape, dtype: torch.dtype) -> dict[str, OutputSpec]:
@@ -121,13 +130,11 @@ CASES = [
         description="a·wᵀ with tl.dot, fp32 accumulate, masked M/N/K tails",
         make_inputs=_inputs,
         launch=_launcher(None),
-        reference=_reference,
+        reference=_reference_for(None),
         outputs_for=_outputs,
         shapes=_SHAPES,
         gpu_shapes=_GPU_SHAPES,
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        # For 16-bit operands the precision is moot; for fp32 the default may be TF32.
-        tolerance_overrides={torch.float32: "tf32"},
         unsupported=bf16_dot_unsupported,
     ),
     TritonCase(
@@ -135,7 +142,7 @@ CASES = [
         description="fp32 a·wᵀ with tl.dot(input_precision='ieee'): must not use TF32",
         make_inputs=_inputs,
         launch=_launcher("ieee"),
-        reference=_reference,
+        reference=_reference_for("ieee"),
         outputs_for=_outputs,
         shapes=_SHAPES,
         gpu_shapes=_GPU_SHAPES,

@@ -18,6 +18,7 @@ from diagnose.probes.triton_cases.api import (
     next_power_of_2,
     random_tensor,
 )
+from diagnose.probes.triton_cases.numerics import Bounded, Numerics
 
 _EPS = 1e-5
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -85,12 +86,9 @@ def _layernorm_launch(inputs: Tensors, outputs: Tensors) -> None:
     )  # fmt: skip
 
 
-def _layernorm_reference(inputs: Tensors) -> dict[str, torch.Tensor]:
-    x = inputs["x"]
-    mean = x.mean(dim=-1)
-    var = x.var(dim=-1, unbiased=False)
-    y = torch.nn.functional.layer_norm(x, x.shape[-1:], inputs["weight"], inputs["bias"], _EPS)
-    return {"y": y, "mean": mean, "rstd": 1.0 / torch.sqrt(var + _EPS)}
+def _layernorm_reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
+    y, mean, rstd = num.layer_norm(inputs["x"], inputs["weight"], inputs["bias"], _EPS)
+    return {"y": y, "mean": mean.reshape(-1), "rstd": rstd.reshape(-1)}
 
 
 def _row_stats_outputs(shape: Shape, dtype: torch.dtype) -> dict[str, OutputSpec]:
@@ -140,10 +138,10 @@ def _rmsnorm_launch(inputs: Tensors, outputs: Tensors) -> None:
     )  # fmt: skip
 
 
-def _rmsnorm_reference(inputs: Tensors) -> dict[str, torch.Tensor]:
+def _rmsnorm_reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
     x = inputs["x"]
-    rstd = torch.rsqrt(x.pow(2).mean(dim=-1) + _EPS)
-    return {"y": x * rstd[:, None] * inputs["weight"], "rstd": rstd}
+    rstd = num.rsqrt(num.mean(x.square(), -1) + _EPS)
+    return {"y": x * rstd * inputs["weight"], "rstd": rstd.reshape(-1)}
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -208,15 +206,18 @@ def _groupnorm_launch(inputs: Tensors, outputs: Tensors) -> None:
     )  # fmt: skip
 
 
-def _groupnorm_reference(inputs: Tensors) -> dict[str, torch.Tensor]:
+def _groupnorm_reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
     x = inputs["x"]
-    n, c = x.shape[:2]
+    n, c, h, w = x.shape
     groups = _groups_of(c)
     grouped = x.reshape(n, groups, -1)
-    mean = grouped.mean(dim=-1)
-    rstd = torch.rsqrt(grouped.var(dim=-1, unbiased=False) + _EPS)
-    y = torch.nn.functional.group_norm(x, groups, inputs["weight"], inputs["bias"], _EPS)
-    return {"y": y, "mean": mean, "rstd": rstd}
+    # One pass, as the kernel does: var = E[x²] − mean².
+    mean = num.mean(grouped, -1)
+    var = num.mean(grouped.square(), -1) - mean.square()
+    rstd = num.rsqrt(var + _EPS)
+    normed = ((grouped - mean) * rstd).reshape(n, c, h, w)
+    y = normed * inputs["weight"].reshape(1, c, 1, 1) + inputs["bias"].reshape(1, c, 1, 1)
+    return {"y": y, "mean": mean.reshape(n, groups), "rstd": rstd.reshape(n, groups)}
 
 
 def _groups_of(channels: int) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -26,17 +25,17 @@ from typing import Any
 
 import torch
 
+from diagnose.catalogs.triton_catalog import seeds_label
 from diagnose.probes.triton_cases.api import CheckEnv, Mode, shape_label
 from diagnose.probes.triton_cases.check import (
     FAILING,
     VERDICTS,
-    CaseLoadError,
     CheckResult,
-    load_cases,
     plan_checks,
     run_checks,
-    validate_source,
+    run_seeds,
 )
+from diagnose.probes.triton_cases.loading import CaseLoadError, load_cases, validate_source
 
 #: The built-in corpus, in run order.
 CORPUS: tuple[str, ...] = tuple(
@@ -57,11 +56,17 @@ class SuiteResult:
     backend: str
     arch: str
     device: str
+    #: The first run seed (``--seed``); ``seeds`` are all of them (``--seeds N``).
     seed: int
     sources: list[str]
     checks: list[CheckResult] = field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            self.seeds = [self.seed]
 
     def counts(self) -> dict[str, int]:
         counted = Counter(c.verdict for c in self.checks)
@@ -70,6 +75,10 @@ class SuiteResult:
     @property
     def failed(self) -> list[CheckResult]:
         return [c for c in self.checks if c.verdict in FAILING]
+
+    @property
+    def drifted(self) -> list[CheckResult]:
+        return [c for c in self.checks if c.verdict == "drift"]
 
     @property
     def ran(self) -> int:
@@ -83,6 +92,7 @@ class SuiteResult:
             "arch": self.arch,
             "device": self.device,
             "seed": self.seed,
+            "seeds": list(self.seeds),
             "sources": list(self.sources),
             "seconds": self.seconds,
             "counts": self.counts(),
@@ -100,11 +110,6 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     return value
-
-
-def new_seed() -> int:
-    """A fresh seed per run: each run draws new inputs (it is recorded, so a run can be redone)."""
-    return secrets.randbelow(2**31 - 1) + 1
 
 
 def interpreter_forced() -> bool:
@@ -137,31 +142,34 @@ def run_suite(
     *,
     device: torch.device,
     seed: int | None = None,
+    seeds: int = 1,
     timeout_s: float = 900.0,
     progress: Callable[[str], None] | None = None,
 ) -> SuiteResult:
-    """Run every check of ``sources`` (module names or .py files holding ``CASES``).
+    """Run every check of ``sources`` (module names or .py files holding ``CASES``), once per
+    seed: ``seeds`` seeds from ``seed`` (default: the fixed default seed) on.
 
     A GPU device runs them compiled, in this process; any other runs them in Triton's
     interpreter in a subprocess (and the inductor cases on inductor's CPU backend). Raises
     CaseLoadError for a source that does not give cases.
     """
     sources = [validate_source(s) for s in sources]
-    seed = new_seed() if seed is None else seed
+    all_seeds = run_seeds(seed, seeds)
     start = time.perf_counter()
     if device.type == "cuda" and not interpreter_forced():
         backend, arch = device_target(device)
-        suite = SuiteResult("device", backend, arch, str(device), seed, sources)
-        suite.checks = _run_in_process(sources, device, backend, arch, seed, progress)
+        suite = SuiteResult("device", backend, arch, str(device), all_seeds[0], sources)
+        suite.checks = _run_in_process(sources, device, backend, arch, all_seeds, progress)
     else:
-        suite = SuiteResult("interpreter", "interpreter", "", "cpu", seed, sources)
+        suite = SuiteResult("interpreter", "interpreter", "", "cpu", all_seeds[0], sources)
         if device.type == "cuda":
             suite.notes.append(
                 "TRITON_INTERPRET is set in this environment: the kernels ran in Triton's "
                 "interpreter on the CPU, not compiled for the GPU"
             )
-        suite.checks, notes = _run_in_worker(sources, seed, timeout_s, progress)
+        suite.checks, notes = _run_in_worker(sources, all_seeds, timeout_s, progress)
         suite.notes.extend(notes)
+    suite.seeds = all_seeds
     suite.seconds = time.perf_counter() - start
     return suite
 
@@ -171,18 +179,18 @@ def _run_in_process(
     device: torch.device,
     backend: str,
     arch: str,
-    seed: int,
+    seeds: Sequence[int],
     progress: Callable[[str], None] | None,
 ) -> list[CheckResult]:
     cases = [case for source in sources for case in load_cases(source)]
     env = CheckEnv("device", backend, arch, device)
-    total = len(plan_checks(cases, "device"))
+    total = len(plan_checks(cases, "device", seeds))
 
     def on_start(check: Any) -> None:
         if progress is not None:
             progress(f"triton check {check.index + 1}/{total}: {check.label}")
 
-    results: list[CheckResult] = run_checks(cases, env, seed, on_start=on_start)
+    results: list[CheckResult] = run_checks(cases, env, seeds, on_start=on_start)
     return results
 
 
@@ -219,7 +227,7 @@ def _read_events(path: Path, log: _WorkerLog) -> None:
             log.load_error = str(event["message"])
 
 
-def _planned_result(entry: dict[str, Any], seed: int, message: str) -> CheckResult:
+def _planned_result(entry: dict[str, Any], message: str) -> CheckResult:
     return CheckResult(
         case=entry["case"],
         kind=entry["kind"],
@@ -229,7 +237,7 @@ def _planned_result(entry: dict[str, Any], seed: int, message: str) -> CheckResu
         mode="interpreter",
         backend="interpreter" if entry["kind"] == "triton" else "inductor-cpp",
         message=message,
-        seed=seed,
+        run_seed=int(entry["run_seed"]),
     )
 
 
@@ -253,7 +261,7 @@ def _tail(path: Path, lines: int = 5) -> str:
 
 def _run_in_worker(
     sources: Sequence[str],
-    seed: int,
+    seeds: Sequence[int],
     timeout_s: float,
     progress: Callable[[str], None] | None,
 ) -> tuple[list[CheckResult], list[str]]:
@@ -274,7 +282,7 @@ def _run_in_worker(
                 json.dumps(
                     {
                         "sources": list(sources),
-                        "seed": seed,
+                        "seeds": list(seeds),
                         "start": start_index,
                         "events": str(events),
                     }
@@ -326,7 +334,7 @@ def _run_in_worker(
                     if timed_out
                     else _death_message(proc.returncode)
                 )
-                log.results[failed_at] = _planned_result(log.plan[failed_at], seed, why)
+                log.results[failed_at] = _planned_result(log.plan[failed_at], why)
                 tail = _tail(stderr_path, 2)
                 notes.append(
                     f"{log.plan[failed_at]['case']}: {why}" + (f" ({tail})" if tail else "")
@@ -341,7 +349,7 @@ def _run_in_worker(
                 )
                 for index, entry in enumerate(log.plan):
                     if index not in log.results:
-                        log.results[index] = _planned_result(entry, seed, f"not run: {reason}")
+                        log.results[index] = _planned_result(entry, f"not run: {reason}")
                 break
             restarts += 1
             start_index = failed_at + 1
@@ -352,6 +360,7 @@ def _run_in_worker(
 
 _VERDICT_LABELS = {
     "pass": "pass",
+    "drift": "drift",
     "mismatch": "MISMATCH",
     "compile_error": "COMPILE ERROR",
     "launch_error": "LAUNCH ERROR",
@@ -360,35 +369,44 @@ _VERDICT_LABELS = {
 }
 
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2e}"
+def _ratio(value: float | None) -> str:
+    """err/bound with two significant digits: the same stack prints the same text."""
+    if value is None:
+        return "-"
+    if not math.isfinite(value):
+        return "inf"
+    return f"{value:.2g}"
 
 
 def verdict_table(checks: Sequence[CheckResult]) -> str:
-    """A plain-text table, one row per check, the details of failures below it."""
-    header = ("case", "dtype", "shape", "verdict", "tol", "rel_l2", "max_abs", "first wrong")
-    rows = [header]
+    """A plain-text table, one row per case, shape and dtype (its seeds counted together), and
+    the details of every check that did not pass below it."""
+    header = ("case", "dtype", "shape", "verdict", "err/bound", "first wrong")
+    groups: dict[tuple[str, str, str], list[CheckResult]] = {}
     for check in checks:
-        first = "-" if check.first_wrong_index is None else str(tuple(check.first_wrong_index))
-        rows.append(
-            (
-                check.case,
-                check.dtype,
-                shape_label(check.shape),
-                _VERDICT_LABELS.get(check.verdict, check.verdict),
-                check.tolerance or "-",
-                _number(check.rel_l2),
-                _number(check.max_abs),
-                first if check.verdict == "mismatch" else "-",
-            )
-        )
+        groups.setdefault((check.case, check.dtype, shape_label(check.shape)), []).append(check)
+    several = any(len(group) > 1 for group in groups.values())
+    rows = [header]
+    for (case, dtype, shape), group in groups.items():
+        counted = Counter(c.verdict for c in group)
+        verdicts = [v for v in VERDICTS if counted[v]]
+        if several:
+            label = ", ".join(f"{counted[v]} {_VERDICT_LABELS[v]}" for v in verdicts)
+        else:
+            label = _VERDICT_LABELS[verdicts[0]]
+        ratios = [c.worst_ratio for c in group if c.worst_ratio is not None]
+        wrong = next((c for c in group if c.verdict in ("mismatch", "drift")), None)
+        first = "-"
+        if wrong is not None and wrong.first_wrong_index is not None:
+            first = str(tuple(wrong.first_wrong_index))
+        rows.append((case, dtype, shape, label, _ratio(max(ratios) if ratios else None), first))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in rows
     ]
     details = [
-        f"  {check.label}: {check.message}"
+        f"  {check.label}" + (f" seed {check.run_seed}" if several else "") + f": {check.message}"
         for check in checks
         if check.verdict != "pass" and check.message
     ]
@@ -398,6 +416,7 @@ def verdict_table(checks: Sequence[CheckResult]) -> str:
 
 
 def summary_line(suite: SuiteResult) -> str:
+    """The counts of each verdict, where it ran and the seeds: the same stack prints the same."""
     counts = suite.counts()
     parts = [f"{counts[v]} {_VERDICT_LABELS[v]}" for v in VERDICTS if counts[v]]
     where = (
@@ -405,7 +424,20 @@ def summary_line(suite: SuiteResult) -> str:
         if suite.mode == "interpreter"
         else f"compiled for {suite.arch or suite.device} ({suite.backend} backend)"
     )
+    counted = ", ".join(parts) or "none"
+    return f"{len(suite.checks)} checks: {counted} — {where}; {seeds_label(suite.seeds)}"
+
+
+def drift_line(suite: SuiteResult) -> str:
+    """What the drifting checks mean, and how to see whether they repeat ("" when none did)."""
+    drifted = suite.drifted
+    if not drifted:
+        return ""
+    worst = max((c.worst_ratio or 0.0) for c in drifted)
+    cases = ", ".join(sorted({c.case for c in drifted}))
+    rerun = suite.seeds[-1] + 1
     return (
-        f"{len(suite.checks)} checks: {', '.join(parts) or 'none'} — {where}; seed {suite.seed}, "
-        f"{suite.seconds:.1f} s"
+        f"{len(drifted)} check(s) went beyond their error bound, by at most {worst:.2g}× it, "
+        f"without a pattern ({cases}): within what a correct kernel might show on a rare input. "
+        f"Rerun with another seed (`diagnose triton --seed {rerun}`) to see whether it repeats."
     )

@@ -14,6 +14,7 @@ from diagnose.probes.triton_cases.api import (
     next_power_of_2,
     random_tensor,
 )
+from diagnose.probes.triton_cases.numerics import Bounded, Numerics
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -52,8 +53,10 @@ def _launch(inputs: Tensors, outputs: Tensors) -> None:
     )
 
 
-def _reference(inputs: Tensors) -> dict[str, torch.Tensor]:
-    return {"out": torch.softmax(inputs["x"], dim=-1)}
+def _reference(inputs: dict[str, Bounded], num: Numerics) -> dict[str, Bounded]:
+    x = inputs["x"]
+    numerator = num.exp(x - num.shift(x, -1))
+    return {"out": numerator / num.sum(numerator, -1)}
 
 
 CASES = [

@@ -27,19 +27,16 @@ def main(argv: Sequence[str]) -> int:
         import torch
 
         from diagnose.probes.triton_cases.api import CheckEnv, dtype_name
-        from diagnose.probes.triton_cases.check import (
-            CaseLoadError,
-            load_cases,
-            plan_checks,
-            run_checks,
-        )
+        from diagnose.probes.triton_cases.check import plan_checks, run_checks
+        from diagnose.probes.triton_cases.loading import CaseLoadError, load_cases
 
         try:
             cases = [case for source in spec["sources"] for case in load_cases(source)]
         except CaseLoadError as exc:
             _emit(events, event="load_error", message=str(exc))
             return 3
-        plan = plan_checks(cases, "interpreter")
+        seeds = [int(s) for s in spec["seeds"]]
+        plan = plan_checks(cases, "interpreter", seeds)
         _emit(
             events,
             event="plan",
@@ -49,6 +46,7 @@ def main(argv: Sequence[str]) -> int:
                     "kind": p.case.kind,
                     "shape": dict(p.shape),
                     "dtype": dtype_name(p.dtype),
+                    "run_seed": p.run_seed,
                 }
                 for p in plan
             ],
@@ -57,7 +55,7 @@ def main(argv: Sequence[str]) -> int:
         run_checks(
             cases,
             env,
-            int(spec["seed"]),
+            seeds,
             start=int(spec["start"]),
             on_start=lambda check: _emit(events, event="start", index=check.index),
             on_result=lambda check, result: _emit(
