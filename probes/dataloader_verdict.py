@@ -26,30 +26,31 @@ from diagnose.catalogs.dataloader_catalog import (
     MIN_MEASURED_GAIN,
     SLOW_LOADER,
     SLOW_LOADER_SHARE,
-    STARVED_SHARE,
     gpu_starved,
     loader_fix,
     no_clear_change_line,
     not_waiting_line,
     predecode_advice,
     slow_loader,
+    wait_at_line,
     workers_advice,
 )
 from diagnose.probes.dataloader_ab import MAX_WORKERS, WARMUP_STEPS, VariantRow
 from diagnose.probes.dataloader_facts import LoaderConfig, WaitSummary
 from diagnose.probes.dataloader_frames import HotFrames
 from diagnose.record import Finding, Outcome
-from diagnose.stats import clearly_faster, sure_saving
+from diagnose.stats import at_line, clearly_faster, saving_interval
 from diagnose.trace.rules import ms, pct
 
 
 @dataclass(frozen=True)
 class Saving:
     """What one loader change saves per iteration: the median difference (bounded by what the
-    changed phases lost) and the part of it the A/B is sure of."""
+    changed phases lost), the part of it the A/B is sure of, and its interval's high end."""
 
     seconds: float
     sure: float
+    high: float
 
 
 def removable_seconds(configured: VariantRow, candidate: VariantRow) -> float | None:
@@ -75,12 +76,15 @@ def measured_saving(
     if not clearly_faster(candidate.seconds, configured.seconds, min_saving=least):
         return None
     seconds = base.median - candidate.stats.median
+    interval = saving_interval(candidate.seconds, configured.seconds) or (seconds, seconds)
+    high = max(seconds, interval[1])
     for cap in (removable_seconds(configured, candidate), bound):
         if cap is not None:
             seconds = min(seconds, max(0.0, cap))
+            high = min(high, max(0.0, cap))
     if seconds < least:
         return None
-    return Saving(seconds, min(seconds, sure_saving(candidate.seconds, configured.seconds)))
+    return Saving(seconds, min(seconds, max(0.0, interval[0])), max(seconds, high))
 
 
 @dataclass
@@ -174,8 +178,9 @@ def judge(
     }
     advice = [_advice(r, facts) for r in ranked]
     bar = wait.bar
+    reading = wait_at_line(bar, [row["share"] for row in wait.per_step])
 
-    if bar.share >= STARVED_SHARE:
+    if not reading.below:
         detail = _starved_detail(loader, bar.seconds, frames, facts, has_device, cores, ab, best)
         workers_row = next((r for r in rows if r.key == "workers" and r.stats.n), None)
         if workers_row is not None and "workers" not in measured:
@@ -197,8 +202,10 @@ def judge(
                 evidence=evidence,
                 saving=wait_saving,
                 sure_saving=min(found.sure, wait_saving),
+                high_saving=min(found.high, reading.high * bar.step),
                 basis="measured",
                 measured_fix=(best.label, found.seconds),
+                reading=reading,
             )
         else:
             finding = gpu_starved(
@@ -214,6 +221,7 @@ def judge(
                 evidence=evidence,
                 saving=bar.seconds,
                 basis="estimated",
+                reading=reading,
             )
         return Verdict([finding], [], savings, best_key)
 
@@ -222,8 +230,18 @@ def judge(
         "ok",
         not_waiting_line(bar, has_device),
     )
-    if best is not None and measured[best.key].seconds >= SLOW_LOADER_SHARE * bar.step:
-        found = measured[best.key]
+    best_saving = measured[best.key] if best is not None else None
+    gain = (
+        at_line(
+            best_saving.seconds / bar.step,
+            SLOW_LOADER_SHARE,
+            interval=_shares(best_saving, bar.step),
+        )
+        if best_saving is not None
+        else None
+    )
+    if best is not None and best_saving is not None and gain is not None and not gain.below:
+        found = best_saving
         encode = wait.phases.get("encode")
         why = (
             "the step decodes and VAE-encodes its images every time"
@@ -249,6 +267,8 @@ def judge(
             ),
             evidence={"s_per_it": bar.step, "data_wait_share_of_step": bar.share, **evidence},
             sure_saving=found.sure,
+            high_saving=found.high,
+            reading=gain,
         )
         return Verdict([finding], [not_waiting], savings, best_key)
 
@@ -263,6 +283,11 @@ def judge(
             )
         )
     return Verdict([], checks, savings, best_key)
+
+
+def _shares(saving: Saving, step: float) -> tuple[float, float]:
+    """A saving's interval as shares of ``step``."""
+    return saving.sure / step, saving.high / step
 
 
 def _starved_detail(

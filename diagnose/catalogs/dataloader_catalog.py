@@ -16,8 +16,9 @@ from typing import Any
 
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding, RunRecord
+from diagnose.stats import AtLine, at_line
 from diagnose.trace.rules import ms, pct, per_it
-from diagnose.verdicts import phase_bound, step_seconds
+from diagnose.verdicts import borderline_at, phase_bound, step_seconds
 
 GPU_STARVED = FindingSpec(
     "dataloader.gpu_starved",
@@ -110,6 +111,13 @@ def bar_wait(record: RunRecord) -> BarWait | None:
         return None
     seconds = phase_bound(record, ("data_wait",)) or 0.0
     return BarWait(min(seconds, step), step)
+
+
+def wait_at_line(wait: BarWait, per_step_shares: Sequence[float]) -> AtLine:
+    """The bar's wait share against :data:`STARVED_SHARE`, carrying the interval of the steps'
+    own shares: a wait that sits at the line reads borderline, not starved one run and fine the
+    next."""
+    return at_line(wait.share, STARVED_SHARE, samples=per_step_shares)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,13 +227,23 @@ def gpu_starved(
     saving: float,
     basis: Basis,
     sure_saving: float | None = None,
+    high_saving: float | None = None,
     measured_fix: tuple[str, float] | None = None,
     source: str = "",
     steps: str = "each step",
+    reading: AtLine | None = None,
 ) -> Finding:
     """The loop waits for data ``wait.share`` of the step. ``measured_fix``: the label of the
-    loader change the A/B measured clearly faster, and its saving per iteration."""
+    loader change the A/B measured clearly faster, and its saving per iteration. ``reading``:
+    the wait against its line (:func:`wait_at_line`); a borderline one is said so. Without a
+    sure saving the saving's interval is the wait's own."""
     title = starved_title(wait, has_device, steps)
+    borderline = None
+    if reading is not None:
+        if reading.borderline:
+            borderline = borderline_at(reading, "data wait", " of the step")
+        if sure_saving is None and high_saving is None:
+            sure_saving, high_saving = reading.low * wait.step, reading.high * wait.step
     if measured_fix is not None:
         label, seconds = measured_fix
         title += f"; {label}: measured {per_it(seconds)} faster"
@@ -237,10 +255,17 @@ def gpu_starved(
             "data_wait_share_of_step": wait.share,
             "s_per_it": wait.step,
             "share_basis": "the data_wait phase of the phase bar over the median step",
+            **(
+                {"data_wait_share_interval": [reading.low, reading.high]}
+                if reading is not None
+                else {}
+            ),
             **evidence,
         },
         saving=saving,
         sure_saving=sure_saving,
+        high_saving=high_saving,
+        borderline=borderline,
         basis=basis,
         detail=detail,
         source=source,
@@ -257,9 +282,11 @@ def slow_loader(
     detail: str,
     evidence: Mapping[str, Any],
     sure_saving: float | None = None,
+    high_saving: float | None = None,
+    reading: AtLine | None = None,
 ) -> Finding:
     """The loop hardly waits, yet the loader change ``label`` measured ``saving`` s/it faster
-    (a share of the headline ``step``)."""
+    (a share of the headline ``step``; ``reading``: that share against its line)."""
     return SLOW_LOADER.build(
         f"{label[0].upper() + label[1:]}: measured {per_it(saving)} faster "
         f"({pct(saving / step)} of the step); {why}",
@@ -267,6 +294,12 @@ def slow_loader(
         evidence=evidence,
         saving=saving,
         sure_saving=sure_saving,
+        high_saving=high_saving,
+        borderline=(
+            borderline_at(reading, "measured saving", " of the step")
+            if reading is not None and reading.borderline
+            else None
+        ),
         basis="measured",
         detail=detail,
     )
@@ -337,5 +370,6 @@ __all__ = [
     "slow_loader",
     "starved_title",
     "usual_fix",
+    "wait_at_line",
     "workers_advice",
 ]
