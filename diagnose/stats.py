@@ -30,6 +30,11 @@ SEQUENTIAL_SIGNIFICANCE = 0.01
 #: level: a value that sits on its line reads borderline in all but this share of runs, so reruns
 #: agree on the findings even with several values near their lines.
 LINE_SIGNIFICANCE = 0.01
+#: ... but a handful of samples (the profiled steps of a trace) cannot give a 99% interval
+#: narrower than several times their own spread (Student's t for 3 samples is 9.9), which would
+#: leave every verdict on them borderline: their t interval is taken at this level. A trace is
+#: read the same way each time, so its verdicts do not flip between reruns anyway.
+FEW_SAMPLES_SIGNIFICANCE = SAVING_SIGNIFICANCE
 
 
 @dataclass(frozen=True)
@@ -398,15 +403,15 @@ def t_quantile(significance: float, df: int) -> float:
 def location_interval(
     samples: Sequence[float], significance: float = LINE_SIGNIFICANCE
 ) -> tuple[float, float] | None:
-    """Confidence interval (1 - significance) of where ``samples`` centre; None for fewer than
-    two finite values.
+    """Confidence interval of where ``samples`` centre; None for fewer than two finite values.
 
     Rank based wherever the samples allow it: the one-sample Hodges–Lehmann interval that
-    inverts Wilcoxon's signed-rank test (order statistics of the Walsh averages), which one
-    descheduled step moves little. With too few samples for ranks ever to reach the level (7 or
-    fewer at 1%), Student's t interval of their mean: the values' size against their spread,
-    which is what three profiled steps can say (a sign or rank test cannot say anything there).
-    """
+    inverts Wilcoxon's signed-rank test at ``significance`` (order statistics of the Walsh
+    averages), which one descheduled step moves little. With too few samples for ranks ever to
+    reach that level (7 or fewer at 1%), Student's t interval of their mean at
+    :data:`FEW_SAMPLES_SIGNIFICANCE` (or ``significance``, if looser): the values' size against
+    their spread, which is what three profiled steps can say (a sign or rank test cannot say
+    anything there)."""
     values = [float(v) for v in samples if math.isfinite(v)]
     n = len(values)
     if n < 2:
@@ -415,8 +420,9 @@ def location_interval(
     if c >= 0:
         walsh = sorted((values[i] + values[j]) / 2 for i in range(n) for j in range(i, n))
         return walsh[c], walsh[len(walsh) - 1 - c]
+    level = max(significance, FEW_SAMPLES_SIGNIFICANCE)
     mean = statistics.fmean(values)
-    half = t_quantile(significance, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    half = t_quantile(level, n - 1) * statistics.stdev(values) / math.sqrt(n)
     return mean - half, mean + half
 
 

@@ -23,6 +23,7 @@ Rule = Callable[["TraceContext"], ProbeResult]
 def _registry() -> list[tuple[str, Rule]]:
     from diagnose.trace.rules import (
         attention,
+        communication,
         dataloader,
         launch,
         precision,
@@ -37,6 +38,7 @@ def _registry() -> list[tuple[str, Rule]]:
         ("attention", attention.check),
         ("syncs", syncs.check),
         ("launch", launch.check),
+        ("communication", communication.check),
         ("quantization", quantization.check),
         ("roofline", roofline.check),
     ]
