@@ -271,7 +271,7 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
     steps = len(per_step)
     every_step = all(g > 0 for g in gaps)
     lasting = every_step and at_line(others_wait, catalog.MIN_SECONDS).above
-    if lasting and steps < catalog.STRAGGLER_STEPS and not reading.below:
+    if lasting and at_line(steps, catalog.STRAGGLER_STEPS).below and not reading.below:
         result.checks.append(_unjudged(catalog.too_few_steps_straggler_line(straggler.rank, steps)))
     elif lasting and reading.above:
         result.pacing_rank = straggler.rank
