@@ -10,6 +10,7 @@ CI gate import it.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,11 @@ CRITICAL_SHARE = 0.30
 ESTIMATE_CEILING: Severity = "warn"
 #: Slack when checking a bound, for rounding in the recorded numbers.
 _TOLERANCE = 1e-9
+#: Evidence key of a finding: {label of a change its A/B measured no faster: the words of that
+#: change's advice}. Its fix must not carry those words (:func:`contradictions` checks).
+NO_FASTER_KEY = "measured_no_faster"
+#: How a line states the threads torch computes on ("torch uses 2 threads").
+_THREADS_SAID = re.compile(r"torch (?:uses|is set to|computes on) (\d+) threads?")
 
 _SEVERITY_ORDER = {s: i for i, s in enumerate(SEVERITIES)}
 #: When two sources answer one question differently, the answer kept: a finding (time measured
@@ -400,12 +406,44 @@ def contradictions(record: RunRecord) -> list[Contradiction]:
             problems.append(
                 Contradiction(finding.id, f"{said}, while its saving's interval says otherwise")
             )
+    problems.extend(_one_story(record))
+    return problems
+
+
+def _one_story(record: RunRecord) -> list[Contradiction]:
+    """A fix its own evidence contradicts (it advises a change the A/B measured no faster), and
+    a line that states other torch threads than the steps ran on without saying so."""
+    problems: list[Contradiction] = []
+    for finding in record.findings:
+        no_faster = finding.evidence.get(NO_FASTER_KEY)
+        if not isinstance(no_faster, dict):
+            continue
+        for label, words in no_faster.items():
+            if isinstance(words, str) and words.lower() in finding.fix.lower():
+                problems.append(
+                    Contradiction(
+                        finding.id, f"its fix advises {words!r}, measured no faster ({label})"
+                    )
+                )
+    ran = record.device.extra.get("torch_threads")
+    if isinstance(ran, int) and not isinstance(ran, bool):
+        lines = [(c.id, c.text) for c in record.all_checks()]
+        lines += [(f.id, f.title) for f in record.findings]
+        for check_id, text in lines:
+            for said in _THREADS_SAID.finditer(text):
+                if int(said.group(1)) != ran and f"ran on {ran}" not in text:
+                    problems.append(
+                        Contradiction(
+                            check_id, f"says {said.group(0)!r}, while the steps ran on {ran}"
+                        )
+                    )
     return problems
 
 
 __all__ = [
     "CRITICAL_SHARE",
     "ESTIMATE_CEILING",
+    "NO_FASTER_KEY",
     "WARN_SHARE",
     "Contradiction",
     "Grade",

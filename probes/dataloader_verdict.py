@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diagnose.catalogs.dataloader_catalog import (
+    ADVICE_SETTING,
     CACHE_LATENTS_ADVICE,
     GPU_STARVED,
     MIN_MEASURED_GAIN,
@@ -29,7 +30,9 @@ from diagnose.catalogs.dataloader_catalog import (
     gpu_starved,
     loader_fix,
     no_clear_change_line,
+    not_sure_advice,
     not_waiting_line,
+    nothing_sure_fix,
     predecode_advice,
     slow_loader,
     wait_at_line,
@@ -41,6 +44,7 @@ from diagnose.probes.dataloader_frames import HotFrames
 from diagnose.record import Finding, Outcome
 from diagnose.stats import at_line, clearly_faster, saving_interval
 from diagnose.trace.rules import ms, pct
+from diagnose.verdicts import NO_FASTER_KEY
 
 
 @dataclass(frozen=True)
@@ -208,15 +212,15 @@ def judge(
                 reading=reading,
             )
         else:
+            no_faster = _no_faster(rows, configured)
+            if no_faster:
+                evidence[NO_FASTER_KEY] = {
+                    r.label: ADVICE_SETTING[r.key] for r in no_faster if r.key in ADVICE_SETTING
+                }
             finding = gpu_starved(
                 bar,
                 has_device,
-                fix=loader_fix(
-                    [
-                        workers_advice(max(2, min(cores, MAX_WORKERS)), has_device),
-                        CACHE_LATENTS_ADVICE,
-                    ]
-                ),
+                fix=_unmeasured_fix(rows, configured, no_faster, cores, has_device),
                 detail=detail,
                 evidence=evidence,
                 saving=bar.seconds,
@@ -283,6 +287,42 @@ def judge(
             )
         )
     return Verdict([], checks, savings, best_key)
+
+
+def _no_faster(rows: Sequence[VariantRow], configured: VariantRow | None) -> list[VariantRow]:
+    """The changes the A/B measured no faster than the configured loader (median not below)."""
+    if configured is None:
+        return []
+    base = configured.stats.median
+    return [r for r in rows if r.key != "configured" and r.stats.n and r.stats.median >= base]
+
+
+def _unmeasured_fix(
+    rows: Sequence[VariantRow],
+    configured: VariantRow | None,
+    no_faster: Sequence[VariantRow],
+    cores: int,
+    has_device: bool,
+) -> str:
+    """The fix when no change was clearly faster: the usual advice, less what the A/B measured
+    no faster (a fix must not say what its evidence contradicts), and with its numbers what it
+    measured faster but not surely so."""
+    measured = {r.key: r for r in rows if r.key != "configured" and r.stats.n}
+    skipped = {r.key for r in no_faster}
+    advice: list[str] = []
+    for key, text in (
+        ("workers", workers_advice(max(2, min(cores, MAX_WORKERS)), has_device)),
+        ("cached_latents", CACHE_LATENTS_ADVICE),
+    ):
+        if key in skipped:
+            continue
+        row = measured.get(key)
+        if row is not None and configured is not None:
+            text = not_sure_advice(text, row.label, row.stats.median, configured.stats.median)
+        advice.append(text)
+    if advice or configured is None:
+        return loader_fix(advice)
+    return nothing_sure_fix([(r.label, r.stats.median) for r in no_faster], configured.stats.median)
 
 
 def _shares(saving: Saving, step: float) -> tuple[float, float]:

@@ -199,6 +199,35 @@ def predecode_advice(pixel_ratio: float | None, bucket: int | None) -> str:
     )
 
 
+#: The words of each loader change's advice a fix must not carry when the A/B measured that
+#: change no faster than the loader as configured (diagnose.verdicts checks every record).
+ADVICE_SETTING = {
+    "workers": "DataLoader(num_workers=",
+    "cached_latents": "cache the latents",
+    "predecoded": "decode the images once",
+}
+
+
+def not_sure_advice(advice: str, label: str, median: float, configured: float) -> str:
+    """Advice for a change the A/B measured faster, but not surely so: said with its numbers."""
+    return (
+        f"{advice} (the A/B's {label} ran {median:.3f} against {configured:.3f} s/it here, "
+        "faster but not surely so on these steps)"
+    )
+
+
+def nothing_sure_fix(rows: Sequence[tuple[str, float]], configured: float) -> str:
+    """The fix when every loader change measured here was no faster than the configured one:
+    what was measured, and how to learn more, rather than a change the numbers contradict."""
+    listed = "; ".join(f"{label} {median:.3f}" for label, median in rows)
+    return (
+        f"No loader change measured here was faster than the loader as configured "
+        f"({configured:.3f} s/it; {listed} s/it): find what each batch costs in the frames the "
+        "loader spends its time in (below), or rerun on an idle machine with more steps "
+        "(--steps) to measure the changes again."
+    )
+
+
 def loader_fix(advice: Sequence[str]) -> str:
     """Advice clauses, best first, as one ``fix``: ``Cache the latents (…); or load batches …``."""
     clauses = [a for a in advice if a]
@@ -345,6 +374,7 @@ def corrupt_images(
 
 
 __all__ = [
+    "ADVICE_SETTING",
     "CACHE_LATENTS_ADVICE",
     "CORRUPT_IMAGES",
     "DEFAULT_WORKERS",
@@ -365,7 +395,9 @@ __all__ = [
     "gpu_starved",
     "loader_fix",
     "no_clear_change_line",
+    "not_sure_advice",
     "not_waiting_line",
+    "nothing_sure_fix",
     "predecode_advice",
     "slow_loader",
     "starved_title",
