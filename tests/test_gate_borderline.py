@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -142,23 +138,6 @@ def test_a_change_beyond_what_the_load_allows_is_a_change() -> None:
         dataclasses.replace(_slower(2.4), ci_high=2.6), [RunRecord()], _loaded(0.5)
     )
     assert far.verdict == "slower"
-
-
-@pytest.fixture
-def busy_core() -> Iterator[None]:
-    """Another process spinning on one of the cores for the length of the test."""
-    spinner = subprocess.Popen(
-        [sys.executable, "-c", "while True: pass"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(spinner.pid, {cores[0]})
-        yield
-    finally:
-        spinner.kill()
-        spinner.wait()
 
 
 #: A run with enough steps to judge and no probes (the gate reads the steps only).

@@ -54,6 +54,7 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
         traced[0] if traced else result.captures[0],
     )
     _timing_from(record, pacing)
+    record.timing.host_load = result.host_load
     # As in `diagnose run`, findings travel with the result that raised them until the record
     # merges them (diagnose.run.finish_run): the trace's with the "trace" result.
     trace_probe = next((p for p in record.probes if p.name == "trace"), None)
