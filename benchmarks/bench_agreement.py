@@ -1,10 +1,11 @@
 """Agreement of verdicts: the same config run N times, the share of runs that give the same advice.
 
-    python benchmarks/bench_agreement.py [--runs N] [--configs default,math,adamw8bit,bigpng]
+    python benchmarks/bench_agreement.py [--runs N] [--configs default,math,adamw8bit,bigpng,zimage]
                                          [--keep DIR] [--timeout S] [-- extra diagnose run options]
 
-Issue 15, part 1: a diagnosis is only useful if a rerun gives the same advice. Each config is run
-``--runs`` times (default 5) as ``diagnose run ... --out TMP --force`` in a fresh subprocess, as a
+A diagnosis is only useful if a rerun gives the same advice. Each config is run ``--runs`` times
+(default 20: at least 95% agreement means 19 of 20) as ``diagnose run ... --out TMP --force`` in a
+fresh subprocess, as a
 user runs it; the configs are interleaved run by run (default, math, ..., default, math, ...) so
 that drift of the machine's load hits every config alike. From each ``record.json`` it reads the
 set of finding ids of severity warn or critical (the advice a reader acts on), the s/it the report
@@ -18,6 +19,7 @@ Configs:
   adamw8bit  ``--optimizer adamw8bit``
   bigpng     ``--data DIR``: a folder of large random-noise PNGs (2048x2048, each with a caption
              sidecar ``.txt``), generated once per invocation into a temporary folder
+  zimage     ``--preset zimage --base nf4``: the Z-Image stand-in on a 4-bit base
 
 Prints one table, one row per config: runs (and how many failed), the modal set of warn/critical
 ids, the share of all runs that gave exactly that set (a failed run counts as disagreeing), the
@@ -27,6 +29,14 @@ median), the median wall time of one run, and the median load from other process
 processes took, of the cores the run could use; ``-`` where the record does not say). Failed
 runs are listed below the table with their exit code and last line of output. The target is at
 least 95% agreement on an idle machine.
+
+Below the table, per config, every finding any run raised at warn or critical or as borderline:
+its deciding value (the share of the step its saving is, or for the data wait the wait's share
+of the step) as median [min-max] over the runs, against its line, and in how many runs it was
+warn/critical, borderline, lower or absent; and for each id that flipped, the cause as the runs
+show it: its value straddling its line across runs, borderline runs, or a busy machine in the
+runs where it flipped. The header names the CPU and whether it computes bf16 natively (AVX-512
+BF16, AMX): a value near its line on one CPU may sit far from it on another.
 
 Exit status: 0 whatever the runs did (a failed run is a row of the table, not an error of this
 script); 2 when the script itself is misused (an unknown config, ``--runs`` below 1, ``--keep``
@@ -38,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import random
 import shutil
 import statistics
@@ -59,6 +70,7 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "math": ("--attention", "math"),
     "adamw8bit": ("--optimizer", "adamw8bit"),
     "bigpng": ("--data", "{data}"),
+    "zimage": ("--preset", "zimage", "--base", "nf4"),
 }
 ADVICE = ("warn", "critical")
 TARGET = 0.95
@@ -66,6 +78,24 @@ TARGET = 0.95
 #: every file is as large to read and decode as a real photo of that size).
 PNG_COUNT = 8
 PNG_SIDE = 2048
+
+
+@dataclass(frozen=True)
+class Decided:
+    """How one finding stood in one run: its severity, whether it was borderline, and the value
+    it was judged on (its saving's share of the step) with that value's interval."""
+
+    severity: str
+    borderline: bool
+    share: float | None
+    low: float | None = None
+    high: float | None = None
+
+
+#: The line each deciding value is held against (the warn line of the one severity rule).
+LINE = 0.10
+#: Findings judged on a value other than their saving, and that value's name.
+WAIT_FINDING = "dataloader.gpu_starved"
 
 
 @dataclass
@@ -80,6 +110,12 @@ class RunOutcome:
     s_per_it: float | None = None
     others_cores: float | None = None
     cpus: int | None = None
+    #: Per finding id this run raised: what decided it (see :class:`Decided`).
+    decided: dict[str, Decided] = field(default_factory=dict)
+    #: The data wait's share of the step (the phase bar's), the value gpu_starved is judged on.
+    wait_share: float | None = None
+    #: Windows (the timed steps, each probe) in which other work competed for the cores.
+    busy_windows: list[str] = field(default_factory=list)
     problem: str = ""
 
     @property
@@ -193,6 +229,50 @@ def read_outcome(outcome: RunOutcome, folder: Path) -> None:
     if isinstance(timing, Mapping):
         outcome.s_per_it = s_per_it(data)
         outcome.others_cores, outcome.cpus = host_load(timing)
+    step = outcome.s_per_it
+    for f in findings:
+        if isinstance(f, Mapping):
+            outcome.decided[str(f.get("id", "?"))] = decided(f, step)
+    outcome.busy_windows = busy_windows(data)
+    breakdown = data.get("breakdown")
+    seconds = breakdown.get("seconds") if isinstance(breakdown, Mapping) else None
+    wait = _number(seconds.get("data_wait")) if isinstance(seconds, Mapping) else None
+    if wait is not None and step:
+        outcome.wait_share = min(wait, step) / step
+
+
+def busy_windows(data: Mapping[str, Any]) -> list[str]:
+    """The record's timed windows other work competed in: "steps" and each probe's name."""
+    windows: list[tuple[str, Any]] = []
+    timing = data.get("timing")
+    if isinstance(timing, Mapping):
+        windows.append(("steps", timing.get("host_load")))
+    probes = data.get("probes")
+    for probe in probes if isinstance(probes, list) else []:
+        if isinstance(probe, Mapping):
+            windows.append((str(probe.get("name", "?")), probe.get("host_load")))
+    return [
+        name
+        for name, load in windows
+        if isinstance(load, Mapping) and (_number(load.get("competing_share")) or 0.0) > 0
+    ]
+
+
+def decided(finding: Mapping[str, Any], step: float | None) -> Decided:
+    """What one recorded finding was judged on: its saving's share of ``step`` and the interval
+    from its sure saving to its high end (read defensively: older records lack the fields)."""
+
+    def share(key: str) -> float | None:
+        value = _number(finding.get(key))
+        return value / step if value is not None and step else None
+
+    return Decided(
+        severity=str(finding.get("severity", "?")),
+        borderline=isinstance(finding.get("borderline"), Mapping),
+        share=share("est_seconds_saved_per_it"),
+        low=share("sure_seconds_saved_per_it"),
+        high=share("high_seconds_saved_per_it"),
+    )
 
 
 def s_per_it(data: Mapping[str, Any]) -> float | None:
@@ -297,6 +377,105 @@ def print_table(rows: Sequence[Row]) -> None:
         f"\ntarget: >= {TARGET:.0%} of runs agree on an idle machine -> met by "
         f"{', '.join(met) or 'none'} of {', '.join(r.config for r in rows)}"
     )
+    for row in rows:
+        lines = deciding_lines(row)
+        if lines:
+            print(f"\n{row.config}: the deciding values (line {LINE:.0%} of the step)")
+            for line in lines:
+                print(f"  {line}")
+
+
+def _shares(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    return (
+        f"{statistics.median(values):.1%} [{min(values):.1%}-{max(values):.1%}]"
+        if len(values) > 1
+        else f"{values[0]:.1%}"
+    )
+
+
+def deciding_lines(row: Row) -> list[str]:
+    """Per finding any run raised at warn/critical or as borderline: its deciding value's spread
+    over the runs and how it was judged; for an id that flipped, what made it flip."""
+    ok = [o for o in row.outcomes if o.ok]
+    ids = sorted(
+        {i for o in ok for i, d in o.decided.items() if d.borderline or d.severity in ADVICE}
+    )
+    flips = {key[1:] for key in row.flips()}
+    out: list[str] = []
+    for finding_id in ids:
+        values = [v for o in ok if (v := _value(o, finding_id)) is not None]
+        judged = [o.decided.get(finding_id) for o in ok]
+        sure = sum(d is not None and d.severity in ADVICE and not d.borderline for d in judged)
+        border = sum(d is not None and d.borderline for d in judged)
+        lower = sum(d is not None and d.severity not in ADVICE and not d.borderline for d in judged)
+        absent = sum(d is None for d in judged)
+        text = (
+            f"{finding_id}: {_shares(values)} over {len(values)} runs; warn/critical in {sure}, "
+            f"borderline in {border}, info in {lower}, absent in {absent}"
+        )
+        if finding_id in flips:
+            text += f" -- flipped: {_flip_cause(ok, finding_id, values)}"
+        out.append(text)
+    return out
+
+
+def _value(outcome: RunOutcome, finding_id: str) -> float | None:
+    """The value a finding is judged on in a run (the data wait's share even where the wait
+    was not raised, so the runs below its line count too)."""
+    if finding_id == WAIT_FINDING:
+        return outcome.wait_share
+    found = outcome.decided.get(finding_id)
+    return found.share if found is not None else None
+
+
+def _flip_cause(outcomes: Sequence[RunOutcome], finding_id: str, values: Sequence[float]) -> str:
+    causes: list[str] = []
+    if values and min(values) < LINE <= max(values):
+        causes.append(f"its value straddles the {LINE:.0%} line across the runs")
+    border = sum(
+        1 for o in outcomes if (d := o.decided.get(finding_id)) is not None and d.borderline
+    )
+    if border:
+        causes.append(f"its interval straddled the line (borderline) in {border} runs")
+    raised = [o for o in outcomes if finding_id in (o.advice or frozenset())]
+    quiet = [o for o in outcomes if finding_id not in (o.advice or frozenset())]
+    busy = [o for o in outcomes if o.busy_windows]
+    if busy:
+        where = sorted({w for o in busy for w in o.busy_windows})
+        causes.append(
+            f"other work competed for the cores (while {', '.join(where)} ran) in "
+            f"{sum(bool(o.busy_windows) for o in raised)} of the {len(raised)} runs that raised "
+            f"it and {sum(bool(o.busy_windows) for o in quiet)} of the {len(quiet)} that did not"
+        )
+    return "; ".join(causes) or "none of the runs' numbers explain it (see --keep)"
+
+
+def cpu_description() -> str:
+    """The CPU the runs measured on, and whether it computes bf16 natively."""
+    name, flags = platform.processor() or platform.machine(), set[str]()
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+    native = [
+        label
+        for flag, label in (("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX"))
+        if flag in flags
+    ]
+    bf16 = (
+        f"native bf16 ({', '.join(native)})"
+        if native
+        else "no native bf16 (no AVX-512 BF16 or AMX)"
+    )
+    return f"{name}; {bf16}" if flags else name
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -304,7 +483,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=(__doc__ or "").splitlines()[0],
         epilog="configs: " + ", ".join(CONFIGS),
     )
-    parser.add_argument("--runs", type=int, default=5, help="runs of each config (default 5)")
+    parser.add_argument("--runs", type=int, default=20, help="runs of each config (default 20)")
     parser.add_argument(
         "--configs",
         default=",".join(CONFIGS),
@@ -345,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         print(
             f"{args.runs} run(s) of {', '.join(configs)}, interleaved; "
-            f"{os.cpu_count()} logical cores"
+            f"{os.cpu_count()} logical cores; {cpu_description()}"
             + (f"; extra options: {' '.join(args.extra)}" if args.extra else ""),
             flush=True,
         )

@@ -31,6 +31,9 @@ class ExitCode(IntEnum):
     CHECK_FAILED = 7
     #: ``--strict``: an op left the precision or the fused attention path the run asked for.
     STRICT_VIOLATION = 8
+    #: A comparison could not judge a metric it gates (too few steps, too much spread, a change
+    #: the machine's load could explain): neither a pass nor a regression.
+    INCONCLUSIVE = 9
     #: Interrupted by the user (Ctrl-C).
     INTERRUPTED = 130
     #: Stopped by SIGTERM (a job scheduler's cancel, ``kill``): 128 + SIGTERM.

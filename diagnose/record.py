@@ -340,6 +340,23 @@ class Breakdown:
 
 
 @dataclass
+class Borderline:
+    """The value that decides a finding, when its interval straddles the line it is judged
+    against: the finding is shown one severity below that line, and the CI gate reads a change
+    across the line as no change (a rerun may land on either side)."""
+
+    #: The severity the line gives ("warn", "critical"), or "" for a rule's own line, which
+    #: decides whether the finding is raised at all: a finding borderline there is info.
+    line_severity: str = ""
+    #: For the reader: ``data wait 9%–12% of the step, at the 10% line``.
+    text: str = ""
+    value: float = math.nan
+    line: float = math.nan
+    low: float = math.nan
+    high: float = math.nan
+
+
+@dataclass
 class Finding:
     """One cause of lost time: the unit the report ranks."""
 
@@ -358,6 +375,12 @@ class Finding:
     #: it differs from the saving: severity is graded on it, so a saving that hovers at a
     #: boundary does not flip severity between reruns. None: the saving itself.
     sure_seconds_saved_per_it: float | None = None
+    #: The high end of the saving's interval, when the saving came from samples (A/B rounds,
+    #: timed steps). With the sure saving it is the interval severity is graded on: one that
+    #: straddles a severity's line makes the finding borderline. None: the saving itself.
+    high_seconds_saved_per_it: float | None = None
+    #: Set when the deciding value straddles its line (see :class:`Borderline`).
+    borderline: Borderline | None = None
     #: The phases of the step (keys of :data:`PHASES`) the saving lives in: it is never more than
     #: their time. Empty: bounded by the whole step only.
     phases: list[str] = field(default_factory=list)
@@ -680,6 +703,7 @@ __all__ = [
     "PHASE_LABELS",
     "SCHEMA_VERSION",
     "SEVERITIES",
+    "Borderline",
     "Breakdown",
     "Check",
     "DeviceInfo",

@@ -214,7 +214,11 @@ def drop_impossible_values(record: RunRecord) -> list[str]:
     # Without a step time a saving is bounded by the longest step there is.
     bound = step if math.isfinite(step) and step > 0 else MAX_STEP_SECONDS
     for index, finding in enumerate(record.findings):
-        for name in ("est_seconds_saved_per_it", "sure_seconds_saved_per_it"):
+        for name in (
+            "est_seconds_saved_per_it",
+            "sure_seconds_saved_per_it",
+            "high_seconds_saved_per_it",
+        ):
             value = getattr(finding, name)
             if value is None or math.isnan(value):
                 continue

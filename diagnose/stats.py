@@ -1,6 +1,7 @@
 """One statistics module for every verdict: the Mann–Whitney U test, the Hodges–Lehmann intervals
-that invert it, and the A/B helpers probes judge a saving with. The CI gate and the probes both
-use these; nothing here imports torch, numpy or scipy.
+that invert it, the A/B helpers probes judge a saving with, and :func:`at_line`, the one way a
+value is held against a threshold. The CI gate, the probes and the trace rules all use these;
+nothing here imports torch, numpy or scipy.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +26,15 @@ SAVING_SIGNIFICANCE = 0.05
 #: each look asks for this stricter level, so that looking again does not make a wrong verdict
 #: likely (with 5 samples a side the exact test can reach it).
 SEQUENTIAL_SIGNIFICANCE = 0.01
+#: A value held against a line (:func:`at_line`) carries the interval of its samples at this
+#: level: a value that sits on its line reads borderline in all but this share of runs, so reruns
+#: agree on the findings even with several values near their lines.
+LINE_SIGNIFICANCE = 0.01
+#: ... but a handful of samples (the profiled steps of a trace) cannot give a 99% interval
+#: narrower than several times their own spread (Student's t for 3 samples is 9.9), which would
+#: leave every verdict on them borderline: their t interval is taken at this level. A trace is
+#: read the same way each time, so its verdicts do not flip between reruns anyway.
+FEW_SAMPLES_SIGNIFICANCE = SAVING_SIGNIFICANCE
 
 
 @dataclass(frozen=True)
@@ -82,14 +92,27 @@ def _u_counts(m: int, n: int) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=256)
 def _u_cdf(m: int, n: int) -> tuple[float, ...]:
     """P(U <= k) for k = 0..m*n under the null hypothesis, no ties."""
-    counts = _u_counts(m, n)
-    total = math.comb(m + n, m)
+    return _cumulative(_u_counts(m, n), math.comb(m + n, m))
+
+
+def _cumulative(counts: Sequence[int], total: int) -> tuple[float, ...]:
+    """The distribution function of a statistic from how many orderings give each value."""
     out: list[float] = []
     running = 0
     for c in counts:
         running += c
         out.append(running / total)
     return tuple(out)
+
+
+def _last_at_most(cdf: Sequence[float], level: float) -> int:
+    """The largest k with ``cdf[k] <= level``, or -1 when there is none."""
+    c = -1
+    for k, p in enumerate(cdf):
+        if p > level:
+            break
+        c = k
+    return c
 
 
 def smallest_p_value(m: int, n: int) -> float:
@@ -144,13 +167,7 @@ def _critical_count(m: int, n: int, significance: float, tie_sizes: Sequence[int
     The pairwise differences ranked c+1 from either end bound the confidence interval.
     """
     if not tie_sizes and max(m, n) <= EXACT_MAX_SAMPLES:
-        cdf = _u_cdf(m, n)
-        c = -1
-        for k, p in enumerate(cdf):
-            if p > significance / 2:
-                break
-            c = k
-        return c
+        return _last_at_most(_u_cdf(m, n), significance / 2)
     variance = _u_variance(m, n, tie_sizes)
     if variance <= 0:
         return -1
@@ -199,22 +216,31 @@ def ratio_interval(
     return 1 + shift[0] / base_median, 1 + shift[1] / base_median
 
 
+def saving_interval(
+    faster: Sequence[float], slower: Sequence[float], *, allowance: float | None = None
+) -> tuple[float, float] | None:
+    """Seconds ``faster`` saves over ``slower`` per call: the Hodges–Lehmann interval of
+    slower - faster at :data:`SAVING_SIGNIFICANCE`, None when the samples are too few.
+
+    On a busy machine the interval is widened on both ends by the share of the slower side the
+    load could explain (``allowance``; by default the open load window's, see
+    :mod:`diagnose.contention`): a difference other processes could have made or hidden is not
+    one the A/B is sure of."""
+    interval = shift_interval(faster, slower, SAVING_SIGNIFICANCE)
+    if interval is None:
+        return None
+    share = contention.current_allowance() if allowance is None else allowance
+    widen = share * statistics.median(slower) if share > 0 else 0.0
+    return interval[0] - widen, interval[1] + widen
+
+
 def sure_saving(
     faster: Sequence[float], slower: Sequence[float], *, allowance: float | None = None
 ) -> float:
-    """Seconds the A/B is sure ``faster`` saves over ``slower`` (per call): the low end of the
-    Hodges–Lehmann interval of slower - faster at :data:`SAVING_SIGNIFICANCE`, never below 0.
-    0 when the samples are too few for an interval.
-
-    On a busy machine the interval is widened by the share of the slower side the load could
-    explain (``allowance``; by default the open load window's, see :mod:`diagnose.contention`),
-    so a difference other processes could have made is not one the A/B is sure of."""
-    interval = shift_interval(faster, slower, SAVING_SIGNIFICANCE)
-    if interval is None:
-        return 0.0
-    share = contention.current_allowance() if allowance is None else allowance
-    widened = interval[0] - share * statistics.median(slower) if share > 0 else interval[0]
-    return max(0.0, widened)
+    """Seconds the A/B is sure ``faster`` saves over ``slower`` (per call): the low end of
+    :func:`saving_interval`, never below 0; 0 when the samples are too few for an interval."""
+    interval = saving_interval(faster, slower, allowance=allowance)
+    return 0.0 if interval is None else max(0.0, interval[0])
 
 
 def clearly_faster(
@@ -307,4 +333,162 @@ def ab_verdict(
         significance=significance,
         min_relative=min_relative,
         set_aside=set_aside,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A value against its line: above, below, or borderline
+
+#: Where a value stands against a threshold once its uncertainty is counted: its whole interval
+#: at or above the line, wholly below it, or straddling it.
+LineSide = Literal["above", "below", "borderline"]
+
+
+@functools.lru_cache(maxsize=64)
+def _signed_rank_cdf(n: int) -> tuple[float, ...]:
+    """P(W <= k) for k = 0..n(n+1)/2, W the Wilcoxon signed-rank statistic of n values (no ties,
+    no zeros) when each rank's sign is a fair coin: counts of the subsets of 1..n by their sum."""
+    top = n * (n + 1) // 2
+    counts = [1] + [0] * top
+    for rank in range(1, n + 1):
+        for k in range(top, rank - 1, -1):
+            counts[k] += counts[k - rank]
+    return _cumulative(counts, 2**n)
+
+
+def _signed_rank_critical(n: int, significance: float) -> int:
+    """The largest c with P(W <= c) <= significance / 2, or -1 when there is none."""
+    if n <= EXACT_MAX_SAMPLES:
+        return _last_at_most(_signed_rank_cdf(n), significance / 2)
+    sd = math.sqrt(n * (n + 1) * (2 * n + 1) / 24)
+    z = statistics.NormalDist().inv_cdf(1 - significance / 2)
+    return math.floor(n * (n + 1) / 4 - z * sd - 0.5)
+
+
+def _t_coverage(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with a whole number ``df`` of degrees of freedom, from the
+    closed form that whole degrees of freedom have (a finite series in the angle atan(t/√df))."""
+    theta = math.atan(t / math.sqrt(df))
+    cos2 = math.cos(theta) ** 2
+    if df == 1:
+        return 2 * theta / math.pi
+    term = total = 1.0
+    if df % 2 == 0:
+        for k in range(2, df, 2):
+            term *= cos2 * (k - 1) / k
+            total += term
+        return math.sin(theta) * total
+    for k in range(3, df, 2):
+        term *= cos2 * (k - 1) / k
+        total += term
+    return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+
+
+@functools.lru_cache(maxsize=256)
+def t_quantile(significance: float, df: int) -> float:
+    """The t with P(|T| > t) = ``significance`` for Student's t with ``df`` degrees of freedom."""
+    high = 1.0
+    while _t_coverage(high, df) < 1 - significance:
+        high *= 2
+    low = 0.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        if _t_coverage(mid, df) < 1 - significance:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def location_interval(
+    samples: Sequence[float], significance: float = LINE_SIGNIFICANCE
+) -> tuple[float, float] | None:
+    """Confidence interval of where ``samples`` centre; None for fewer than two finite values.
+
+    Rank based wherever the samples allow it: the one-sample Hodges–Lehmann interval that
+    inverts Wilcoxon's signed-rank test at ``significance`` (order statistics of the Walsh
+    averages), which one descheduled step moves little. With too few samples for ranks ever to
+    reach that level (7 or fewer at 1%), Student's t interval of their mean at
+    :data:`FEW_SAMPLES_SIGNIFICANCE` (or ``significance``, if looser): the values' size against
+    their spread, which is what three profiled steps can say (a sign or rank test cannot say
+    anything there)."""
+    values = [float(v) for v in samples if math.isfinite(v)]
+    n = len(values)
+    if n < 2:
+        return None
+    c = _signed_rank_critical(n, significance)
+    if c >= 0:
+        walsh = sorted((values[i] + values[j]) / 2 for i in range(n) for j in range(i, n))
+        return walsh[c], walsh[len(walsh) - 1 - c]
+    level = max(significance, FEW_SAMPLES_SIGNIFICANCE)
+    mean = statistics.fmean(values)
+    half = t_quantile(level, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return mean - half, mean + half
+
+
+@dataclass(frozen=True)
+class AtLine:
+    """A value held against a threshold (its line), with the interval its samples give it."""
+
+    value: float
+    line: float
+    #: The interval the value carries; both ends are the value for a single number.
+    low: float
+    high: float
+    #: How many samples the interval came from (1: a single number, judged as it is).
+    samples: int = 1
+
+    @property
+    def side(self) -> LineSide:
+        if math.isnan(self.low) or math.isnan(self.high):
+            return "below"  # nothing measured reaches a line
+        if self.low >= self.line:
+            return "above"
+        if self.high < self.line:
+            return "below"
+        return "borderline"
+
+    @property
+    def above(self) -> bool:
+        return self.side == "above"
+
+    @property
+    def below(self) -> bool:
+        return self.side == "below"
+
+    @property
+    def borderline(self) -> bool:
+        return self.side == "borderline"
+
+    def words(self, what: str, fmt: Callable[[float], str], of: str = "") -> str:
+        """``data wait 9%–12% of the step, at the 10% line``: what was judged, its interval
+        (or its value, for a single number), and the line."""
+        span = fmt(self.value) if self.low == self.high else f"{fmt(self.low)}–{fmt(self.high)}"
+        return f"{what} {span}{of}, at the {fmt(self.line)} line"
+
+
+def at_line(
+    value: float,
+    line: float,
+    *,
+    samples: Sequence[float] = (),
+    interval: tuple[float, float] | None = None,
+    significance: float = LINE_SIGNIFICANCE,
+) -> AtLine:
+    """``value`` against ``line``: the one way a verdict compares with a threshold.
+
+    Above when the value's whole interval is at or above the line, below when it lies wholly
+    under it, borderline when it straddles it. The interval is ``interval`` when the caller has
+    one (an A/B's), else that of ``samples`` (:func:`location_interval`: the per-step values the
+    value summarises), else none: a single number is judged as it is. The interval is widened to
+    hold ``value`` itself, so the number shown is always inside the interval shown."""
+    if interval is None and len(samples) > 1:
+        interval = location_interval(samples, significance)
+    low, high = interval if interval is not None else (value, value)
+    return AtLine(
+        value=value,
+        line=line,
+        low=min(low, value),
+        high=max(high, value),
+        samples=max(1, len(samples)),
     )

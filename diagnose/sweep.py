@@ -312,6 +312,17 @@ class PointSummary:
     #: The resolution buckets the run trained at (the preset's when the sweep gave none).
     resolution: list[int] = field(default_factory=list)
     created: str = ""
+    #: The machine's load from other work while the point's steps ran (its record's
+    #: ``timing.host_load``): mean cores others took of the cores it could use, and the share of
+    #: its s/it that load could explain (0: not contended). None: not measured.
+    others_cores: float | None = None
+    cpus: int | None = None
+    load_share: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Whether other work competed for the cores while the point's steps ran."""
+        return self.load_share > 0
 
     @property
     def peak_device_bytes(self) -> int | None:
@@ -335,6 +346,7 @@ class PointSummary:
     @classmethod
     def of(cls, record: RunRecord) -> PointSummary:
         headline = record.timing.headline
+        load = record.timing.host_load
         resolution = record.config.get("resolution")
         return cls(
             seconds_per_it=_finite(headline.median),
@@ -350,6 +362,9 @@ class PointSummary:
             size=str(record.config.get("size") or record.model.size or ""),
             resolution=[int(r) for r in resolution] if isinstance(resolution, list) else [],
             created=record.created,
+            others_cores=load.others_cores if load is not None else None,
+            cpus=load.cpus if load is not None else None,
+            load_share=load.competing_share if load is not None else 0.0,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,11 +10,13 @@ CI gate import it.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from diagnose.record import (
     SEVERITIES,
+    Borderline,
     Check,
     Finding,
     Outcome,
@@ -22,6 +24,8 @@ from diagnose.record import (
     RunRecord,
     Severity,
 )
+from diagnose.stats import AtLine, at_line
+from diagnose.trace.rules import pct_fine
 
 #: Share of the step a finding's (sure) saving must reach to be a warning, and to be critical.
 WARN_SHARE = 0.10
@@ -31,6 +35,11 @@ CRITICAL_SHARE = 0.30
 ESTIMATE_CEILING: Severity = "warn"
 #: Slack when checking a bound, for rounding in the recorded numbers.
 _TOLERANCE = 1e-9
+#: Evidence key of a finding: {label of a change its A/B measured no faster: the words of that
+#: change's advice}. Its fix must not carry those words (:func:`contradictions` checks).
+NO_FASTER_KEY = "measured_no_faster"
+#: How a line states the threads torch computes on ("torch uses 2 threads").
+_THREADS_SAID = re.compile(r"torch (?:uses|is set to|computes on) (\d+) threads?")
 
 _SEVERITY_ORDER = {s: i for i, s in enumerate(SEVERITIES)}
 #: When two sources answer one question differently, the answer kept: a finding (time measured
@@ -38,22 +47,89 @@ _SEVERITY_ORDER = {s: i for i, s in enumerate(SEVERITIES)}
 _OUTCOME_STRENGTH: dict[Outcome, int] = {"finding": 2, "ok": 1, "not_judged": 0}
 
 
-def grade(share: float | None, basis: str, fallback: Severity = "info") -> Severity:
-    """The severity of a saving of ``share`` of the step, obtained on ``basis``.
+@dataclass(frozen=True)
+class Grade:
+    """A saving's severity, and the line its interval straddles, if any."""
 
-    ``share`` is the part of the step the measurement is sure the fix saves; None when no saving
-    can be said (then ``fallback``, the severity the finding's own kind carries)."""
+    severity: Severity
+    #: Set when the interval straddles the next severity's line: the finding is borderline there.
+    borderline: Borderline | None = None
+
+
+#: The lines a saving's share of the step is held against, lowest first.
+_SEVERITY_LINES: tuple[tuple[Severity, float], ...] = (
+    ("warn", WARN_SHARE),
+    ("critical", CRITICAL_SHARE),
+)
+
+
+def graded(
+    share: float | None,
+    basis: str,
+    fallback: Severity = "info",
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> Grade:
+    """The severity of a saving of ``share`` of the step, obtained on ``basis``, whose interval
+    is ``low``–``high`` (each the share itself when not given).
+
+    Each severity's line is passed when the whole interval lies at or above it
+    (:func:`diagnose.stats.at_line`); an interval that straddles a line leaves the finding one
+    severity below it, borderline there. None (no saving can be said) gives ``fallback``, the
+    severity the finding's own kind carries."""
     if share is None or not math.isfinite(share):
-        return fallback
-    if share >= CRITICAL_SHARE:
-        severity: Severity = "critical"
-    elif share >= WARN_SHARE:
-        severity = "warn"
-    else:
-        severity = "info"
-    if basis == "estimated" and _SEVERITY_ORDER[severity] > _SEVERITY_ORDER[ESTIMATE_CEILING]:
-        severity = ESTIMATE_CEILING
-    return severity
+        return Grade(fallback)
+    interval = (share if low is None else low, share if high is None else high)
+    severity: Severity = "info"
+    borderline: Borderline | None = None
+    for name, line in _SEVERITY_LINES:
+        reading = at_line(share, line, interval=interval)
+        if reading.above:
+            severity = name
+            continue
+        if reading.borderline:
+            borderline = borderline_at(reading, "saving", " of the step", line_severity=name)
+        break
+    ceiling = _SEVERITY_ORDER[ESTIMATE_CEILING]
+    if basis == "estimated" and _SEVERITY_ORDER[severity] >= ceiling:
+        # Never graded above the ceiling, so there is no line above it to be borderline at.
+        severity, borderline = ESTIMATE_CEILING, None
+    return Grade(severity, borderline)
+
+
+def grade(share: float | None, basis: str, fallback: Severity = "info") -> Severity:
+    """The severity of a saving of ``share`` of the step (a single number) on ``basis``."""
+    return graded(share, basis, fallback).severity
+
+
+def borderline_at(
+    reading: AtLine, what: str, of: str = "", *, line_severity: str = "", ratio: bool = False
+) -> Borderline:
+    """The :class:`Borderline` of a share (``ratio``: a factor) straddling its line, in words:
+    ``data wait 9.6%–12.3% of the step, at the 10% line``. ``line_severity``: the severity the
+    line gives, "" for a rule's own line (whether the finding is raised at all)."""
+    return Borderline(
+        line_severity=line_severity,
+        text=reading.words(what, _times if ratio else pct_fine, of),
+        value=reading.value,
+        line=reading.line,
+        low=reading.low,
+        high=reading.high,
+    )
+
+
+def _times(factor: float) -> str:
+    return f"{factor:.2f}×"
+
+
+def shown_severity(grade: Grade, borderline: Borderline | None) -> Severity:
+    """The severity a finding is shown at: its grade, held one below a line it is borderline at
+    (a rule's own line or the warn line: info; the critical line: warn)."""
+    if borderline is None:
+        return grade.severity
+    below: Severity = "warn" if borderline.line_severity == "critical" else "info"
+    return below if _SEVERITY_ORDER[grade.severity] > _SEVERITY_ORDER[below] else grade.severity
 
 
 def step_seconds(record: RunRecord) -> float | None:
@@ -113,19 +189,41 @@ def settle_findings(record: RunRecord) -> None:
                 "saving_cap": f"capped at {why}: a fix cannot save more than that",
             }
             finding.est_seconds_saved_per_it = bound
+        est = finding.est_seconds_saved_per_it
         sure = finding.sure_seconds_saved_per_it
-        if sure is not None and finding.est_seconds_saved_per_it is not None:
-            finding.sure_seconds_saved_per_it = min(sure, finding.est_seconds_saved_per_it)
-        finding.severity = grade(_sure_share(finding, step), finding.saving_basis, finding.severity)
+        if sure is not None and est is not None:
+            finding.sure_seconds_saved_per_it = min(sure, est)
+        high = finding.high_seconds_saved_per_it
+        if high is not None and est is not None:
+            finding.high_seconds_saved_per_it = max(high, est)
+            if bound is not None:
+                finding.high_seconds_saved_per_it = min(finding.high_seconds_saved_per_it, bound)
+        result = finding_grade(finding, step)
+        # A rule's own line (whether to raise it at all) straddled stands; else the grade's.
+        if finding.borderline is None or finding.borderline.line_severity:
+            finding.borderline = result.borderline
+        finding.severity = shown_severity(result, finding.borderline)
 
 
-def _sure_share(finding: Finding, step: float | None) -> float | None:
-    saving = finding.sure_seconds_saved_per_it
-    if saving is None:
-        saving = finding.est_seconds_saved_per_it
+def finding_grade(finding: Finding, step: float | None) -> Grade:
+    """The grade of ``finding``'s saving: its share of ``step``, on the interval from the part
+    the measurement is sure of to its high end (a saving without an interval: the sure saving,
+    else the saving, as a single number)."""
+    saving = finding.est_seconds_saved_per_it
+    sure = finding.sure_seconds_saved_per_it
     if saving is None or step is None:
-        return None
-    return max(0.0, saving) / step
+        share = None if sure is None or step is None else max(0.0, sure) / step
+        return graded(share, finding.saving_basis, finding.severity)
+    share = max(0.0, saving) / step
+    low = None if sure is None else max(0.0, sure) / step
+    high = finding.high_seconds_saved_per_it
+    return graded(
+        share,
+        finding.saving_basis,
+        finding.severity,
+        low=low,
+        high=None if high is None else max(0.0, high) / step,
+    )
 
 
 def ranked(findings: Iterable[Finding]) -> list[Finding]:
@@ -295,27 +393,72 @@ def contradictions(record: RunRecord) -> list[Contradiction]:
             problems.append(
                 Contradiction(finding.id, f"saves {saving:.6g} s/it, more than {why} ({bound:.6g})")
             )
-        expected = grade(_sure_share(finding, step), finding.saving_basis, finding.severity)
+        result = finding_grade(finding, step)
+        rule_line = finding.borderline is not None and not finding.borderline.line_severity
+        kept = finding.borderline if rule_line else result.borderline
+        expected = shown_severity(result, kept)
         if expected != finding.severity:
             problems.append(
                 Contradiction(finding.id, f"severity {finding.severity}, the rule gives {expected}")
             )
+        if not rule_line and (finding.borderline is None) != (result.borderline is None):
+            said = "borderline" if finding.borderline is not None else "not borderline"
+            problems.append(
+                Contradiction(finding.id, f"{said}, while its saving's interval says otherwise")
+            )
+    problems.extend(_one_story(record))
+    return problems
+
+
+def _one_story(record: RunRecord) -> list[Contradiction]:
+    """A fix its own evidence contradicts (it advises a change the A/B measured no faster), and
+    a line that states other torch threads than the steps ran on without saying so."""
+    problems: list[Contradiction] = []
+    for finding in record.findings:
+        no_faster = finding.evidence.get(NO_FASTER_KEY)
+        if not isinstance(no_faster, dict):
+            continue
+        for label, words in no_faster.items():
+            if isinstance(words, str) and words.lower() in finding.fix.lower():
+                problems.append(
+                    Contradiction(
+                        finding.id, f"its fix advises {words!r}, measured no faster ({label})"
+                    )
+                )
+    ran = record.device.extra.get("torch_threads")
+    if isinstance(ran, int) and not isinstance(ran, bool):
+        lines = [(c.id, c.text) for c in record.all_checks()]
+        lines += [(f.id, f.title) for f in record.findings]
+        for check_id, text in lines:
+            for said in _THREADS_SAID.finditer(text):
+                if int(said.group(1)) != ran and f"ran on {ran}" not in text:
+                    problems.append(
+                        Contradiction(
+                            check_id, f"says {said.group(0)!r}, while the steps ran on {ran}"
+                        )
+                    )
     return problems
 
 
 __all__ = [
     "CRITICAL_SHARE",
     "ESTIMATE_CEILING",
+    "NO_FASTER_KEY",
     "WARN_SHARE",
     "Contradiction",
+    "Grade",
+    "borderline_at",
     "contradictions",
+    "finding_grade",
     "from_trace",
     "grade",
+    "graded",
     "phase_bound",
     "ranked",
     "reconcile_checks",
     "saving_bound",
     "settle",
     "settle_findings",
+    "shown_severity",
     "step_seconds",
 ]

@@ -35,6 +35,7 @@ from diagnose.probes.attention_judging import (
     total_saving,
 )
 from diagnose.record import Finding, Outcome, ProbeResult
+from diagnose.stats import at_line
 
 _NOTHING_FASTER = (
     " No fused backend measured faster than math at these inputs here, so fixing it saves "
@@ -153,8 +154,8 @@ def fused_with_alternative(judged: Sequence[Judged]) -> list[Judged]:
 def worth_acting_on(saving: float, s_per_it: float | None) -> bool:
     """Whether a faster fused backend saves enough to raise ``attention.slower_backend``."""
     if s_per_it:
-        return saving / s_per_it >= ac.MIN_SHARE_OF_S_PER_IT
-    return saving >= ac.MIN_ABSOLUTE_SAVING_S
+        return at_line(saving / s_per_it, ac.MIN_SHARE_OF_S_PER_IT).above
+    return at_line(saving, ac.MIN_ABSOLUTE_SAVING_S).above
 
 
 def slower_backend_rule(judged: Sequence[Judged], *, s_per_it: float | None) -> Finding | None:

@@ -21,35 +21,40 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diagnose.catalogs.dataloader_catalog import (
+    ADVICE_SETTING,
     CACHE_LATENTS_ADVICE,
     GPU_STARVED,
     MIN_MEASURED_GAIN,
     SLOW_LOADER,
     SLOW_LOADER_SHARE,
-    STARVED_SHARE,
     gpu_starved,
     loader_fix,
     no_clear_change_line,
+    not_sure_advice,
     not_waiting_line,
+    nothing_sure_fix,
     predecode_advice,
     slow_loader,
+    wait_at_line,
     workers_advice,
 )
 from diagnose.probes.dataloader_ab import MAX_WORKERS, WARMUP_STEPS, VariantRow
 from diagnose.probes.dataloader_facts import LoaderConfig, WaitSummary
 from diagnose.probes.dataloader_frames import HotFrames
 from diagnose.record import Finding, Outcome
-from diagnose.stats import clearly_faster, sure_saving
+from diagnose.stats import at_line, clearly_faster, saving_interval
 from diagnose.trace.rules import ms, pct
+from diagnose.verdicts import NO_FASTER_KEY
 
 
 @dataclass(frozen=True)
 class Saving:
     """What one loader change saves per iteration: the median difference (bounded by what the
-    changed phases lost) and the part of it the A/B is sure of."""
+    changed phases lost), the part of it the A/B is sure of, and its interval's high end."""
 
     seconds: float
     sure: float
+    high: float
 
 
 def removable_seconds(configured: VariantRow, candidate: VariantRow) -> float | None:
@@ -75,12 +80,15 @@ def measured_saving(
     if not clearly_faster(candidate.seconds, configured.seconds, min_saving=least):
         return None
     seconds = base.median - candidate.stats.median
+    interval = saving_interval(candidate.seconds, configured.seconds) or (seconds, seconds)
+    high = max(seconds, interval[1])
     for cap in (removable_seconds(configured, candidate), bound):
         if cap is not None:
             seconds = min(seconds, max(0.0, cap))
+            high = min(high, max(0.0, cap))
     if seconds < least:
         return None
-    return Saving(seconds, min(seconds, sure_saving(candidate.seconds, configured.seconds)))
+    return Saving(seconds, min(seconds, max(0.0, interval[0])), max(seconds, high))
 
 
 @dataclass
@@ -174,8 +182,9 @@ def judge(
     }
     advice = [_advice(r, facts) for r in ranked]
     bar = wait.bar
+    reading = wait_at_line(bar, [row["share"] for row in wait.per_step])
 
-    if bar.share >= STARVED_SHARE:
+    if not reading.below:
         detail = _starved_detail(loader, bar.seconds, frames, facts, has_device, cores, ab, best)
         workers_row = next((r for r in rows if r.key == "workers" and r.stats.n), None)
         if workers_row is not None and "workers" not in measured:
@@ -197,23 +206,26 @@ def judge(
                 evidence=evidence,
                 saving=wait_saving,
                 sure_saving=min(found.sure, wait_saving),
+                high_saving=min(found.high, reading.high * bar.step),
                 basis="measured",
                 measured_fix=(best.label, found.seconds),
+                reading=reading,
             )
         else:
+            no_faster = _no_faster(rows, configured)
+            if no_faster:
+                evidence[NO_FASTER_KEY] = {
+                    r.label: ADVICE_SETTING[r.key] for r in no_faster if r.key in ADVICE_SETTING
+                }
             finding = gpu_starved(
                 bar,
                 has_device,
-                fix=loader_fix(
-                    [
-                        workers_advice(max(2, min(cores, MAX_WORKERS)), has_device),
-                        CACHE_LATENTS_ADVICE,
-                    ]
-                ),
+                fix=_unmeasured_fix(rows, configured, no_faster, cores, has_device),
                 detail=detail,
                 evidence=evidence,
                 saving=bar.seconds,
                 basis="estimated",
+                reading=reading,
             )
         return Verdict([finding], [], savings, best_key)
 
@@ -222,8 +234,18 @@ def judge(
         "ok",
         not_waiting_line(bar, has_device),
     )
-    if best is not None and measured[best.key].seconds >= SLOW_LOADER_SHARE * bar.step:
-        found = measured[best.key]
+    best_saving = measured[best.key] if best is not None else None
+    gain = (
+        at_line(
+            best_saving.seconds / bar.step,
+            SLOW_LOADER_SHARE,
+            interval=_shares(best_saving, bar.step),
+        )
+        if best_saving is not None
+        else None
+    )
+    if best is not None and best_saving is not None and gain is not None and not gain.below:
+        found = best_saving
         encode = wait.phases.get("encode")
         why = (
             "the step decodes and VAE-encodes its images every time"
@@ -249,6 +271,8 @@ def judge(
             ),
             evidence={"s_per_it": bar.step, "data_wait_share_of_step": bar.share, **evidence},
             sure_saving=found.sure,
+            high_saving=found.high,
+            reading=gain,
         )
         return Verdict([finding], [not_waiting], savings, best_key)
 
@@ -263,6 +287,47 @@ def judge(
             )
         )
     return Verdict([], checks, savings, best_key)
+
+
+def _no_faster(rows: Sequence[VariantRow], configured: VariantRow | None) -> list[VariantRow]:
+    """The changes the A/B measured no faster than the configured loader (median not below)."""
+    if configured is None:
+        return []
+    base = configured.stats.median
+    return [r for r in rows if r.key != "configured" and r.stats.n and r.stats.median >= base]
+
+
+def _unmeasured_fix(
+    rows: Sequence[VariantRow],
+    configured: VariantRow | None,
+    no_faster: Sequence[VariantRow],
+    cores: int,
+    has_device: bool,
+) -> str:
+    """The fix when no change was clearly faster: the usual advice, less what the A/B measured
+    no faster (a fix must not say what its evidence contradicts), and with its numbers what it
+    measured faster but not surely so."""
+    measured = {r.key: r for r in rows if r.key != "configured" and r.stats.n}
+    skipped = {r.key for r in no_faster}
+    advice: list[str] = []
+    for key, text in (
+        ("workers", workers_advice(max(2, min(cores, MAX_WORKERS)), has_device)),
+        ("cached_latents", CACHE_LATENTS_ADVICE),
+    ):
+        if key in skipped:
+            continue
+        row = measured.get(key)
+        if row is not None and configured is not None:
+            text = not_sure_advice(text, row.label, row.stats.median, configured.stats.median)
+        advice.append(text)
+    if advice or configured is None:
+        return loader_fix(advice)
+    return nothing_sure_fix([(r.label, r.stats.median) for r in no_faster], configured.stats.median)
+
+
+def _shares(saving: Saving, step: float) -> tuple[float, float]:
+    """A saving's interval as shares of ``step``."""
+    return saving.sure / step, saving.high / step
 
 
 def _starved_detail(

@@ -21,6 +21,7 @@ from diagnose.environment_facts import (
     version_tuple,
 )
 from diagnose.record import ProbeResult
+from diagnose.stats import at_line
 
 # --- which device --------------------------------------------------------------------------------
 
@@ -164,7 +165,7 @@ def rule_launch_blocking(facts: EnvironmentFacts) -> ProbeResult:
     else:
         result.add_ok(cat.LAUNCH_BLOCKING.id, "no launch-blocking or kernel-serialising switch set")
     log_level = env.get("AMD_LOG_LEVEL", "").strip()
-    if log_level.isdigit() and int(log_level) >= cat.AMD_LOG_LEVEL_SLOW:
+    if log_level.isdigit() and at_line(int(log_level), cat.AMD_LOG_LEVEL_SLOW).above:
         result.add_finding(cat.amd_log_level_finding(log_level))
     elif facts.device.kind == "rocm":
         result.add_ok(
@@ -224,7 +225,7 @@ def rule_throttling(facts: EnvironmentFacts) -> ProbeResult:
     serious = {r: f for r, f in stats.throttle_fractions.items() if _is_serious(r)}
     worst = max(serious.values(), default=0.0)
     clock_fraction = stats.gfx_clock_fraction_of_max
-    throttled = worst >= cat.THROTTLE_FRACTION
+    throttled = at_line(worst, cat.THROTTLE_FRACTION).above
     if throttled:
         result.add_finding(
             cat.gpu_throttled_finding(
@@ -251,9 +252,12 @@ def rule_throttling(facts: EnvironmentFacts) -> ProbeResult:
         )
     limit, default = limits.power_limit_w, limits.power_default_limit_w
     lowered = (
-        limit is not None and default is not None and limit < cat.POWER_LOWERED_FRACTION * default
+        limit is not None
+        and default is not None
+        and default > 0
+        and at_line(limit / default, cat.POWER_LOWERED_FRACTION).below
     )
-    power_limited = lowered and (power_fraction or 0.0) >= cat.POWER_AT_LIMIT_FRACTION
+    power_limited = lowered and at_line(power_fraction or 0.0, cat.POWER_AT_LIMIT_FRACTION).above
     if power_limited and limit is not None and default is not None:
         result.add_finding(
             cat.power_limited_finding(
@@ -281,13 +285,13 @@ def rule_throttling(facts: EnvironmentFacts) -> ProbeResult:
         pass
     elif clock_fraction is None:
         result.add_not_judged(cat.CLOCKS_LOW.id, "clocks: the maximum clock is not reported")
-    elif utilization is None or utilization < cat.BUSY_UTILIZATION_PCT:
+    elif utilization is None or at_line(utilization, cat.BUSY_UTILIZATION_PCT).below:
         result.add_not_judged(
             cat.CLOCKS_LOW.id,
             f"clocks: the GPU is busy {utilization or 0:.0f}% of the time, too little to judge "
             "them (an idle GPU clocks down)",
         )
-    elif clock_fraction < cat.LOW_CLOCK_FRACTION:
+    elif at_line(clock_fraction, cat.LOW_CLOCK_FRACTION).below:
         result.add_finding(
             cat.clocks_low_finding(
                 utilization_pct=utilization,

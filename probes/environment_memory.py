@@ -20,6 +20,7 @@ from diagnose.environment_facts import (
     unknown,
 )
 from diagnose.record import ProbeResult
+from diagnose.stats import at_line
 
 
 def _sysmem_fallback(facts: EnvironmentFacts) -> bool:
@@ -83,7 +84,7 @@ def rule_vram_spill(facts: EnvironmentFacts) -> ProbeResult:
             "spilled",
         )
     peak = max(f for f in (reserved_fraction, used_fraction) if f is not None)
-    if peak < cat.NEAR_CAPACITY:
+    if at_line(peak, cat.NEAR_CAPACITY).below:
         result.add_ok(
             cat.VRAM_NEAR_CAPACITY.id, f"peak VRAM {pct(peak)} of {gib(total)}: headroom left"
         )
@@ -92,10 +93,10 @@ def rule_vram_spill(facts: EnvironmentFacts) -> ProbeResult:
     if sampled:
         rx = sampled.stats.pcie_rx_median_bytes_per_s or 0.0
         tx = sampled.stats.pcie_tx_median_bytes_per_s or 0.0
-        if max(rx, tx) >= cat.HEAVY_PCIE_BYTES_PER_S:
+        if at_line(max(rx, tx), cat.HEAVY_PCIE_BYTES_PER_S).above:
             signals.append(f"PCIe traffic {max(rx, tx) / 1e9:.1f} GB/s during the steps")
         util = sampled.stats.utilization_median_pct
-        if util is not None and util < cat.LOW_UTILIZATION_PCT:
+        if util is not None and at_line(util, cat.LOW_UTILIZATION_PCT).below:
             signals.append(f"GPU busy only {util:.0f}% of the time")
     retries = facts.allocator.get("num_alloc_retries", 0)
     if retries:
@@ -175,7 +176,7 @@ def rule_allocator_retries(facts: EnvironmentFacts) -> ProbeResult:
         cat.allocator_retries_finding(
             retries=retries,
             every_step=bool(ooms)
-            or (per_step is not None and per_step >= cat.RETRIES_PER_STEP_CRITICAL),
+            or (per_step is not None and at_line(per_step, cat.RETRIES_PER_STEP_CRITICAL).above),
             scope=scope,
             evidence={
                 "num_alloc_retries": retries,

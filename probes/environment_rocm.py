@@ -18,6 +18,7 @@ from diagnose.environment_facts import (
     version_tuple,
 )
 from diagnose.record import ProbeResult, Timing
+from diagnose.stats import at_line
 
 # --- kernel search and tuning --------------------------------------------------------------------
 
@@ -58,7 +59,7 @@ def rule_rocm_warmup(facts: EnvironmentFacts) -> ProbeResult:
     if typical <= 0:
         return unknown(check, "kernel-search warm-up: no typical step time")
     ratio = first / typical
-    if ratio < cat.WARMUP_RATIO or first - typical < cat.WARMUP_EXTRA_S:
+    if at_line(ratio, cat.WARMUP_RATIO).below or at_line(first - typical, cat.WARMUP_EXTRA_S).below:
         return fine(
             check,
             f"{source} {first:.2f} s vs {typical:.2f} s/it: no kernel-search warm-up to speak of",
@@ -70,7 +71,7 @@ def rule_rocm_warmup(facts: EnvironmentFacts) -> ProbeResult:
     slow_later = [
         s.index
         for s in facts.timing.samples
-        if not s.profiled and s.seconds >= cat.WARMUP_RATIO * typical
+        if not s.profiled and at_line(s.seconds / typical, cat.WARMUP_RATIO).above
     ]
     evidence: dict[str, Any] = {
         "first_step_seconds": round(first, 3),

@@ -93,6 +93,7 @@ from diagnose.probes.optimizer_syncs import (
 )
 from diagnose.quiet import capture_output
 from diagnose.record import Finding, ProbeResult
+from diagnose.stats import at_line
 from diagnose.timing import PhaseTimer, device_synchronizer
 from diagnose.workload.untouched import GradientCatcher, steps_without_update
 
@@ -549,7 +550,7 @@ class OptimizerProbe:
             "fp32_state_share": share,
             "basis": "computed from the full-size preset built on the meta device",
         }
-        if not sizes or share >= catalog.FP32_SHARE_RAISED:
+        if not sizes or at_line(share, catalog.FP32_SHARE_RAISED).above:
             return None
         return (
             f"{split.optimizer}: on this tiny model {split.tensors_fp32} of "

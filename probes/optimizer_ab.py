@@ -20,8 +20,15 @@ import torch
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.probes.optimizer_inventory import first_line
 from diagnose.record import Finding, Stats
-from diagnose.stats import SAVING_SIGNIFICANCE, clearly_faster, ratio_interval, sure_saving
+from diagnose.stats import (
+    SAVING_SIGNIFICANCE,
+    at_line,
+    clearly_faster,
+    ratio_interval,
+    sure_saving,
+)
 from diagnose.timing import timed_calls
+from diagnose.verdicts import borderline_at
 
 #: Timed calls per optimizer: at least MIN_CALLS, then more until the budget is spent.
 MIN_CALLS = 5
@@ -142,7 +149,12 @@ def slower_than_alternative_rule(
         return None
     saving, sure = ab_saving(configured, best, phase_seconds)
     share = saving / s_per_it if s_per_it else None
-    if share is not None and share < min_share:
+    worth = (
+        at_line(share, min_share, interval=(sure / s_per_it, share))
+        if share is not None and s_per_it
+        else None
+    )
+    if worth is not None and worth.below:
         return None
     base, fastest = configured.stats, best.stats
     evidence: dict[str, Any] = {
@@ -167,7 +179,7 @@ def slower_than_alternative_rule(
     if share is not None and s_per_it:
         evidence["share_of_s_per_it"] = round(share, 4)
         evidence["share_of_s_per_it_low"] = round(sure / s_per_it, 4)
-    return catalog.slower_than_alternative(
+    finding = catalog.slower_than_alternative(
         running=configured.key,
         fastest=best.key,
         running_alone_seconds=base.median,
@@ -179,6 +191,9 @@ def slower_than_alternative_rule(
         evidence=evidence,
         confidence=1 - SAVING_SIGNIFICANCE,
     )
+    if worth is not None and worth.borderline:
+        finding.borderline = borderline_at(worth, "saving", " of s/it")
+    return finding
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from diagnose import torch_compat
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.quiet import capture_output
 from diagnose.record import Finding
+from diagnose.stats import at_line
 
 # --------------------------------------------------------------------------------------------
 # Optimizer state: bytes by dtype, and the 8-bit split (pure)
@@ -168,7 +169,11 @@ def eight_bit_split(optimizer: torch.optim.Optimizer) -> EightBitSplit | None:
 
 def eight_bit_rule(split: EightBitSplit | None) -> Finding | None:
     """``optimizer.8bit_state_mostly_fp32`` when most of the 8-bit optimizer's state is fp32."""
-    if split is None or split.total_bytes == 0 or split.fp32_share < catalog.FP32_SHARE_RAISED:
+    if (
+        split is None
+        or split.total_bytes == 0
+        or at_line(split.fp32_share, catalog.FP32_SHARE_RAISED).below
+    ):
         return None
     return catalog.state_mostly_fp32(
         running=split.key,

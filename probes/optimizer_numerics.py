@@ -39,6 +39,7 @@ import torch
 
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.record import Finding
+from diagnose.stats import at_line
 
 #: Elements per quantisation block of bitsandbytes' blockwise 8-bit optimizers (fixed in
 #: ``Optimizer2State.init_state``).
@@ -256,7 +257,7 @@ def numerics_rule(
     one, a warning against switching to it otherwise (the catalog words both)."""
     if not stats.elements:
         return None
-    if stats.nonfinite == 0 and stats.share_outside_bound <= max_share_outside:
+    if stats.nonfinite == 0 and not at_line(stats.share_outside_bound, max_share_outside).above:
         return None
     evidence = {
         "elements_compared": stats.elements,

@@ -31,6 +31,8 @@ from diagnose.probes.precision_audit_log import AuditLog, CapturedWarning, OpGro
 from diagnose.probes.precision_speed import HeadlineScale, SpeedComparison, round_or_none
 from diagnose.probes.precision_weights import Fp32Weights
 from diagnose.record import DeviceInfo, Finding
+from diagnose.stats import at_line
+from diagnose.verdicts import borderline_at
 
 #: Rows of the op table kept in the probe's data.
 TABLE_ROWS = 60
@@ -414,11 +416,19 @@ def bf16_slower_rule(
     if requested_low_dtype(precision) != "bf16" or comparison is None:
         return None
     speedup = comparison.speedup
-    if not math.isfinite(speedup) or 1 / speedup < SLOWER_FACTOR or not comparison.clearly_slower:
+    if not math.isfinite(speedup) or not comparison.clearly_slower:
+        return None
+    interval = comparison.speedup_interval()
+    slower = at_line(
+        1 / speedup,
+        SLOWER_FACTOR,
+        interval=None if interval is None else (1 / interval[1], 1 / interval[0]),
+    )
+    if slower.below:
         return None
     saving, sure, evidence = _saving_evidence(comparison, comparison.low, scale)
     fp32, low = comparison.totals()
-    return bf16_slower_finding(
+    finding = bf16_slower_finding(
         slowdown=1 / speedup,
         signatures=len(comparison.timed_rows()),
         evidence={
@@ -444,6 +454,9 @@ def bf16_slower_rule(
         not_native=hardware.device if hardware else "",
         on_cpu=hardware.on_cpu if hardware else False,
     )
+    if slower.borderline:
+        finding.borderline = borderline_at(slower, "bf16 over fp32 time", "", ratio=True)
+    return finding
 
 
 def fp32_training_rule(
@@ -457,15 +470,14 @@ def fp32_training_rule(
     if requested_low_dtype(precision) is not None or comparison is None:
         return None
     speedup = comparison.speedup
-    if (
-        not math.isfinite(speedup)
-        or speedup < FP32_TRAINING_MIN_SPEEDUP
-        or not comparison.clearly_faster
-    ):
+    if not math.isfinite(speedup) or not comparison.clearly_faster:
+        return None
+    faster = at_line(speedup, FP32_TRAINING_MIN_SPEEDUP, interval=comparison.speedup_interval())
+    if faster.below:
         return None
     saving, sure, evidence = _saving_evidence(comparison, comparison.base, scale)
     low = comparison.low
-    return fp32_training_finding(
+    finding = fp32_training_finding(
         how_known=f"{low} runs this model's matmul/conv shapes {speedup:.2f}x faster on this "
         "device",
         low=low,
@@ -479,6 +491,9 @@ def fp32_training_rule(
         ),
         no_fast_bf16=low == "fp16" and info.kind != "cpu",
     )
+    if faster.borderline:
+        finding.borderline = borderline_at(faster, f"{low} speed-up", "", ratio=True)
+    return finding
 
 
 __all__ = [

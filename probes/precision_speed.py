@@ -27,7 +27,7 @@ from diagnose.catalogs.precision_catalog import COMPUTE_PHASES
 from diagnose.probes.precision_audit_log import AuditLog, ReplaySpec
 from diagnose.probes.precision_replay import BenchResult
 from diagnose.record import RunRecord
-from diagnose.stats import clearly_faster, sure_saving
+from diagnose.stats import SAVING_SIGNIFICANCE, clearly_faster, ratio_interval, sure_saving
 from diagnose.verdicts import phase_bound, step_seconds
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -167,6 +167,14 @@ class SpeedComparison:
         """Call-weighted base time / low-precision time (nan when nothing could be timed)."""
         base, low = self.totals()
         return base / low if low > 0 and base > 0 else math.nan
+
+    def speedup_interval(self) -> tuple[float, float] | None:
+        """The interval of base / low-precision time from the rounds' per-step samples (the A/B's
+        own level), None with too few rounds."""
+        base, low = self.step_samples()
+        if not base or not low:
+            return None
+        return ratio_interval(low, base, SAVING_SIGNIFICANCE)
 
     @property
     def clearly_slower(self) -> bool:

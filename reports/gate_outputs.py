@@ -13,6 +13,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from diagnose.errors import ExitCode
 from diagnose.gate import (
     Comparison,
     FindingChange,
@@ -21,6 +22,7 @@ from diagnose.gate import (
     RecordSide,
     baseline_name,
     gate_failures,
+    gate_status,
 )
 
 from .format import format_bytes, format_per_iteration, format_percent, format_seconds, is_number
@@ -87,6 +89,8 @@ class FindingRow:
     title: str
     category: str
     fails: str
+    #: Why a borderline change is no change, or "".
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,8 @@ def build_compare_view(comparison: Comparison, fail_on: Iterable[str] | None = N
     )
     findings = tuple(_finding_row(c, failing.get(c.id, "")) for c in comparison.findings)
     passed = not failures
-    status = "PASS" if passed else "FAIL"
+    outcome = gate_status(failures)
+    status = {ExitCode.OK: "PASS", ExitCode.INCONCLUSIVE: "INCONCLUSIVE"}.get(outcome, "FAIL")
     if step is None:
         s_it = "s/it not compared"
     else:
@@ -231,6 +236,12 @@ def build_compare_view(comparison: Comparison, fail_on: Iterable[str] | None = N
             s_it += f", p{p_text})" if step.p_value is not None else ")"
     if passed:
         summary = f"No regression under the gate: {s_it}."
+    elif outcome == ExitCode.INCONCLUSIVE:
+        what = "; ".join(_clean(f.message) for f in failures[:3])
+        summary = (
+            f"Could not judge: {what}. Neither a pass nor a regression (exit "
+            f"{int(ExitCode.INCONCLUSIVE)}); a --fail-on without inconclusive lets it pass."
+        )
     else:
         what = "; ".join(_clean(f.message) for f in failures[:3])
         more = f" (+{len(failures) - 3} more)" if len(failures) > 3 else ""
@@ -300,6 +311,7 @@ def _finding_row(change: FindingChange, fails: str) -> FindingRow:
         title=_clean(change.title or change.id),
         category=_clean(change.category),
         fails=fails,
+        note=_clean(change.note),
     )
 
 
@@ -338,7 +350,10 @@ def compare_table(
         return f"{_STYLES[name]}{text}\033[0m" if color and name in _STYLES else text
 
     lines: list[str] = []
-    head = style(view.status, "ok" if view.passed else "fail")
+    head = style(
+        view.status,
+        "ok" if view.passed else "warn" if view.status == "INCONCLUSIVE" else "fail",
+    )
     lines.append(f"{style('diagnose compare:', 'bold')} {head} — {view.summary}")
     if view.warning:
         lines.append(style(f"!! {view.warning}", "warn"))
@@ -385,7 +400,8 @@ def compare_table(
         for f in view.findings:
             was = f" (was {f.was})" if f.change in ("escalated", "deescalated") else ""
             fails = style(f" ✗ fails ({f.fails})", "fail") if f.fails else ""
-            lines.append(f"  {f.change} {f.severity}{was} {f.id}: {f.title}{fails}")
+            note = f" — {f.note}" if f.note else ""
+            lines.append(f"  {f.change} {f.severity}{was} {f.id}: {f.title}{fails}{note}")
     else:
         lines.append("")
         lines.append("findings: no new, gone or re-graded finding")
@@ -542,7 +558,8 @@ def compare_markdown(comparison: Comparison, fail_on: Iterable[str] | None = Non
         for f in view.findings:
             lines.append(
                 f"| {f.change} | {f.severity} | {f.was} | {_md_code(f.id)} | "
-                f"{_md(f.title)} | {('❌ ' + f.fails) if f.fails else ''} |"
+                f"{_md(f.title)}{(' — ' + _md(f.note)) if f.note else ''} | "
+                f"{('❌ ' + f.fails) if f.fails else ''} |"
             )
     else:
         lines.append("No new, gone or re-graded finding.")

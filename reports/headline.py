@@ -262,8 +262,10 @@ def describe_machine_load(record: RunRecord) -> str:
             "shared, so the s/it and the comparisons may be slower than this workload alone."
         )
     if load is not None and load.contended:
+        # `diagnose profile` watches the command from its start: its window is the whole run.
+        window = "the profiled command ran" if record.mode == "profile" else "the timed steps ran"
         parts.append(
-            f"While the timed steps ran, {describe_load(load)}. Up to "
+            f"While {window}, {describe_load(load)}. Up to "
             f"{format_percent(load.competing_share)} of the s/it above may be that load, not this "
             "workload."
         )

@@ -19,7 +19,7 @@ from typing import Any
 from diagnose.sweep import AXES, AXIS_BY_NAME, STATUS_LABELS, PointResult, Setting, Sweep
 
 from .charts import CHART_RC, figure_svg, new_figure
-from .format import format_bytes, format_per_iteration, format_seconds_range
+from .format import format_bytes, format_per_iteration, format_percent, format_seconds_range
 
 #: The memory sizes of common GPUs, GiB (a "24 GB" card holds 24 GiB).
 VRAM_SIZES_GIB: tuple[int, ...] = (8, 12, 16, 24, 48, 80)
@@ -300,6 +300,8 @@ class Row:
     record_href: str
     log_href: str
     resumed: bool
+    #: "busy: others held 1.6 of 2 cores, up to 70% of the s/it", "" on a quiet machine.
+    load: str
     #: ``--a-rank:2;--d-rank:3;...``: the row's place in each column's ascending and descending
     #: order (the CSS sort reads it).
     order_style: str
@@ -361,6 +363,7 @@ def build_sweep_view(sweep: Sweep, *, with_charts: bool = True) -> SweepView:
                 f" {_tie_words(best.ties, index_of)} as fast within the noise of this "
                 "measurement (their step times overlap): rerun with more --steps to rank them."
             )
+        headline += _load_words(top, measured, index_of)
     else:
         headline = "No point was measured yet."
     device = ""
@@ -391,6 +394,7 @@ def build_sweep_view(sweep: Sweep, *, with_charts: bool = True) -> SweepView:
             record_href=f"{p.dir}/record.json" if p.status == "measured" else "",
             log_href=p.log if p.exit_code is not None else "",
             resumed=p.resumed,
+            load=_point_load(p),
             order_style=";".join(
                 f"--a-{c.key}:{orders[c.key][0][i]};--d-{c.key}:{orders[c.key][1][i]}"
                 for c in columns
@@ -440,6 +444,39 @@ def build_sweep_view(sweep: Sweep, *, with_charts: bool = True) -> SweepView:
         charts=sweep_charts(sweep) if with_charts else [],
         command=sweep.command,
     )
+
+
+def _point_load(result: PointResult) -> str:
+    """What other work took while a point's steps ran, when it competed for the cores."""
+    summary = result.summary
+    if summary is None or not summary.busy or summary.others_cores is None:
+        return ""
+    of = f" of {summary.cpus}" if summary.cpus else ""
+    return (
+        f"busy: others held {summary.others_cores:.1f}{of} cores, up to "
+        f"{format_percent(summary.load_share)} of the s/it"
+    )
+
+
+def _load_words(top: PointResult, measured: Sequence[PointResult], index_of: dict[str, int]) -> str:
+    """The machine's load where the sweep's numbers stand: at the fastest point, and how many
+    points ran beside other work ("" on a quiet machine)."""
+    busy = [p for p in measured if p.summary is not None and p.summary.busy]
+    if not busy:
+        return ""
+    text = ""
+    summary = top.summary
+    if summary is not None and summary.busy:
+        text += (
+            f" The machine was busy while #{index_of[top.id]} ran ({_point_load(top)}): its "
+            "place may be the load's."
+        )
+    text += (
+        f" {len(busy)} of {len(measured)} measured points ran beside other work (marked "
+        "busy in the table): their s/it includes that load; rerun on an idle machine to rank "
+        "them."
+    )
+    return text
 
 
 def _tie_words(ties: Sequence[PointResult], index_of: dict[str, int]) -> str:

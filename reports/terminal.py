@@ -158,6 +158,8 @@ def _finding_lines(finding: FindingView, style: Callable[[str, str], str], width
     if finding.at_full_size.startswith("holds for the tiny model only"):
         head += style(" (tiny model only)", "dim")
     out = [f"{head} — {saving}"]
+    if finding.borderline:
+        out.append(f"     {style(_clean(finding.borderline), 'dim')}")
     if finding.fix:
         fix = textwrap.fill(
             _clean(finding.fix),

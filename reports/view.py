@@ -356,6 +356,8 @@ class FindingView:
     #: On a tiny run, what this finding says about the real model ("" at the real size):
     #: "holds for the tiny model only: <why>", "carries over", "judged at full size".
     at_full_size: str = ""
+    #: "borderline: data wait 9.6%–12.3% of the step, at the 10% line", or "".
+    borderline: str = ""
 
 
 def build_findings(record: RunRecord) -> tuple[FindingView, ...]:
@@ -397,6 +399,17 @@ def _finding_view(rank: int, finding: Finding, step_seconds: float | None) -> Fi
         detail=finding.detail,
         source=finding.source,
         evidence=kv_rows(finding.evidence) if finding.evidence else (),
+        borderline=borderline_line(finding),
+    )
+
+
+def borderline_line(finding: Finding) -> str:
+    """What a borderline finding's value says against its line, for the finding's line."""
+    if finding.borderline is None or not finding.borderline.text:
+        return ""
+    return (
+        f"borderline: {finding.borderline.text} (a rerun may land on either side; "
+        "the CI gate reads a change across it as no change)"
     )
 
 

@@ -157,3 +157,36 @@ def profile_steps(step: Callable[[], object], path: Path, active: int = 3) -> Pa
             step()
             prof.step()
     return path
+
+
+@pytest.fixture
+def busy_core() -> Iterator[None]:
+    """Another process spinning on one of this process's cores for the length of the test: a
+    machine other work keeps busy. It is started outside this process's tree (its parent exits
+    at once), as another user's job is: diagnose counts its own children as its own work."""
+    import signal
+    import subprocess
+    import sys
+
+    spawn = (
+        "import os, sys\n"
+        "pid = os.fork()\n"
+        "if pid:\n"
+        "    print(pid, flush=True)\n"
+        "    os._exit(0)\n"
+        "os.setsid()\n"
+        "null = os.open(os.devnull, os.O_RDWR)\n"
+        "for fd in (0, 1, 2):\n"
+        "    os.dup2(null, fd)\n"
+        "while True:\n"
+        "    pass\n"
+    )
+    parent = subprocess.run(
+        [sys.executable, "-c", spawn], capture_output=True, text=True, check=True, timeout=30
+    )
+    pid = int(parent.stdout.strip())
+    try:
+        os.sched_setaffinity(pid, {min(os.sched_getaffinity(0))})
+        yield
+    finally:
+        os.kill(pid, signal.SIGKILL)

@@ -69,11 +69,16 @@ def write_record(path: Path, record: RunRecord) -> Path:
 # Exit codes
 
 
-def test_same_config_passes(tmp_path: Path) -> None:
+def test_same_config_passes_or_says_it_cannot_judge(tmp_path: Path) -> None:
+    """The fixtures' s/it spread leaves it unjudged: INCONCLUSIVE with its own exit code, never
+    PASS; a --fail-on without inconclusive lets it pass."""
     code, out, err = run_compare([str(BASELINE), str(SAME)])
+    assert code == ExitCode.INCONCLUSIVE, out + err
+    assert out.startswith("diagnose compare: INCONCLUSIVE")
+    assert "s/it" in out and "forward" in out
+    code, out, err = run_compare([str(BASELINE), str(SAME), "--fail-on", "slower,new-critical"])
     assert code == ExitCode.OK, out + err
     assert out.startswith("diagnose compare: PASS")
-    assert "s/it" in out and "forward" in out
 
 
 def test_planted_slowdown_fails_with_regression_and_writes_every_output(tmp_path: Path) -> None:
@@ -97,7 +102,7 @@ def test_run_folders_are_accepted(tmp_path: Path) -> None:
     folder.mkdir()
     write_record(folder / "record.json", RunRecord.load(BASELINE))
     code, out, _ = run_compare([str(folder), str(SAME)])
-    assert code == ExitCode.OK and "record.json" in out
+    assert code == ExitCode.INCONCLUSIVE and "record.json" in out
 
 
 @pytest.mark.parametrize(
@@ -138,7 +143,7 @@ def test_mismatched_records_exit_3_unless_allowed_and_then_say_so_loudly(tmp_pat
             str(html),
         ]
     )
-    assert code == ExitCode.OK
+    assert code == ExitCode.INCONCLUSIVE
     loud = "NOT LIKE FOR LIKE"
     assert loud in out
     assert loud in junit.read_text(encoding="utf-8")

@@ -5,6 +5,7 @@ trace, and real runs of the workload with planted slow-downs."""
 
 from __future__ import annotations
 
+import ast
 import html
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from diagnose.reports import render_html
 from diagnose.reports.view import build_view
 from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from diagnose.verdicts import contradictions, settle
-from tests.conftest import FIXTURES, QUICK, SHARED_TRACES
+from tests.conftest import FIXTURES, QUICK, REPO_ROOT, SHARED_TRACES
 
 
 def _trace_files() -> list[Path]:
@@ -97,3 +98,128 @@ def test_a_real_run_with_planted_slow_downs_is_consistent(planted_run: RunRecord
 
 def test_the_default_run_is_consistent(default_run: Path) -> None:
     assert_consistent(RunRecord.load(default_run))
+
+
+# --------------------------------------------------------------------------------------------
+# Every threshold is held against its value's interval, through one helper
+
+#: Comparisons with a catalog constant that decide no verdict: (file, constant) -> why.
+NOT_A_VERDICT = {
+    ("diagnose/trace/rules/launch.py", "LONG_GAP_US"): (
+        "sorts each idle gap into short and long, one gap at a time: a classification"
+    ),
+    ("diagnose/catalogs/strict_catalog.py", "MAX_ROWS"): "how many table rows a finding lists",
+}
+_CATALOGS = REPO_ROOT / "diagnose" / "catalogs"
+_LINE_MODULES = {
+    **{f"diagnose.catalogs.{p.stem}": p for p in _CATALOGS.glob("*_catalog.py")},
+    "diagnose.verdicts": REPO_ROOT / "diagnose" / "verdicts.py",
+}
+
+
+def _lines_of(path: Path) -> set[str]:
+    """The module's numeric constants (and those defined as another of them): its lines."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        target, value = None, None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        if not isinstance(target, ast.Name) or value is None or not target.id.isupper():
+            continue
+        if target.id.startswith("_"):
+            continue  # a module's own slack (rounding), no line
+        number = isinstance(value, ast.Constant) and type(value.value) in (int, float)
+        if number or (isinstance(value, ast.Name) and value.id in found):
+            found.add(target.id)
+    return found
+
+
+def _names_in(node: ast.AST, modules: dict[str, set[str]], lines: set[str]) -> set[str]:
+    """The lines ``node`` reads: a name imported from (or defined in) a catalog, or a catalog
+    module's attribute (``catalog.RAISE_SHARE``)."""
+    out: set[str] = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name) and child.id in lines:
+            out.add(child.id)
+        elif (
+            isinstance(child, ast.Attribute)
+            and isinstance(child.value, ast.Name)
+            and child.attr in modules.get(child.value.id, set())
+        ):
+            out.add(child.attr)
+    return out
+
+
+def threshold_comparisons(path: Path) -> list[tuple[int, str]]:
+    """Comparisons (``<``, ``>=``...) in ``path`` that read a catalog line directly, or a
+    parameter whose default is one: a threshold compared by hand."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    per_module = {name: _lines_of(p) for name, p in _LINE_MODULES.items()}
+    modules: dict[str, set[str]] = {}  # alias -> its lines
+    lines: set[str] = set()  # names bound to a line here
+    if path.parent == _CATALOGS or path == _LINE_MODULES["diagnose.verdicts"]:
+        lines |= _lines_of(path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in per_module:
+                    modules[alias.asname or alias.name] = per_module[full]
+                elif alias.name in per_module.get(node.module, set()):
+                    lines.add(alias.asname or alias.name)
+    found: list[tuple[int, str]] = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = function.args
+        positional = args.posonlyargs + args.args
+        with_default = positional[len(positional) - len(args.defaults) :]
+        defaults = list(zip(with_default, args.defaults, strict=True))
+        defaults += [
+            (a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None
+        ]
+        params = {a.arg for a, d in defaults if _names_in(d, modules, lines)}
+        for node in ast.walk(function):
+            if isinstance(node, ast.Compare):
+                hit = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & params
+                found.extend((node.lineno, f"parameter {name}") for name in sorted(hit))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            found.extend((node.lineno, name) for name in sorted(_names_in(node, modules, lines)))
+    return found
+
+
+def test_no_threshold_is_compared_by_hand() -> None:
+    """Every rule and probe holds a value against a catalog line with diagnose.stats.at_line
+    (above, below or borderline, with the value's interval), never with a bare ``<``."""
+    sources = sorted((REPO_ROOT / "diagnose").rglob("*.py")) + sorted(
+        (REPO_ROOT / "probes").rglob("*.py")
+    )
+    by_hand = []
+    for path in sources:
+        where = path.relative_to(REPO_ROOT).as_posix()
+        if where == "diagnose/stats.py":
+            continue
+        for line, name in threshold_comparisons(path):
+            if (where, name) not in NOT_A_VERDICT:
+                by_hand.append(f"{where}:{line}: {name}")
+    assert not by_hand, by_hand
+
+
+def test_the_scan_finds_a_threshold_compared_by_hand(tmp_path: Path) -> None:
+    planted = tmp_path / "planted_rule.py"
+    planted.write_text(
+        "from diagnose.catalogs import dataloader_catalog as catalog\n"
+        "from diagnose.catalogs.compute_catalog import RAISE_SHARE\n"
+        "from diagnose.verdicts import WARN_SHARE\n\n"
+        "def rule(share, least=catalog.STARVED_SHARE):\n"
+        "    a = share >= catalog.STARVED_SHARE\n"
+        "    b = share < RAISE_SHARE * 2\n"
+        "    c = share > least\n"
+        "    return a or b or c or WARN_SHARE <= share\n",
+        encoding="utf-8",
+    )
+    found = {name for _, name in threshold_comparisons(planted)}
+    assert found == {"STARVED_SHARE", "RAISE_SHARE", "WARN_SHARE", "parameter least"}

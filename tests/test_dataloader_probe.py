@@ -65,7 +65,7 @@ from diagnose.record import (
 )
 from diagnose.run import execute_run
 from diagnose.timing import PhaseTimer
-from diagnose.verdicts import grade
+from diagnose.verdicts import finding_grade, shown_severity
 from diagnose.workload import Workload, build_workload
 from diagnose.workload.data import (
     SampleKey,
@@ -550,10 +550,7 @@ def test_py_spy_missing_or_failing_is_a_reason_not_an_exception(tmp_path: Path) 
 
 def _graded(finding: Finding, record: RunRecord) -> str:
     """The severity the one rule gives ``finding`` in ``record`` (probes no longer grade)."""
-    sure = finding.sure_seconds_saved_per_it
-    saving = sure if sure is not None else finding.est_seconds_saved_per_it
-    share = None if saving is None else saving / record.timing.headline.median
-    return grade(share, finding.saving_basis, finding.severity)
+    return shown_severity(finding_grade(finding, record.timing.headline.median), finding.borderline)
 
 
 def _record(pairs: list[tuple[float, float]]) -> RunRecord:
@@ -626,7 +623,7 @@ def test_measured_saving_needs_a_sure_clear_margin() -> None:
     assert measured_saving(configured, _row("workers", [0.5, 0.5])) is None
     # The saving never exceeds what the input phases lost; too little of it is no fix.
     assert measured_saving(configured, fast, bound=0.1) == pytest.approx(
-        type(saving)(0.1, min(0.1, saving.sure))
+        type(saving)(0.1, min(0.1, saving.sure), 0.1)
     )
     assert measured_saving(configured, fast, bound=0.01) is None
     assert MIN_TIMED_STEPS >= 4  # fewer steps a side and the test can never be sure

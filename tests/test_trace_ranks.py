@@ -2,7 +2,8 @@
 
 One torchrun launch (2 ranks, gloo, CPU) of ``fixtures/distributed/ddp_trainer.py`` writes the
 rank traces of every scenario: a planted straggler (slow data, slow forward) and its balanced
-twin, gradients too large to hide and their compute-bound twin.
+twin, waits that move between the ranks, gradients too large to hide and their compute-bound
+twin.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from diagnose.trace.analysis import analyze_trace
 from tests.conftest import FIXTURES, ok_lines, unjudged_lines
 
 TRAINER = FIXTURES / "distributed" / "ddp_trainer.py"
-SCENARIOS = ("balanced", "slow_data", "slow_forward", "comm_bound", "compute_bound")
+SCENARIOS = (
+    "balanced",
+    "slow_data",
+    "slow_forward",
+    "alternating",
+    "comm_bound",
+    "compute_bound",
+)
 
 
 @pytest.fixture(scope="module")
@@ -114,30 +122,61 @@ def _first_steps(source: Path, into: Path, keep: int) -> Path:
 
 
 @pytest.mark.slow
-def test_a_straggler_in_too_few_steps_for_chance_to_be_ruled_out_is_not_named(
-    runs: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("scenario", "finding_id"),
+    [
+        ("slow_forward", catalog.STRAGGLER_ID),
+        ("slow_data", catalog.DATA_WAIT_IMBALANCE_ID),
+    ],
+)
+def test_a_straggler_is_named_from_three_profiled_steps(
+    runs: Path, tmp_path: Path, scenario: str, finding_id: str
 ) -> None:
-    # Two ranks: one of them is last in every one of 3 steps 1 time in 4 by chance alone.
-    assert catalog.steps_to_name_a_straggler(2) > 3
-    short = _first_steps(runs / "slow_forward", tmp_path / "short", keep=3)
+    """In each of 3 steps rank 0 waits for rank 1 by far more than the steps' jitter: the size
+    of the waits names it, as a sign test over 3 steps (1 in 4 by chance) never could."""
+    assert catalog.steps_to_name_a_straggler(2) == 3
+    short = _first_steps(runs / scenario, tmp_path / "short", keep=3)
+    record = _trace(short, tmp_path)
+    finding = next(f for f in record.findings if f.id == finding_id)
+    assert finding.evidence["straggler_rank"] == 1
+    assert finding.severity in ("warn", "critical") and finding.borderline is None
+    low, high = finding.evidence["wait_gap_share_interval"]
+    assert catalog.RAISE_SHARE <= low <= high
+    assert "jitter" in finding.detail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep", [1, 2])
+def test_fewer_steps_than_a_jitter_needs_name_no_straggler(
+    runs: Path, tmp_path: Path, keep: int
+) -> None:
+    short = _first_steps(runs / "slow_forward", tmp_path / "short", keep=keep)
     record = _trace(short, tmp_path)
     assert not {catalog.STRAGGLER_ID, catalog.DATA_WAIT_IMBALANCE_ID} & _ids(record)
     unjudged = [line for p in record.probes for line in unjudged_lines(p)]
-    assert any("rank 1 was the one waited for in all 3 profiled steps" in u for u in unjudged), (
-        unjudged
-    )
+    assert any("no step-to-step jitter to hold the wait against" in u for u in unjudged), unjudged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep", [3, 6])
+def test_waits_that_move_between_ranks_name_no_straggler(
+    runs: Path, tmp_path: Path, keep: int
+) -> None:
+    """Each rank is slow in every other step: the others wait as long, but not for one rank."""
+    short = _first_steps(runs / "alternating", tmp_path / "short", keep=keep)
+    record = _trace(short, tmp_path)
+    assert not {catalog.STRAGGLER_ID, catalog.DATA_WAIT_IMBALANCE_ID} & _ids(record)
+    judged = _checked(record) + [line for p in record.probes for line in unjudged_lines(p)]
+    ranks = [line for line in judged if line.startswith("ranks:")]
+    assert ranks and all("inconclusive" in line or "keep pace" in line for line in ranks)
 
 
 def test_the_capture_profiles_as_many_steps_as_the_catalog_asks() -> None:
     from diagnose.profile import capture
 
-    assert capture._STRAGGLER_CHANCE == catalog.STRAGGLER_CHANCE
+    assert capture._STRAGGLER_STEPS == catalog.STRAGGLER_STEPS
     for world in range(1, 17):
         assert capture.steps_to_name_a_straggler(world) == catalog.steps_to_name_a_straggler(world)
-        steps = catalog.steps_to_name_a_straggler(world)
-        if world > 1:
-            assert catalog.chance_of_one_last(world, steps) <= catalog.STRAGGLER_CHANCE
-            assert catalog.chance_of_one_last(world, steps - 1) > catalog.STRAGGLER_CHANCE
 
 
 def _machine_was_busy(runs: Path, scenario: str) -> bool:
@@ -179,8 +218,12 @@ def test_gradients_too_large_to_hide_are_exposed_communication(runs: Path, tmp_p
 @pytest.mark.slow
 def test_compute_bound_ranks_raise_no_exposed_communication(runs: Path, tmp_path: Path) -> None:
     record = _trace(runs / "compute_bound", tmp_path)
-    assert catalog.EXPOSED_COMM_ID not in _ids(record)
-    assert any(line.startswith("communication:") for line in _checked(record))
+    exposed = [f for f in record.findings if f.id == catalog.EXPOSED_COMM_ID]
+    # On a busy shared machine a rank's all-reduce sometimes waits for the other one in a step:
+    # then the steps straddle the line, which is borderline (info), never a warning.
+    assert all(f.severity == "info" and f.borderline is not None for f in exposed), exposed
+    if not exposed:
+        assert any(line.startswith("communication:") for line in _checked(record))
 
 
 @pytest.mark.slow
@@ -194,13 +237,18 @@ def test_files_named_one_by_one_read_as_the_folder(runs: Path, tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_one_rank_alone_shows_its_collectives_but_names_no_straggler(runs: Path) -> None:
+def test_one_rank_alone_judges_its_communication_but_names_no_straggler(runs: Path) -> None:
+    """Rank 0 of the slow-data job waits for rank 1 in its all-reduce: alone, its trace shows
+    exposed communication, said as transfer or a wait for a slower rank."""
     analysis = analyze_trace(runs / "slow_data" / "rank0.json.gz")
     assert analysis.rank == 0 and analysis.world_size == 2
     assert analysis.communication.where == "host"
     assert analysis.communication.median("comm_seconds") > 0
-    assert not any(f.id.startswith("distributed.") for f in analysis.findings)
-    assert any(n.startswith("Exposed communication") for n in analysis.notes)
+    ids = {f.id for f in analysis.findings}
+    assert catalog.EXPOSED_COMM_ID in ids
+    assert not {catalog.STRAGGLER_ID, catalog.DATA_WAIT_IMBALANCE_ID} & ids
+    finding = next(f for f in analysis.findings if f.id == catalog.EXPOSED_COMM_ID)
+    assert "a wait for a slower rank" in finding.detail and "diagnose trace DIR" in finding.fix
 
 
 @pytest.mark.slow
@@ -305,9 +353,3 @@ def test_a_trace_without_collectives_has_none(shared_traces: Path) -> None:
 )
 def test_collective_kinds(name: str, kind: str) -> None:
     assert collective_kind(name) == kind
-
-
-def test_the_repeated_value_leaves_out_one_lucky_step() -> None:
-    assert catalog.repeated([0.0, 0.2, 0.3, 0.25]) == 0.2
-    assert catalog.repeated([0.1, 0.3]) == 0.1
-    assert catalog.repeated([]) == 0.0

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from diagnose.record import PHASES, Basis, Category, Finding, Severity
+from diagnose.record import PHASES, Basis, Borderline, Category, Finding, Severity
 from diagnose.trainers import TRAINERS, in_trainers
 
 #: Where a finding can come from: an active probe of ``diagnose run``, or a rule that reads any
@@ -113,13 +113,17 @@ class FindingSpec:
         evidence: Mapping[str, Any] | None = None,
         saving: float | None = None,
         sure_saving: float | None = None,
+        high_saving: float | None = None,
         basis: Basis = "none",
         detail: str = "",
         source: str = "",
         severity: Severity | None = None,
+        borderline: Borderline | None = None,
     ) -> Finding:
         """The finding, with what the catalog knows filled in. ``severity`` is only the fallback
-        for a finding without a saving; :func:`diagnose.verdicts.settle` grades the others."""
+        for a finding without a saving; :func:`diagnose.verdicts.settle` grades the others.
+        ``sure_saving``–``high_saving``: the saving's interval; ``borderline``: the value that
+        decides whether it is raised at all straddles the rule's line."""
         return Finding(
             id=self.id,
             category=self.category,
@@ -129,6 +133,8 @@ class FindingSpec:
             est_seconds_saved_per_it=saving,
             saving_basis=basis if saving is not None else "none",
             sure_seconds_saved_per_it=sure_saving,
+            high_seconds_saved_per_it=high_saving,
+            borderline=borderline,
             phases=list(self.phases),
             fix=fix,
             detail=detail,

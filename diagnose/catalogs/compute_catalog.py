@@ -12,6 +12,7 @@ from typing import Any
 
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Finding
+from diagnose.stats import at_line
 from diagnose.trace.rules import ms, pct
 
 LAUNCH_BOUND = FindingSpec(
@@ -396,7 +397,7 @@ def sync_elsewhere_finding(
     """``compute.sync_in_step``: ``syncs_per_step`` syncs (``what``: ".item()", ".cpu()"...) at
     ``place`` (``where`` names the op, module or range) cost ``estimate_seconds`` per unprofiled
     step."""
-    many = syncs_per_step >= MANY_SYNCS_PER_STEP
+    many = at_line(syncs_per_step, MANY_SYNCS_PER_STEP).above
     title = (
         f"{syncs_per_step:.0f} {what} per step {SYNC_PLACES.get(place, place)}"
         + (f" ({where})" if where else "")

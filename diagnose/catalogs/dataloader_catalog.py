@@ -16,8 +16,9 @@ from typing import Any
 
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding, RunRecord
+from diagnose.stats import AtLine, at_line
 from diagnose.trace.rules import ms, pct, per_it
-from diagnose.verdicts import phase_bound, step_seconds
+from diagnose.verdicts import borderline_at, phase_bound, step_seconds
 
 GPU_STARVED = FindingSpec(
     "dataloader.gpu_starved",
@@ -112,6 +113,13 @@ def bar_wait(record: RunRecord) -> BarWait | None:
     return BarWait(min(seconds, step), step)
 
 
+def wait_at_line(wait: BarWait, per_step_shares: Sequence[float]) -> AtLine:
+    """The bar's wait share against :data:`STARVED_SHARE`, carrying the interval of the steps'
+    own shares: a wait that sits at the line reads borderline, not starved one run and fine the
+    next."""
+    return at_line(wait.share, STARVED_SHARE, samples=per_step_shares)
+
+
 # --------------------------------------------------------------------------------------------
 # Wording
 
@@ -191,6 +199,35 @@ def predecode_advice(pixel_ratio: float | None, bucket: int | None) -> str:
     )
 
 
+#: The words of each loader change's advice a fix must not carry when the A/B measured that
+#: change no faster than the loader as configured (diagnose.verdicts checks every record).
+ADVICE_SETTING = {
+    "workers": "DataLoader(num_workers=",
+    "cached_latents": "cache the latents",
+    "predecoded": "decode the images once",
+}
+
+
+def not_sure_advice(advice: str, label: str, median: float, configured: float) -> str:
+    """Advice for a change the A/B measured faster, but not surely so: said with its numbers."""
+    return (
+        f"{advice} (the A/B's {label} ran {median:.3f} against {configured:.3f} s/it here, "
+        "faster but not surely so on these steps)"
+    )
+
+
+def nothing_sure_fix(rows: Sequence[tuple[str, float]], configured: float) -> str:
+    """The fix when every loader change measured here was no faster than the configured one:
+    what was measured, and how to learn more, rather than a change the numbers contradict."""
+    listed = "; ".join(f"{label} {median:.3f}" for label, median in rows)
+    return (
+        f"No loader change measured here was faster than the loader as configured "
+        f"({configured:.3f} s/it; {listed} s/it): find what each batch costs in the frames the "
+        "loader spends its time in (below), or rerun on an idle machine with more steps "
+        "(--steps) to measure the changes again."
+    )
+
+
 def loader_fix(advice: Sequence[str]) -> str:
     """Advice clauses, best first, as one ``fix``: ``Cache the latents (…); or load batches …``."""
     clauses = [a for a in advice if a]
@@ -219,13 +256,23 @@ def gpu_starved(
     saving: float,
     basis: Basis,
     sure_saving: float | None = None,
+    high_saving: float | None = None,
     measured_fix: tuple[str, float] | None = None,
     source: str = "",
     steps: str = "each step",
+    reading: AtLine | None = None,
 ) -> Finding:
     """The loop waits for data ``wait.share`` of the step. ``measured_fix``: the label of the
-    loader change the A/B measured clearly faster, and its saving per iteration."""
+    loader change the A/B measured clearly faster, and its saving per iteration. ``reading``:
+    the wait against its line (:func:`wait_at_line`); a borderline one is said so. Without a
+    sure saving the saving's interval is the wait's own."""
     title = starved_title(wait, has_device, steps)
+    borderline = None
+    if reading is not None:
+        if reading.borderline:
+            borderline = borderline_at(reading, "data wait", " of the step")
+        if sure_saving is None and high_saving is None:
+            sure_saving, high_saving = reading.low * wait.step, reading.high * wait.step
     if measured_fix is not None:
         label, seconds = measured_fix
         title += f"; {label}: measured {per_it(seconds)} faster"
@@ -237,10 +284,17 @@ def gpu_starved(
             "data_wait_share_of_step": wait.share,
             "s_per_it": wait.step,
             "share_basis": "the data_wait phase of the phase bar over the median step",
+            **(
+                {"data_wait_share_interval": [reading.low, reading.high]}
+                if reading is not None
+                else {}
+            ),
             **evidence,
         },
         saving=saving,
         sure_saving=sure_saving,
+        high_saving=high_saving,
+        borderline=borderline,
         basis=basis,
         detail=detail,
         source=source,
@@ -257,9 +311,11 @@ def slow_loader(
     detail: str,
     evidence: Mapping[str, Any],
     sure_saving: float | None = None,
+    high_saving: float | None = None,
+    reading: AtLine | None = None,
 ) -> Finding:
     """The loop hardly waits, yet the loader change ``label`` measured ``saving`` s/it faster
-    (a share of the headline ``step``)."""
+    (a share of the headline ``step``; ``reading``: that share against its line)."""
     return SLOW_LOADER.build(
         f"{label[0].upper() + label[1:]}: measured {per_it(saving)} faster "
         f"({pct(saving / step)} of the step); {why}",
@@ -267,6 +323,12 @@ def slow_loader(
         evidence=evidence,
         saving=saving,
         sure_saving=sure_saving,
+        high_saving=high_saving,
+        borderline=(
+            borderline_at(reading, "measured saving", " of the step")
+            if reading is not None and reading.borderline
+            else None
+        ),
         basis="measured",
         detail=detail,
     )
@@ -312,6 +374,7 @@ def corrupt_images(
 
 
 __all__ = [
+    "ADVICE_SETTING",
     "CACHE_LATENTS_ADVICE",
     "CORRUPT_IMAGES",
     "DEFAULT_WORKERS",
@@ -332,10 +395,13 @@ __all__ = [
     "gpu_starved",
     "loader_fix",
     "no_clear_change_line",
+    "not_sure_advice",
     "not_waiting_line",
+    "nothing_sure_fix",
     "predecode_advice",
     "slow_loader",
     "starved_title",
     "usual_fix",
+    "wait_at_line",
     "workers_advice",
 ]

@@ -6,8 +6,6 @@ their findings here, so a straggler reads the same whichever way it was found.
 
 from __future__ import annotations
 
-import math
-
 from diagnose.catalogs import FindingSpec, tiny_model_only
 from diagnose.catalogs.dataloader_catalog import (
     CACHE_LATENTS_ADVICE,
@@ -15,8 +13,9 @@ from diagnose.catalogs.dataloader_catalog import (
     workers_advice,
 )
 from diagnose.record import PHASE_LABELS, Finding
-from diagnose.trace.rules import ms, pct
-from diagnose.verdicts import WARN_SHARE
+from diagnose.stats import AtLine
+from diagnose.trace.rules import ms, pct, pct_fine
+from diagnose.verdicts import WARN_SHARE, borderline_at
 
 STRAGGLER = FindingSpec(
     "distributed.straggler",
@@ -39,8 +38,8 @@ DATA_WAIT_IMBALANCE = FindingSpec(
 EXPOSED_COMM = FindingSpec(
     "distributed.exposed_communication",
     "distributed",
-    "(rank traces, `run --nproc`) collective time with nothing else running, on the rank that "
-    "waits least (transfer, not a wait)",
+    "collective time with nothing else running: on one rank's trace (transfer or a wait for "
+    "slower ranks), or, with every rank's trace, on the rank that waits least (transfer)",
     ("trace",),
     at_full_size=tiny_model_only(
         "the tiny LoRA's gradients are smaller and its step shorter: how much communication "
@@ -57,10 +56,9 @@ EXPOSED_COMM_ID = EXPOSED_COMM.id
 
 #: Below this many seconds per step a difference between ranks is timer and scheduling noise.
 MIN_SECONDS = 1e-3
-#: A rank is named the straggler only when it being the one waited for in every profiled step
-#: would happen by chance at most this often, were each rank equally likely to be last in a step
-#: (a busy machine deschedules ranks at random).
-STRAGGLER_CHANCE = 0.05
+#: Profiled steps a straggler can be named from: the per-step wait differences between ranks
+#: then have a spread (the steps' jitter) to hold their size against; fewer say nothing.
+STRAGGLER_STEPS = 3
 #: A phase is named as the straggler's when it holds at least this share of the others' wait.
 PHASE_EXPLAINS = 0.5
 
@@ -68,33 +66,17 @@ PHASE_EXPLAINS = 0.5
 _COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "encode"})
 
 
-REPEATED_NOTE = (
-    "the smallest per-step value, leaving out the single smallest when there are 3 or more "
-    "steps: the findings are judged on what repeats in every step, not on one slow step"
+INTERVAL_NOTE = (
+    "the interval of the per-step values (the profiled steps' jitter), held against the line: "
+    "the finding is judged on what every step shows, not on one slow step"
 )
 
 
 def steps_to_name_a_straggler(world_size: int) -> int:
-    """The fewest profiled steps in which one rank being last in all of them is not chance:
-    ``world_size ** -(steps - 1) <= STRAGGLER_CHANCE`` (6 steps for 2 ranks, 4 for 4, 3 for 8).
-    diagnose/profile/capture.py computes the same in the user's processes."""
-    if world_size < 2:
-        return 1
-    return 1 + math.ceil(math.log(1 / STRAGGLER_CHANCE) / math.log(world_size) - 1e-9)
-
-
-def chance_of_one_last(world_size: int, steps: int) -> float:
-    """How often chance alone makes one rank the last in every one of ``steps`` steps."""
-    return float(world_size) ** -(steps - 1) if world_size > 1 and steps > 0 else 1.0
-
-
-def repeated(per_step: list[float]) -> float:
-    """The value that repeats: the smallest over the steps, leaving out the single smallest
-    when there are 3 or more (on a shared machine any rank is descheduled in some step)."""
-    values = sorted(per_step)
-    if not values:
-        return 0.0
-    return values[1] if len(values) >= 3 else values[0]
+    """The fewest profiled steps a straggler among ``world_size`` ranks can be named from
+    (:data:`STRAGGLER_STEPS`; 1 for a single process). diagnose/profile/capture.py asks the same
+    in the user's processes."""
+    return STRAGGLER_STEPS if world_size > 1 else 1
 
 
 def collective_words(by_kind: dict[str, float]) -> str:
@@ -116,7 +98,7 @@ def straggler_finding(
     straggler: int,
     world_size: int,
     others_wait: float,
-    sure_share: float,
+    reading: AtLine,
     step_seconds: float,
     phase: str | None,
     phase_excess: float,
@@ -141,7 +123,8 @@ def straggler_finding(
         # Were the straggler as fast as the others, none would wait: that is the whole saving,
         # and it can never exceed the step (others_wait is a part of each waiting rank's step).
         saving=min(others_wait, step_seconds),
-        sure_saving=sure_share * step_seconds,
+        sure_saving=max(0.0, reading.low) * step_seconds,
+        high_saving=reading.high * step_seconds,
         basis="trace",
         fix=_straggler_fix(straggler, phase),
         detail=(
@@ -149,6 +132,9 @@ def straggler_finding(
             "the slowest one arrives, so the job runs at the straggler's pace. The wait is read "
             "from the traces without trusting their clocks: per step, each rank's time in "
             "collectives minus the least any rank spent in the same step's collectives. The "
+            "straggler is named from the size of those waits against their step-to-step jitter "
+            f"({reading.words('the others wait longer by', pct_fine, ' of the step')}, an "
+            "interval over the profiled steps), not from which rank happened to be last. The "
             "phase is where the straggler spends more than the median of the other ranks."
         ),
         source=source,
@@ -180,18 +166,40 @@ def _straggler_fix(rank: int, phase: str | None) -> str:
 
 def exposed_finding(
     *,
-    rank: int,
+    rank: int | None,
     exposed: float,
-    sure_share: float,
+    reading: AtLine,
     step_seconds: float,
     by_kind: dict[str, float],
     evidence: dict[str, object],
     source: str,
+    single_rank: bool = False,
 ) -> Finding:
-    """``exposed`` seconds per step of collective time on ``rank`` that no compute hides."""
+    """``exposed`` seconds per step of collective time on ``rank`` that no compute hides;
+    ``reading``: its share of the step against :data:`RAISE_SHARE`, with the steps' interval.
+    ``single_rank``: read on one rank's trace alone, where a wait for a slower rank looks the
+    same as transfer."""
     share = exposed / step_seconds if step_seconds else 0.0
     where = collective_words(by_kind)
     fsdp = "all_gather" in by_kind or "reduce_scatter" in by_kind
+    on = "this rank's trace" if rank is None else f"rank {rank}"
+    if single_rank:
+        read = (
+            f"Read on {on} alone: this is transfer, or a wait for a slower rank, which one "
+            "rank's trace cannot tell apart; give every rank's trace (diagnose trace DIR) to "
+            "tell them. "
+        )
+        fix = (
+            _exposed_fix(fsdp)
+            + " If another rank is slower, part of this is a wait for it: read every rank's "
+            "trace together (diagnose trace DIR) to name it."
+        )
+    else:
+        read = (
+            f"Read on {on}, the rank that waits least for the others, so this is transfer time "
+            "rather than a wait for a straggler. "
+        )
+        fix = _exposed_fix(fsdp)
     return EXPOSED_COMM.build(
         (
             f"Communication is not hidden behind compute: {ms(exposed)} per step "
@@ -199,13 +207,18 @@ def exposed_finding(
         ),
         evidence=evidence,
         saving=min(exposed, step_seconds),
-        sure_saving=sure_share * step_seconds,
+        sure_saving=max(0.0, reading.low) * step_seconds,
+        high_saving=reading.high * step_seconds,
+        borderline=(
+            borderline_at(reading, "exposed communication", " of the step")
+            if reading.borderline
+            else None
+        ),
         basis="trace",
-        fix=_exposed_fix(fsdp),
+        fix=fix,
         detail=(
-            f"Read on rank {rank}, the rank that waits least for the others, so this is transfer "
-            "time rather than a wait for a straggler. Overlapping it with the backward pass "
-            "would save up to this much (an upper bound: some transfer cannot overlap)."
+            read + "Overlapping it with the backward pass would save up to this much (an upper "
+            "bound: some transfer cannot overlap)."
         ),
         source=source,
     )
@@ -247,13 +260,23 @@ def inconclusive_straggler_line(median_wait: float, step_seconds: float, waited:
     )
 
 
-def too_few_steps_straggler_line(rank: int, steps: int, world_size: int) -> str:
-    chance = chance_of_one_last(world_size, steps)
+def too_few_steps_straggler_line(rank: int, steps: int) -> str:
     return (
-        f"ranks: inconclusive: rank {rank} was the one waited for in all {steps} profiled "
-        f"steps, which chance alone gives 1 time in {1 / chance:.0f} with {world_size} ranks; "
-        f"profile at least {steps_to_name_a_straggler(world_size)} steps to tell a straggler "
-        "from a busy machine"
+        f"ranks: inconclusive: rank {rank} was waited for in {steps} profiled step"
+        f"{'s' if steps != 1 else ''}: no step-to-step jitter to hold the wait against; profile "
+        f"at least {STRAGGLER_STEPS} steps to tell a straggler from a busy machine"
+    )
+
+
+def jittery_straggler_line(rank: int, reading: AtLine, step_seconds: float, steps: int) -> str:
+    """Rank ``rank`` was waited for in every step, but the waits vary too much, against their
+    line, to name it."""
+    low, high = (max(0.0, v) * step_seconds for v in (reading.low, reading.high))
+    return (
+        f"ranks: inconclusive: rank {rank} was waited for in every one of {steps} profiled "
+        f"steps, but by {ms(low)}–{ms(high)} per step (the interval of the steps' waits), "
+        f"which straddles the {pct(RAISE_SHARE)} line: too much jitter to name a straggler; "
+        "profile more steps"
     )
 
 

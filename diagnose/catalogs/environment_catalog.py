@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Finding, Severity
+from diagnose.stats import at_line
 
 CPU_WITH_GPU_PRESENT = FindingSpec(
     "environment.cpu_with_gpu_present",
@@ -208,8 +209,8 @@ BUSY_UTILIZATION_PCT = 70.0
 AMD_LOG_LEVEL_SLOW = 3
 #: A CPU run uses too few threads below this share of the physical cores.
 CPU_THREADS_LOW_SHARE = 0.5
-#: A CPU run on this many usable cores or fewer is a smoke test.
-CPU_FEW_CORES_MAX = 4
+#: A CPU run on fewer usable cores than this is a smoke test.
+CPU_ENOUGH_CORES = 5
 
 # --- severities of the variants of one id ------------------------------------------------------
 
@@ -480,9 +481,9 @@ def gpu_throttled_finding(
 ) -> Finding:
     """Serious throttle ``reasons`` active in ``worst`` of the busy samples."""
     most = (
-        worst >= THROTTLE_MOST_FRACTION
+        at_line(worst, THROTTLE_MOST_FRACTION).above
         and clock_fraction is not None
-        and clock_fraction < THROTTLED_CLOCK_FRACTION
+        and at_line(clock_fraction, THROTTLED_CLOCK_FRACTION).below
     )
     if power_brake and not thermal:
         fix = (

@@ -19,6 +19,7 @@ from diagnose.catalogs import (
     tiny_model_only,
 )
 from diagnose.record import Finding, Severity
+from diagnose.stats import at_line
 
 SYNC_IN_STEP = FindingSpec(
     "optimizer.sync_in_step",
@@ -374,7 +375,7 @@ def state_mostly_fp32(
     """``optimizer.8bit_state_mostly_fp32`` (raised from FP32_SHARE_RAISED of the state)."""
     minimum = min_8bit_size if min_8bit_size is not None else BNB_DEFAULT_MIN_8BIT_SIZE
     suggested = max(1, smallest_tensor)
-    severity: Severity = "warn" if fp32_share >= FP32_SHARE_WARN else "info"
+    severity: Severity = "warn" if at_line(fp32_share, FP32_SHARE_WARN).above else "info"
     plain = switch_fix(running, "adamw-fused")
     return STATE_MOSTLY_FP32.build(
         (

@@ -10,6 +10,7 @@ from typing import Any
 
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding
+from diagnose.stats import at_line
 from diagnose.trace.rules import ms, pct, per_it
 
 DEQUANT_COST = FindingSpec(
@@ -128,7 +129,11 @@ def measured_cost(
         else ""
     )
     gap = ""
-    if on_gpu and trace_share is not None and slowdown > HOST_PATH_GAP * max(trace_share, 1e-9):
+    if (
+        on_gpu
+        and trace_share is not None
+        and at_line(slowdown / max(trace_share, 1e-9), HOST_PATH_GAP).above
+    ):
         share += ", the rest is their host path"
         host = (
             f"; the host spends {pct(trace_host_share)} of each profiled step inside their "

@@ -1,7 +1,8 @@
 """`diagnose compare BASELINE [BASELINE ...] CURRENT`: the CI gate on saved records (no torch,
 no GPU). Several baselines (the last green runs) let the gate see the runner's run-to-run drift.
 
-Exit codes: 0 no regression, 6 regression (ExitCode.REGRESSION), 3 bad or mismatched records,
+Exit codes: 0 no regression, 6 regression (ExitCode.REGRESSION), 9 a gated metric could not be
+judged (ExitCode.INCONCLUSIVE), 3 bad or mismatched records,
 4 an output file exists (without --force), 2 a bad command line.
 
 The gate's options are defined by :func:`add_gate_options` so that `diagnose run --baseline`

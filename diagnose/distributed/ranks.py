@@ -22,6 +22,7 @@ from diagnose.catalogs import distributed_catalog as catalog
 from diagnose.catalogs.dataloader_catalog import GPU_STARVED
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import PHASES, Check, Finding, RankStat, RunRecord
+from diagnose.stats import at_line
 from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.trace.rules import import_rules
 
@@ -260,31 +261,29 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
     others_wait = _median(per_step)
     step = _median([straggler.analysis.steps[k].wall_seconds for k in index[s]])
     share = others_wait / step if step else 0.0
-    # Judged on the wait that repeats, not the median: a rank descheduled in a step or two
-    # makes the others wait then; a straggler makes them wait in every step.
-    sure_share = catalog.repeated(per_step) / step if step else 0.0
-    every_step = all(d > 0 for d in per_step)
+    # Judged on the size of the waits, paired by step: how much longer the others waited than
+    # the straggler in each step, as an interval over the steps against their jitter. A rank
+    # descheduled in a step or two makes the others wait then, and the interval stays wide; a
+    # straggler makes them wait in every step, by about as much.
+    gaps = [(per_step[k] - waits[s][k]) / step for k in range(len(per_step))] if step else []
+    reading = at_line(share, catalog.RAISE_SHARE, samples=gaps)
     source = SOURCE
     steps = len(per_step)
-    lasting = every_step and others_wait >= catalog.MIN_SECONDS
-    if (
-        lasting
-        and sure_share >= catalog.RAISE_SHARE
-        and catalog.chance_of_one_last(world, steps) > catalog.STRAGGLER_CHANCE
-    ):
-        result.checks.append(
-            _unjudged(catalog.too_few_steps_straggler_line(straggler.rank, steps, world))
-        )
-    elif lasting and sure_share >= catalog.RAISE_SHARE:
+    every_step = all(g > 0 for g in gaps)
+    lasting = every_step and at_line(others_wait, catalog.MIN_SECONDS).above
+    if lasting and at_line(steps, catalog.STRAGGLER_STEPS).below and not reading.below:
+        result.checks.append(_unjudged(catalog.too_few_steps_straggler_line(straggler.rank, steps)))
+    elif lasting and reading.above:
         result.pacing_rank = straggler.rank
         phase, excess = _slow_phase(stats, s, others)
-        named = phase if excess >= catalog.PHASE_EXPLAINS * others_wait else None
+        explains = others_wait > 0 and at_line(excess / others_wait, catalog.PHASE_EXPLAINS).above
+        named = phase if explains else None
         result.findings.append(
             catalog.straggler_finding(
                 straggler=straggler.rank,
                 world_size=world,
                 others_wait=others_wait,
-                sure_share=sure_share,
+                reading=reading,
                 step_seconds=step,
                 phase=named,
                 phase_excess=excess,
@@ -293,8 +292,8 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
                     "straggler_rank": straggler.rank,
                     "others_wait_seconds_per_step": others_wait,
                     "share_of_step": share,
-                    "repeated_share_of_step": sure_share,
-                    "repeated_note": catalog.REPEATED_NOTE,
+                    "wait_gap_share_interval": [reading.low, reading.high],
+                    "interval_note": catalog.INTERVAL_NOTE,
                     "slow_phase": named,
                     "slow_phase_excess_seconds": excess,
                     "wait_seconds_by_rank": {str(st.rank): st.wait_seconds for st in stats},
@@ -304,7 +303,11 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
                 source=source,
             )
         )
-    elif share >= catalog.RAISE_SHARE:
+    elif lasting and reading.borderline:
+        result.checks.append(
+            _unjudged(catalog.jittery_straggler_line(straggler.rank, reading, step, steps))
+        )
+    elif not at_line(share, catalog.RAISE_SHARE).below:
         waited = [ranks[i].rank for i in range(world) if any(w > 0 for w in waits[i])]
         result.checks.append(
             _unjudged(catalog.inconclusive_straggler_line(others_wait, step, waited))
@@ -315,24 +318,27 @@ def _judge(result: RankComparison, waits: list[list[float]], index: list[list[in
             Check(catalog.STRAGGLER_ID, "ok", catalog.no_straggler_line(worst, step, world), SOURCE)
         )
     exposed = stats[s].exposed_comm_seconds
-    exposed_share = exposed / step if step else 0.0
     exposed_steps = [straggler.analysis.communication.steps[k].exposed_seconds for k in index[s]]
-    exposed_sure = catalog.repeated(exposed_steps) / step if step else 0.0
-    if exposed >= catalog.MIN_SECONDS and exposed_sure >= catalog.RAISE_SHARE:
+    exposed_reading = at_line(
+        exposed / step if step else 0.0,
+        catalog.RAISE_SHARE,
+        samples=[e / step for e in exposed_steps] if step else (),
+    )
+    if at_line(exposed, catalog.MIN_SECONDS).above and not exposed_reading.below:
         result.findings.append(
             catalog.exposed_finding(
                 rank=straggler.rank,
                 exposed=exposed,
-                sure_share=exposed_sure,
+                reading=exposed_reading,
                 step_seconds=step,
                 by_kind=stats[s].comm_by_kind,
                 evidence={
                     "rank": straggler.rank,
                     "exposed_seconds_per_step": exposed,
                     "comm_seconds_per_step": stats[s].comm_seconds,
-                    "share_of_step": exposed_share,
-                    "repeated_share_of_step": exposed_sure,
-                    "repeated_note": catalog.REPEATED_NOTE,
+                    "share_of_step": exposed_reading.value,
+                    "share_interval": [exposed_reading.low, exposed_reading.high],
+                    "interval_note": catalog.INTERVAL_NOTE,
                     "by_kind_seconds": stats[s].comm_by_kind,
                 },
                 source=source,
@@ -388,6 +394,15 @@ def comparison_record(comparison: RankComparison) -> RunRecord:
         record.findings = record.findings + comparison.findings
         record.notes = record.notes + comparison.notes
     trace_probe = next(p for p in record.probes if p.name == "trace")
+    # Every rank's traces read together answer the exposed-communication question on the rank
+    # that waits least: the one rank's own reading (transfer or wait, untold) gives way.
+    refined = {c.id for c in comparison.checks} | {f.id for f in comparison.findings}
+    if len(comparison.ranks) > 1 and catalog.EXPOSED_COMM_ID in refined:
+        trace_probe.checks = [c for c in trace_probe.checks if c.id != catalog.EXPOSED_COMM_ID]
+        cross = {id(f) for f in comparison.findings}
+        record.findings = [
+            f for f in record.findings if f.id != catalog.EXPOSED_COMM_ID or id(f) in cross
+        ]
     trace_probe.checks.extend(comparison.checks)
     if comparison.aligned:
         trace_probe.data["ranks"] = {

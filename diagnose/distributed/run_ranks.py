@@ -162,12 +162,12 @@ def execute_distributed(
     from diagnose.workload import build_workload
 
     _check_gpu_count(config, device)
-    # Enough profiled steps that a rank last in all of them is a straggler, not chance.
+    # Enough profiled steps that the waits between ranks have a jitter to be held against.
     needed = steps_to_name_a_straggler(config.nproc)
     if 0 < config.profiled_steps < needed:
         say(
             f"profiling {needed} steps per rank (--profiled-steps {config.profiled_steps}): fewer "
-            f"cannot tell a straggler among {config.nproc} ranks from a busy machine"
+            "cannot tell a straggler from a busy machine"
         )
         config = dataclasses.replace(config, profiled_steps=needed)
     trace_dir = out_dir / RANKS_DIR

@@ -25,7 +25,13 @@ from diagnose.gate.comparability import (
     record_differences,
 )
 from diagnose.gate.comparison import Comparison, RecordSide, baseline_name, compare_records
-from diagnose.gate.failures import GateFailure, gate_exit_code, gate_failures, parse_fail_on
+from diagnose.gate.failures import (
+    GateFailure,
+    gate_exit_code,
+    gate_failures,
+    gate_status,
+    parse_fail_on,
+)
 from diagnose.gate.finding_changes import FindingChange, diff_findings
 from diagnose.gate.metrics import MetricComparison, compare_runs, compare_samples
 from diagnose.gate.options import (
@@ -58,6 +64,7 @@ __all__ = [
     "environment_changes",
     "gate_exit_code",
     "gate_failures",
+    "gate_status",
     "parse_fail_on",
     "record_differences",
 ]

@@ -1,4 +1,6 @@
-"""The gate's decision: which ``--fail-on`` criteria fired on a comparison, and the exit code."""
+"""The gate's decision: which ``--fail-on`` criteria fired on a comparison, and the exit code:
+a regression (ExitCode.REGRESSION), or a gated metric that could not be judged and nothing worse
+(ExitCode.INCONCLUSIVE), or neither."""
 
 from __future__ import annotations
 
@@ -49,21 +51,15 @@ def gate_failures(
     criteria = frozenset(comparison.options.fail_on if fail_on is None else fail_on)
     out: list[GateFailure] = []
     for metric in comparison.metrics:
-        criterion = {
-            "step": "slower",
-            "phase": "phase",
-            "memory": "memory",
-            "kernel_class": "kernel",
-            "utilisation": "mfu",
-        }[metric.kind]
+        criterion = _CRITERION[metric.kind]
         if metric.regressed and criterion in criteria:
             message = f"{metric.label} {metric.verdict}: {metric.reason}"
             if metric.kind == "step":
                 message += _where_slower(comparison)
             out.append(GateFailure(criterion, metric.key, message))
         if (
-            metric.kind == "step"
-            and metric.verdict == "inconclusive"
+            metric.verdict == "inconclusive"
+            and criterion in criteria
             and "inconclusive" in criteria
         ):
             out.append(
@@ -98,5 +94,24 @@ def _where_slower(comparison: Comparison) -> str:
 
 
 def gate_exit_code(comparison: Comparison, fail_on: Iterable[str] | None = None) -> int:
-    """ExitCode.REGRESSION when anything in ``fail_on`` fired, else ExitCode.OK."""
-    return int(ExitCode.REGRESSION if gate_failures(comparison, fail_on) else ExitCode.OK)
+    """ExitCode.REGRESSION when anything in ``fail_on`` but ``inconclusive`` fired,
+    ExitCode.INCONCLUSIVE when only that did, else ExitCode.OK."""
+    return int(gate_status(gate_failures(comparison, fail_on)))
+
+
+def gate_status(failures: Iterable[GateFailure]) -> ExitCode:
+    """What the failures add up to (see :func:`gate_exit_code`)."""
+    criteria = {f.criterion for f in failures}
+    if criteria - {"inconclusive"}:
+        return ExitCode.REGRESSION
+    return ExitCode.INCONCLUSIVE if criteria else ExitCode.OK
+
+
+#: The ``--fail-on`` criterion that gates each kind of metric.
+_CRITERION = {
+    "step": "slower",
+    "phase": "phase",
+    "memory": "memory",
+    "kernel_class": "kernel",
+    "utilisation": "mfu",
+}

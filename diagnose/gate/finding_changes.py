@@ -1,4 +1,8 @@
-"""The findings diff: new, gone and re-graded findings between the records."""
+"""The findings diff: new, gone and re-graded findings between the records.
+
+A finding borderline on either side (its deciding value straddled its line, see
+:class:`diagnose.record.Borderline`) that moved only across that line is listed as
+``borderline``, never as new or re-graded: a rerun of the same code may land on either side."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Literal
 
 from diagnose.record import SEVERITIES, Finding, RunRecord
 
-FindingChangeKind = Literal["new", "gone", "escalated", "deescalated"]
+FindingChangeKind = Literal["new", "gone", "escalated", "deescalated", "borderline"]
 _SEVERITY_RANK: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
 
 
@@ -24,6 +28,8 @@ class FindingChange:
     current_severity: str | None
     #: The current finding's estimated saving (or the baseline's, for a gone one).
     est_seconds_saved_per_it: float | None = None
+    #: For a ``borderline`` change: which side was borderline and at what, in words.
+    note: str = ""
 
     @property
     def severity(self) -> str:
@@ -66,6 +72,9 @@ def diff_findings(
         latest = next((old for old in reversed(olds) if old is not None), None)
         shown = now or latest
         assert shown is not None  # the id came from the current record or a baseline
+        note = _across_a_borderline(olds, now, [*ranks, current_rank])
+        if note:
+            kind = "borderline"
         out.append(
             FindingChange(
                 id=fid,
@@ -75,8 +84,33 @@ def diff_findings(
                 baseline_severity=SEVERITIES[bound] if bound != absent else None,
                 current_severity=now.severity if now else None,
                 est_seconds_saved_per_it=shown.est_seconds_saved_per_it,
+                note=note,
             )
         )
-    order = {"new": 0, "escalated": 1, "deescalated": 2, "gone": 3}
+    order = {"new": 0, "escalated": 1, "deescalated": 2, "gone": 3, "borderline": 4}
     out.sort(key=lambda c: (order[c.change], -_SEVERITY_RANK.get(c.severity, 0), c.id))
     return tuple(out)
+
+
+#: The severities (ranks; -1 absent) a finding moves between when its value sits on a line:
+#: a rule's own line or the warn line (absent, info, warn), the critical line (warn, critical).
+_ACROSS = {"": (-1, 1), "warn": (-1, 1), "critical": (1, 2)}
+
+
+def _across_a_borderline(
+    olds: Sequence[Finding | None], now: Finding | None, ranks: Sequence[int]
+) -> str:
+    """Why a change is no change: a side was borderline at a line and every side's severity is
+    one a value on that line gives. "" when the change stands."""
+    sides = [
+        (f"baseline {i + 1}" if len(olds) > 1 else "the baseline", old)
+        for i, old in enumerate(olds)
+    ]
+    sides.append(("the current record", now))
+    for name, finding in sides:
+        if finding is None or finding.borderline is None:
+            continue
+        low, high = _ACROSS.get(finding.borderline.line_severity, (-1, 1))
+        if all(low <= r <= high for r in ranks):
+            return f"borderline in {name} ({finding.borderline.text}): not counted as a change"
+    return ""

@@ -8,14 +8,15 @@ from typing import Literal, get_args
 
 from diagnose.errors import DiagnoseError, ExitCode
 
-#: What can fail the job (``--fail-on``). The first five are the ones the brief names; ``kernel``
-#: (a kernel class slower) and ``inconclusive`` (the s/it could not be judged) are stricter extras.
+#: What can fail the job (``--fail-on``). ``kernel`` (a kernel class slower) and ``mfu`` are
+#: stricter extras; ``inconclusive`` (a gated metric could not be judged) ends the job with its
+#: own exit code, and a ``--fail-on`` without it lets such a metric pass.
 FailOn = Literal[
     "slower", "phase", "new-critical", "new-warn", "memory", "kernel", "mfu", "inconclusive"
 ]
 
 FAIL_ON_CHOICES: tuple[str, ...] = get_args(FailOn)
-DEFAULT_FAIL_ON: frozenset[str] = frozenset({"slower", "new-critical"})
+DEFAULT_FAIL_ON: frozenset[str] = frozenset({"slower", "new-critical", "inconclusive"})
 #: The relative change a metric must exceed to count (10%: CodSpeed's default, asv's 1.1 factor).
 DEFAULT_THRESHOLD = 0.10
 #: The Mann–Whitney p-value below which a change counts as real. With the default 8 steps per

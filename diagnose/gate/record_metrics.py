@@ -20,7 +20,7 @@ from diagnose.gate.metrics import (
     compare_runs,
 )
 from diagnose.gate.options import CompareOptions
-from diagnose.record import PHASE_LABELS, PHASES, RunRecord, StepSample
+from diagnose.record import PHASE_LABELS, PHASES, HostLoad, RunRecord, StepSample
 from diagnose.record_validation import is_valid_step_time
 from diagnose.roofline.utilisation import mfu_against
 
@@ -97,27 +97,42 @@ def _compare_step(
 def judged_against_load(
     metric: MetricComparison, baselines: Sequence[RunRecord], current: RunRecord
 ) -> MetricComparison:
-    """A timing change the machine's load could explain is inconclusive, not a verdict.
+    """A timing change the machine's load could explain is inconclusive, not a verdict; one
+    beyond what the measured load allows stands.
 
-    Two records are two runs, so the load on either side shifts its times directly: a slowdown
-    is only a regression when even its low end is beyond what the current run's load could add
-    (a speed-up likewise against the busiest baseline's load). Quiet records are left as judged.
+    Two records are two runs, so the load on either side shifts its times directly. A slowdown
+    is a regression when even its low end is beyond what the current run's load could add over
+    the least the baselines' loads added: others holding a share ``s`` of the cores slow a run by
+    up to ``1 / (1 - s)``, at the current run's busiest tenth against the baselines' quietest, so
+    a load both sides carried alike explains nothing of the difference between them. A speed-up
+    likewise, the busiest baseline's load against the current run's quietest. Quiet records are
+    left as judged.
     """
     if metric.kind not in ("step", "phase") or metric.verdict not in ("slower", "faster"):
         return metric
+    current_load = current.timing.host_load
+    loads = [r.timing.host_load for r in baselines if r.timing.host_load is not None]
     if metric.verdict == "slower":
-        load = current.timing.host_load
+        load = current_load
+        others = [_quietest_share(item) for item in loads] if len(loads) == len(baselines) else []
+        slowed_least = min(others, default=0.0)
         sure_ratio, side = metric.ci_low, "current"
     else:
-        loads = [r.timing.host_load for r in baselines if r.timing.host_load is not None]
         load = max(loads, key=lambda item: item.competing_share, default=None)
+        slowed_least = _quietest_share(current_load) if current_load is not None else 0.0
         sure_ratio = None if metric.ci_high is None else 1 / metric.ci_high
         side = "a baseline"
     if load is None or not load.contended:
         return metric
-    explained = 1 / (1 - load.competing_share)
+    explained = max(1.0, (1 - slowed_least) / (1 - load.competing_share))
     if sure_ratio is not None and sure_ratio > explained:
-        return metric
+        return dataclasses.replace(
+            metric,
+            reason=(
+                f"{metric.reason}; the {side} run's machine was busy ({describe(load)}), but "
+                f"the load could explain at most {_pct(explained - 1)} against the other side's"
+            ),
+        )
     return dataclasses.replace(
         metric,
         verdict="inconclusive",
@@ -126,6 +141,12 @@ def judged_against_load(
             f"change of up to {_pct(explained - 1)} could be the load. Rerun on an idle machine"
         ),
     )
+
+
+def _quietest_share(load: HostLoad) -> float:
+    """The share of the cores others held in a window's quietest tenth: the least its load can
+    have slowed what was timed in it."""
+    return max(0.0, load.competing_share - load.allowance)
 
 
 def _phase_keys(samples: Iterable[StepSample]) -> set[str]:

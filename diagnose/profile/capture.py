@@ -53,7 +53,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import math
 import os
 import sys
 import threading
@@ -134,7 +133,7 @@ class Settings:
         profiled = count(ENV_PROFILED_STEPS, cls.profiled_steps)
         world = count("WORLD_SIZE", 1)
         if profiled:
-            # Enough that a rank last in all of them is a straggler, not chance.
+            # Enough that the waits between ranks have a jitter to be held against.
             profiled = max(profiled, steps_to_name_a_straggler(world))
         return cls(
             directory=directory,
@@ -146,17 +145,15 @@ class Settings:
         )
 
 
-#: As diagnose.catalogs.distributed_catalog.STRAGGLER_CHANCE (this module imports nothing of
+#: As diagnose.catalogs.distributed_catalog.STRAGGLER_STEPS (this module imports nothing of
 #: diagnose's: it runs in the user's processes); a test keeps the two equal.
-_STRAGGLER_CHANCE = 0.05
+_STRAGGLER_STEPS = 3
 
 
 def steps_to_name_a_straggler(world_size: int) -> int:
-    """As the catalog's function of that name: the fewest profiled steps in which one of
-    ``world_size`` ranks being last in every one is not chance."""
-    if world_size < 2:
-        return 1
-    return 1 + math.ceil(math.log(1 / _STRAGGLER_CHANCE) / math.log(world_size) - 1e-9)
+    """As the catalog's function of that name: the fewest profiled steps a straggler among
+    ``world_size`` ranks can be named from."""
+    return _STRAGGLER_STEPS if world_size > 1 else 1
 
 
 def _one_line(exc: BaseException) -> str:

@@ -37,8 +37,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from diagnose.contention import LoadWindow
 from diagnose.profile import capture
 from diagnose.profile.device_telemetry import CommandTelemetry, DeviceWindow, SamplerFactory
+from diagnose.record import HostLoad
 from diagnose.redact import redact_command
 from diagnose.strict.options import StrictOptions
 
@@ -142,6 +144,8 @@ class LaunchResult:
     #: child that trains too): captures of their own, not part of the job (see
     #: :func:`one_capture_per_rank`).
     separate: list[RankCapture] = field(default_factory=list)
+    #: How busy the machine was with other work while the command ran (diagnose.contention).
+    host_load: HostLoad | None = None
 
     @property
     def exit_code(self) -> int:
@@ -229,15 +233,21 @@ def launch_profiled(
         raise FileExistsError(f"{capture_dir}: the capture folder must be empty")
     started = time.monotonic()
     forwarded: list[int] = []
-    process = subprocess.Popen(
-        list(command),
-        env=capture_environment(capture_dir, options, env),
-        cwd=cwd,
-        stdin=stdin,
-        stdout=stdout,
-        stderr=stderr,
-        start_new_session=True,
-    )
+    # The command is our child: its processes count as ours, everyone else's as the load.
+    load = LoadWindow().open()
+    try:
+        process = subprocess.Popen(
+            list(command),
+            env=capture_environment(capture_dir, options, env),
+            cwd=cwd,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    except BaseException:
+        load.close()
+        raise
     timed_out = False
     telemetry = CommandTelemetry(capture_dir, telemetry_sampler)
     try:
@@ -266,6 +276,7 @@ def launch_profiled(
         raise
     finally:
         windows = telemetry.finish()
+        host_load = load.close()
     captures, separate = one_capture_per_rank(read_captures(capture_dir))
     processes = read_processes(capture_dir)
     message = None
@@ -287,6 +298,7 @@ def launch_profiled(
         signals_forwarded=tuple(forwarded),
         telemetry=windows,
         separate=separate,
+        host_load=host_load,
     )
 
 

@@ -30,6 +30,7 @@ from diagnose.profile.stacks import name_loading_frames, read_stacks
 from diagnose.record import Finding, ProbeResult, RunRecord, Stats, StepSample, new_record
 from diagnose.redact import redact_command
 from diagnose.sampling import INSTALL_HINT
+from diagnose.stats import at_line
 from diagnose.trainers import SIGNS, speak_to_record, trainer_in_packages
 
 #: The ProbeResult that carries the capture's facts and its claimed-vs-actual checks.
@@ -53,6 +54,7 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
         traced[0] if traced else result.captures[0],
     )
     _timing_from(record, pacing)
+    record.timing.host_load = result.host_load
     # As in `diagnose run`, findings travel with the result that raised them until the record
     # merges them (diagnose.run.finish_run): the trace's with the "trace" result.
     trace_probe = next((p for p in record.probes if p.name == "trace"), None)
@@ -497,7 +499,7 @@ def _judge_precision_claim(
         )
         return
     applied = (
-        computed >= LOW_PRECISION_RUN_SHARE
+        at_line(computed, LOW_PRECISION_RUN_SHARE).above
         if computed is not None
         else bool(autocast) or low_weights >= 0.5
     )

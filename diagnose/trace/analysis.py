@@ -10,7 +10,6 @@ it captures). Pure functions returning dataclasses; nothing here plots or prints
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from diagnose.distributed.collectives import Communication, communication
+from diagnose.distributed.collectives import Communication
 from diagnose.record import (
     Breakdown,
     Check,
@@ -189,12 +188,12 @@ def analyze_parsed(
         unprofiled_step_seconds=unprofiled_step_seconds,
     )
     results = run_rules(ctx)
-    comm = communication(ctx)
+    comm = ctx.communication()
 
     buckets, bucket_notes = step_buckets(trace, structure, steps, ctx.modules())
     notes = list(steps.notes)
     notes.extend(bucket_notes)
-    notes.extend(_coverage_notes(ctx, comm))
+    notes.extend(_coverage_notes(ctx))
     findings = [f for r in results for f in r.findings]
     return TraceAnalysis(
         path=trace.path,
@@ -252,7 +251,7 @@ def _step_stats(
     ]
 
 
-def _coverage_notes(ctx: TraceContext, comm: Communication) -> list[str]:
+def _coverage_notes(ctx: TraceContext) -> list[str]:
     """Say plainly what the trace lacks and therefore what could not be analysed."""
     notes: list[str] = []
     trace = ctx.trace
@@ -297,20 +296,6 @@ def _coverage_notes(ctx: TraceContext, comm: Communication) -> list[str]:
             launched,
         )
     )
-    exposed = comm.median("exposed_seconds")
-    if exposed > 0:
-        step = statistics.median(s.wall_seconds for s in comm.steps)
-        share = f" ({exposed / step:.0%} of the step)" if step else ""
-        unit = (
-            "the device ran only NCCL/RCCL kernels"
-            if comm.where == "device"
-            else ("the training thread ran no operator while a collective was in flight")
-        )
-        notes.append(
-            f"Exposed communication: {exposed * 1e3:.2f} ms per step{share} {unit} (waiting for "
-            "other ranks or transferring, with no compute beside it); read every rank's trace "
-            "together (diagnose trace DIR) to tell the wait from the transfer."
-        )
     if ctx.kernel_tables.unclassified:
         names = ctx.kernel_tables.unclassified
         notes.append(
@@ -424,6 +409,8 @@ def scale_savings(findings: list[Finding], scale: float) -> None:
         finding.est_seconds_saved_per_it = saving * scale
         if finding.sure_seconds_saved_per_it is not None:
             finding.sure_seconds_saved_per_it *= scale
+        if finding.high_seconds_saved_per_it is not None:
+            finding.high_seconds_saved_per_it *= scale
 
 
 def _jsonable(value: Any) -> Any:

@@ -20,6 +20,7 @@ from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
 
 if TYPE_CHECKING:
+    from diagnose.distributed.collectives import Communication
     from diagnose.trace.sync_reading import SyncReading
 
 #: Evidence key of a finding whose saving a rule already put on the unprofiled steps (it knew the
@@ -48,6 +49,7 @@ class TraceContext:
     _modules: ModuleScopes | None = field(default=None, repr=False)
     _syncs: SyncReading | None = field(default=None, repr=False)
     _launches: npt.NDArray[np.float64] | None = field(default=None, repr=False)
+    _communication: Communication | None = field(default=None, repr=False)
 
     @property
     def n_steps(self) -> int:
@@ -122,6 +124,15 @@ class TraceContext:
 
             self._syncs = read_syncs(self)
         return self._syncs
+
+    def communication(self) -> Communication:
+        """The collectives of each step and their exposed part, read once: the communication
+        rule judges them, the analysis keeps them for the ranks' comparison."""
+        if self._communication is None:
+            from diagnose.distributed.collectives import communication
+
+            self._communication = communication(self)
+        return self._communication
 
     def inclusive_device_time(self) -> npt.NDArray[np.float64]:
         """Per host range: microseconds of device work launched by it or by its descendants."""

@@ -22,13 +22,13 @@ import statistics
 from diagnose.catalogs.dataloader_catalog import (
     DEFAULT_WORKERS,
     GPU_STARVED,
-    STARVED_SHARE,
     bar_wait,
     device_word,
     gpu_starved,
     loader_fix,
     not_waiting_line,
     usual_fix,
+    wait_at_line,
 )
 from diagnose.record import Finding, ProbeResult, RunRecord, StepSample, Timing
 from diagnose.trace import components
@@ -101,7 +101,15 @@ def check(ctx: TraceContext) -> ProbeResult:
         "per_step": per_step,
         "iterators": iterators,
     }
-    if wait.share < STARVED_SHARE:
+    reading = wait_at_line(
+        wait,
+        [
+            phases.seconds.get("data_wait", 0.0) / step.wall_seconds
+            for step, phases in zip(ctx.steps.steps, ctx.per_step, strict=True)
+            if step.wall_seconds > 0
+        ],
+    )
+    if reading.below:
         result.add_ok(FINDING_ID, not_waiting_line(wait, ctx.has_device, idle_share))
         return result
 
@@ -138,6 +146,7 @@ def check(ctx: TraceContext) -> ProbeResult:
         saving=wait.seconds,
         basis="trace",
         source=f"trace:{RULE}",
+        reading=reading,
     )
     if _encoding_on_the_fly(shares):
         finding = _as_encoding(ctx, finding, shares)

@@ -27,6 +27,7 @@ from diagnose.catalogs.compute_catalog import (
     launch_bound_finding,
 )
 from diagnose.record import Finding, ProbeResult
+from diagnose.stats import at_line
 from diagnose.trace import components
 from diagnose.trace.columns import KERNEL
 from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS, TraceContext
@@ -117,7 +118,7 @@ def check(ctx: TraceContext) -> ProbeResult:
         evidence[SAVING_ON_UNPROFILED_STEPS] = True
     result.data = evidence
     basis = "unprofiled step" if ctx.unprofiled_step_seconds is not None else "profiled step"
-    if share < RAISE_SHARE:
+    if at_line(share, RAISE_SHARE).below:
         result.add_ok(
             FINDING_ID,
             f"host overhead: the device is busy {pct(busy / step)} of the {basis} and waits for "

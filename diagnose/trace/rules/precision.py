@@ -45,6 +45,7 @@ from diagnose.precision_policy import (
     recommended_low_dtype,
 )
 from diagnose.record import Finding, ProbeResult
+from diagnose.stats import at_line
 from diagnose.trace import components
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
@@ -158,7 +159,7 @@ def check(ctx: TraceContext) -> ProbeResult:
     }
     low_names = "/".join(sorted(d for d in count_by_dtype if d in LOW_PRECISION_DTYPES)) or "bf16"
 
-    if low_count and low_share >= LOW_PRECISION_RUN_SHARE:
+    if low_count and at_line(low_share, LOW_PRECISION_RUN_SHARE).above:
         requested = "bf16" if "bf16" in count_by_dtype else low_names.split("/")[0]
         verdicts = {
             i: judge(

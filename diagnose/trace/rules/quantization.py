@@ -16,6 +16,7 @@ import numpy as np
 from diagnose import quantized_base as qb
 from diagnose.catalogs import quantization_catalog as catalog
 from diagnose.record import ProbeResult
+from diagnose.stats import at_line
 from diagnose.trace.context import TraceContext
 from diagnose.trace.rules import ms, pct
 
@@ -139,7 +140,7 @@ def check(ctx: TraceContext) -> ProbeResult:
         "host_share_of_step": host_seconds / step if step else None,
     }
     share = seconds / step if step else 0.0
-    if share < catalog.MIN_SHARE:
+    if at_line(share, catalog.MIN_SHARE).below:
         result.add_ok(
             FINDING_ID,
             f"quantization: the base is stored as {storage}; its quantized layers take "
