@@ -391,7 +391,7 @@ def finish_run(
     record: RunRecord, out_dir: Path, saved_trace: Path | None, *, redact_paths: bool, say: Progress
 ) -> RunOutputs:
     """Hand the probes' findings to the record, redact it, write the record and the report."""
-    from diagnose.reports import write_html
+    from diagnose.reports import save_record_and_report
     from diagnose.roofline.utilisation import settle_utilisation
 
     # The record keeps one ranked list: probe results hand their findings over to it.
@@ -405,8 +405,7 @@ def finish_run(
     record_path = out_dir / RECORD_NAME
     report_path = out_dir / REPORT_NAME
     say("writing the record and the report")
-    record.save(record_path)
-    write_html(record, report_path)
+    record = save_record_and_report(record, record_path, report_path)
     return RunOutputs(
         record=record,
         record_path=record_path,

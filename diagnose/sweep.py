@@ -527,9 +527,12 @@ def run_point(
     stdout_path = log_dir / f"{result.id}.stdout.txt"
     start = time.monotonic()
     timed_out = False
+    process: subprocess.Popen[bytes] | None = None
     with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
         try:
+            # Inside the try: a Ctrl-C that lands as the child starts (a busy machine may run
+            # the child before this process gets back) must still stop it.
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
             while True:
                 try:
                     process.wait(timeout=0.5)
@@ -543,7 +546,8 @@ def run_point(
                 if tick is not None:
                     tick()
         except BaseException:
-            _stop(process)
+            if process is not None:
+                _stop(process)
             raise
     result.wall_seconds = time.monotonic() - start
     result.exit_code = process.returncode

@@ -115,12 +115,32 @@ def test_report_command_rerenders_a_saved_record(default_run: Path, tmp_path: Pa
     copy = tmp_path / "copy"
     shutil.copytree(default_run, copy)
     (copy / "trace.json.gz").unlink()  # re-rendering needs only the record
-    # The run's own report is there: refused without --force ...
+    original = (copy / "report.html").read_bytes()
+    # The run's own report is derived output: rendered again in place, the same bytes when
+    # nothing changed, and the same bytes again to another file.
+    assert main(["report", str(copy)]) == 0
+    assert (copy / "report.html").read_bytes() == original
+    again = tmp_path / "again.html"
+    assert main(["report", str(copy / "record.json"), "-o", str(again)]) == 0
+    assert again.read_bytes() == original
+    assert_offline_html(again)
+    # An existing -o FILE, and a file of the user's by the report's name, need --force.
+    assert main(["report", str(copy), "-o", str(again)]) == ExitCode.OUTPUT_EXISTS
+    (copy / "report.html").write_text("<html>my own notes</html>")
     assert main(["report", str(copy)]) == ExitCode.OUTPUT_EXISTS
-    # ... written to another file, or over it with --force.
-    assert main(["report", str(copy / "record.json"), "-o", str(tmp_path / "again.html")]) == 0
-    assert_offline_html(tmp_path / "again.html")
+    assert (copy / "report.html").read_text() == "<html>my own notes</html>"
     assert main(["report", str(copy), "--force"]) == 0
+    assert (copy / "report.html").read_bytes() == original
+
+
+def test_a_traces_report_renders_again_to_the_same_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "trace"
+    assert (
+        main(["trace", str(FIXTURES / "traces" / "cpu_train_loop.json.gz"), "--out", str(out)]) == 0
+    )
+    original = (out / "report.html").read_bytes()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.html").read_bytes() == original
 
 
 def test_report_of_the_oldest_record_fixture(tmp_path: Path) -> None:
