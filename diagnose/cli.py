@@ -32,12 +32,14 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from diagnose.offline import hub_offline
     from diagnose.redact import redacted_terminal
 
     # Terminal output is pasted into tickets as often as the report is attached: every line of
     # ours is redacted (a child's output, such as the trainer `diagnose profile` runs, is not ours
-    # and goes to the terminal untouched).
-    with redacted_terminal():
+    # and goes to the terminal untouched). Nothing reaches the network: the hub's offline
+    # switches are on before any library is imported.
+    with redacted_terminal(), hub_offline():
         return _main(argv)
 
 

@@ -445,3 +445,50 @@ def test_ctrl_c_reaches_the_trainer_and_what_was_timed_is_written(tmp_path: Path
     steps = next(c for c in capture["checks"] if c["id"] == "profile.steps_captured")
     assert steps["outcome"] == "not_judged" and "interrupted" in steps["text"]
     assert not (out / ".diagnose-capture").exists()
+
+
+# What the profiled command sees of the hub's offline switches, written before it trains.
+SEES_ITS_ENVIRONMENT = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    with open(sys.argv[1], "w") as handle:
+        json.dump({name: os.environ.get(name) for name in names}, handle)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(8):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    """
+)
+
+
+def test_diagnose_stays_offline_and_the_trainer_keeps_the_users_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from diagnose.offline import hub_offline, user_environ
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")  # the user's own choice, for their trainer
+    # diagnose's own process: every switch on for the command, then as it was.
+    with hub_offline():
+        assert all(os.environ[n] == "1" for n in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+        users = user_environ()
+        assert "HF_HUB_OFFLINE" not in users and users["TRANSFORMERS_OFFLINE"] == "0"
+    assert "HF_HUB_OFFLINE" not in os.environ and os.environ["TRANSFORMERS_OFFLINE"] == "0"
+    # The trainer and the record's environment are the user's.
+    seen = tmp_path / "seen.json"
+    out = tmp_path / "out"
+    script = _script(tmp_path, SEES_ITS_ENVIRONMENT, "sees.py")
+    assert _profile(out, sys.executable, str(script), str(seen)) == 0
+    assert json.loads(seen.read_text()) == {
+        "HF_HUB_OFFLINE": None,
+        "TRANSFORMERS_OFFLINE": "0",
+        "HF_DATASETS_OFFLINE": None,
+    }
+    env = _record(out)["inventory"]["env"]
+    assert "HF_HUB_OFFLINE" not in env and env.get("TRANSFORMERS_OFFLINE") == "0"
