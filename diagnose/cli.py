@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from diagnose import __version__, interrupts
+from diagnose import IMPORTED_AT, __version__, interrupts
 from diagnose.commands import ArgumentParser, all_commands
 from diagnose.errors import DiagnoseError, ExitCode
 
@@ -31,9 +31,13 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, entered: float | None = None) -> int:
+    """Run one command; ``entered``: when it began (:mod:`diagnose.entry`; default now)."""
+    from diagnose.entry import mark_entry
     from diagnose.offline import hub_offline
     from diagnose.redact import redacted_terminal
+
+    mark_entry(entered)
 
     # Terminal output is pasted into tickets as often as the report is attached: every line of
     # ours is redacted (a child's output, such as the trainer `diagnose profile` runs, is not ours
@@ -80,7 +84,7 @@ def _main(argv: Sequence[str] | None) -> int:
 def main_exit() -> None:
     """Console-script entry point."""
     interrupts.install()
-    code = main()
+    code = main(entered=IMPORTED_AT)
     interrupts.ignore()
     sys.exit(_finish(code))
 

@@ -24,6 +24,7 @@ from diagnose.capture import measure
 from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.contention import LoadWindow, threads_for_load
 from diagnose.device import describe_device, select_device
+from diagnose.entry import seconds_since_entry
 from diagnose.environment_facts import FullSizeMemory
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.inventory import collect_inventory
@@ -228,16 +229,6 @@ def _stage(into: dict[str, float], name: str) -> Iterator[None]:
         into[name] = into.get(name, 0.0) + time.perf_counter() - start
 
 
-def _seconds_since_process_start() -> float:
-    """Wall time from this process's start to now: the interpreter and the imports."""
-    try:
-        import psutil
-
-        return max(0.0, time.time() - float(psutil.Process().create_time()))
-    except Exception:
-        return 0.0
-
-
 def execute_run(
     config: RunConfig,
     out_dir: Path,
@@ -278,7 +269,7 @@ def execute_run(
     if will_not_fit:
         record.notes.append(f"Said before running: {will_not_fit}.")
     wall = record.wall_seconds
-    wall["start-up"] = _seconds_since_process_start()
+    wall["start-up"] = seconds_since_entry()
     # On a CPU, the load others put on the cores decides how many threads the step may use; it
     # is read while the inventory and the model are built, which costs nothing extra.
     load = LoadWindow().open() if device_info.kind == "cpu" else None

@@ -102,6 +102,39 @@ def test_run_writes_record_report_and_trace(default_run: Path) -> None:
     assert all(0 < c.share_of_peak <= 1 for c in u.classes if c.share_of_peak is not None)
 
 
+STARTED_LATE = """
+import time
+import psutil
+from diagnose.cli import main
+from diagnose.entry import seconds_since_entry
+
+main(["presets"], entered=__import__("diagnose").IMPORTED_AT)
+age = time.time() - psutil.Process().create_time()
+print(age, seconds_since_entry())
+"""
+
+
+def test_start_up_is_timed_from_the_commands_entry_not_the_processes_creation(
+    tmp_path: Path,
+) -> None:
+    """`bash -c 'sleep 2 && exec diagnose ...'`: the process bash made is two seconds old when
+    diagnose starts in it; none of them is diagnose's start-up."""
+    script = tmp_path / "late.py"
+    script.write_text(STARTED_LATE)
+    done = subprocess.run(
+        ["bash", "-c", 'sleep 2 && exec "$0" "$1"', sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    age, start_up = map(float, done.stdout.split()[-2:])
+    # The process's age holds the sleep; the start-up only what came after it (the creation
+    # time is counted in clock ticks: a hundredth of a second).
+    assert age >= 2.0
+    assert start_up <= age - 2.0 + 0.02
+
+
 def test_report_is_self_contained_and_states_the_number(default_run: Path) -> None:
     html = assert_offline_html(default_run / "report.html")
     record = RunRecord.load(default_run)
