@@ -31,6 +31,9 @@ class ExitCode(IntEnum):
     CHECK_FAILED = 7
     #: ``--strict``: an op left the precision or the fused attention path the run asked for.
     STRICT_VIOLATION = 8
+    #: `diagnose profile`: the command stepped its optimizer, but too few times for any step to
+    #: be timed (all within --skip-steps); nothing was written.
+    NOTHING_CAPTURED = 10
     #: Interrupted by the user (Ctrl-C).
     INTERRUPTED = 130
     #: Stopped by SIGTERM (a job scheduler's cancel, ``kill``): 128 + SIGTERM.

@@ -316,6 +316,32 @@ def test_a_script_that_never_steps_an_optimizer_is_stopped_and_said(
     assert not out.exists()
 
 
+def test_too_few_steps_to_time_any_is_nothing_captured_and_says_what_to_skip(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diagnose.errors import ExitCode
+
+    two_steps = _script(
+        tmp_path,
+        "import torch\n"
+        "m = torch.nn.Linear(8, 8)\n"
+        "o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(2):\n"
+        "    m(torch.randn(4, 8)).sum().backward(); o.step(); o.zero_grad()\n",
+        "two.py",
+    )
+    out = tmp_path / "out"
+    code = _profile(out, sys.executable, str(two_steps), options=["--skip-steps", "5"])
+    assert code == ExitCode.NOTHING_CAPTURED == 10
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.startswith("diagnose: the command made 2 optimizer steps"), said
+    assert "--skip-steps 1" in said and said.endswith("nothing was written")
+    assert not out.exists()
+    # Its twin, told to skip one: a step is timed and the outputs are written.
+    assert _profile(out, sys.executable, str(two_steps), options=["--skip-steps", "1"]) == 0
+    assert _record(out)["timing"]["unprofiled"]["n"] >= 1
+
+
 def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
     assert main(["profile", "--out", str(tmp_path / "out")]) == 2
     assert main(["profile", "--out", str(tmp_path / "out"), "--"]) == 2
