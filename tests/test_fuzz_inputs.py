@@ -397,6 +397,10 @@ def test_sweep_refuses_before_any_run(tmp_path: Path) -> None:
         (["--data", str(tmp_path / "missing")], ExitCode.BAD_INPUT),
         (["--timeout", "0"], ExitCode.USAGE),
         (["--out", str(resumable)], ExitCode.USAGE),
+        # Values no `diagnose run` takes: refused as it refuses them, not run and failed.
+        (["--resolution", "0"], ExitCode.USAGE),
+        (["--batch", "-1"], ExitCode.USAGE),
+        (["--resolution", "512,100"], ExitCode.USAGE),
     ]
     for extra, expected in cases:
         err = io.StringIO()
@@ -404,6 +408,7 @@ def test_sweep_refuses_before_any_run(tmp_path: Path) -> None:
             code = main(["sweep", "--rank", "4,8", "--out", str(tmp_path / "s"), *extra])
         assert code == expected, (extra, err.getvalue())
         assert err.getvalue().startswith("diagnose: error:") and err.getvalue().count("\n") == 1
+        assert not (tmp_path / "s").exists(), extra  # before the first point
     assert stat.S_ISFIFO((resumable / "sweep.json").lstat().st_mode)
 
 
