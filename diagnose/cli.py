@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from diagnose import __version__, interrupts
+from diagnose import IMPORTED_AT, __version__, interrupts
 from diagnose.commands import ArgumentParser, all_commands
 from diagnose.errors import DiagnoseError, ExitCode
 
@@ -31,13 +31,19 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, entered: float | None = None) -> int:
+    """Run one command; ``entered``: when it began (:mod:`diagnose.entry`; default now)."""
+    from diagnose.entry import mark_entry
+    from diagnose.offline import hub_offline
     from diagnose.redact import redacted_terminal
+
+    mark_entry(entered)
 
     # Terminal output is pasted into tickets as often as the report is attached: every line of
     # ours is redacted (a child's output, such as the trainer `diagnose profile` runs, is not ours
-    # and goes to the terminal untouched).
-    with redacted_terminal():
+    # and goes to the terminal untouched). Nothing reaches the network: the hub's offline
+    # switches are on before any library is imported.
+    with redacted_terminal(), hub_offline():
         return _main(argv)
 
 
@@ -78,7 +84,7 @@ def _main(argv: Sequence[str] | None) -> int:
 def main_exit() -> None:
     """Console-script entry point."""
     interrupts.install()
-    code = main()
+    code = main(entered=IMPORTED_AT)
     interrupts.ignore()
     sys.exit(_finish(code))
 

@@ -34,6 +34,9 @@ class ExitCode(IntEnum):
     #: A comparison could not judge a metric it gates (too few steps, too much spread, a change
     #: the machine's load could explain): neither a pass nor a regression.
     INCONCLUSIVE = 9
+    #: `diagnose profile`: the command stepped its optimizer, but too few times for any step to
+    #: be timed (all within --skip-steps); nothing was written.
+    NOTHING_CAPTURED = 10
     #: Interrupted by the user (Ctrl-C).
     INTERRUPTED = 130
     #: Stopped by SIGTERM (a job scheduler's cancel, ``kill``): 128 + SIGTERM.

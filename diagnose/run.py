@@ -24,6 +24,7 @@ from diagnose.capture import measure
 from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.contention import LoadWindow, threads_for_load
 from diagnose.device import describe_device, select_device
+from diagnose.entry import seconds_since_entry
 from diagnose.environment_facts import FullSizeMemory
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.inventory import collect_inventory
@@ -234,16 +235,6 @@ def _stage(into: dict[str, float], name: str) -> Iterator[None]:
         into[name] = into.get(name, 0.0) + time.perf_counter() - start
 
 
-def _seconds_since_process_start() -> float:
-    """Wall time from this process's start to now: the interpreter and the imports."""
-    try:
-        import psutil
-
-        return max(0.0, time.time() - float(psutil.Process().create_time()))
-    except Exception:
-        return 0.0
-
-
 def execute_run(
     config: RunConfig,
     out_dir: Path,
@@ -284,7 +275,7 @@ def execute_run(
     if will_not_fit:
         record.notes.append(f"Said before running: {will_not_fit}.")
     wall = record.wall_seconds
-    wall["start-up"] = _seconds_since_process_start()
+    wall["start-up"] = seconds_since_entry()
     # On a CPU, the load others put on the cores decides how many threads the step may use; it
     # is read while the inventory and the model are built, which costs nothing extra.
     load = LoadWindow().open() if device_info.kind == "cpu" else None
@@ -397,7 +388,7 @@ def finish_run(
     record: RunRecord, out_dir: Path, saved_trace: Path | None, *, redact_paths: bool, say: Progress
 ) -> RunOutputs:
     """Hand the probes' findings to the record, redact it, write the record and the report."""
-    from diagnose.reports import write_html
+    from diagnose.reports import save_record_and_report
     from diagnose.roofline.utilisation import settle_utilisation
 
     # The record keeps one ranked list: probe results hand their findings over to it.
@@ -411,8 +402,7 @@ def finish_run(
     record_path = out_dir / RECORD_NAME
     report_path = out_dir / REPORT_NAME
     say("writing the record and the report")
-    record.save(record_path)
-    write_html(record, report_path)
+    record = save_record_and_report(record, record_path, report_path)
     return RunOutputs(
         record=record,
         record_path=record_path,

@@ -27,6 +27,7 @@ from typing import Any, Literal, TypeVar
 
 from diagnose import __version__
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.offline import user_environ
 from diagnose.output import RECORD_NAME, REPORT_NAME
 from diagnose.record import RunRecord, utc_now_iso
 
@@ -542,9 +543,15 @@ def run_point(
     stdout_path = log_dir / f"{result.id}.stdout.txt"
     start = time.monotonic()
     timed_out = False
+    process: subprocess.Popen[bytes] | None = None
     with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
         try:
+            # Inside the try: a Ctrl-C that lands as the child starts (a busy machine may run
+            # the child before this process gets back) must still stop it. The child gets the
+            # user's environment: its record lists it, and it goes offline on its own.
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=user_environ()
+            )
             while True:
                 try:
                     process.wait(timeout=0.5)
@@ -558,7 +565,8 @@ def run_point(
                 if tick is not None:
                     tick()
         except BaseException:
-            _stop(process)
+            if process is not None:
+                _stop(process)
             raise
     result.wall_seconds = time.monotonic() - start
     result.exit_code = process.returncode

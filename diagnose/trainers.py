@@ -1,10 +1,11 @@
 """The trainers people run, as this project knows them: their names, how a fix is written in each
 one's words, and how a run shows which one it is.
 
-A fix names the setting in every trainer's words (:func:`in_trainers`). When the run shows which
-trainer it is (Lightning's profiler ranges in a trace, its package loaded in a profiled process),
-:func:`speak_to` keeps only that trainer's words, so the reader is told what to change in the
-code they have. Torch-free: the report and the CI gate import it.
+A fix names the setting in every trainer's words (:func:`in_trainers`): the generic form, for a
+run whose trainer is not known. When the run shows which trainer it is (:data:`SIGNS`: its
+profiler ranges in a trace, a module of its own imported by a profiled process, the name of the
+script that process runs), :func:`speak_to` keeps only that trainer's words, so the reader is
+told what to change in the code they have. Torch-free: the report and the CI gate import it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ TRAINERS: dict[str, str] = {
     "onetrainer": "OneTrainer",
     "ai-toolkit": "ai-toolkit",
     "lightning": "Lightning",
+    "simpletuner": "SimpleTuner",
 }
 
 
@@ -34,6 +37,7 @@ ACCUMULATION_SETTING: dict[str, str] = {
     "onetrainer": "gradient_accumulation_steps {n}",
     "ai-toolkit": "gradient_accumulation: {n}",
     "lightning": "Trainer(accumulate_grad_batches={n})",
+    "simpletuner": "--gradient_accumulation_steps {n}",
 }
 
 
@@ -49,14 +53,26 @@ class TrainerSigns:
 
     #: Host ranges only that trainer writes into a trace (its own profiler's action names).
     trace_ranges: re.Pattern[str] | None = None
-    #: Top-level packages whose import in the training process means the trainer drives it.
+    #: Modules whose import in the training process means the trainer drives it: a package of
+    #: its own (``lightning``), or a module of its source tree, which a trainer run from its
+    #: checkout imports from the script's folder (``library.train_util``): a dotted name, since
+    #: a top-level ``library`` or ``modules`` could be anyone's.
     packages: tuple[str, ...] = ()
+    #: The names of its own entry scripts (the profiled process's ``sys.argv[0]``), for a trainer
+    #: whose code is all in the script.
+    scripts: re.Pattern[str] | None = None
     #: How the report names the ranges it saw in a trace: "its profiler's [Strategy]… ranges".
     ranges_seen_as: str = ""
+    #: How the report names a script of its: "one of diffusers' example training scripts".
+    script_seen_as: str = ""
 
 
-#: Lightning's profilers name every hook they time ``[LightningModule]Model.training_step``,
-#: ``[Strategy]SingleDeviceStrategy.backward``, …; Lightning 2.5+ prefixes them ``[pl][profile]``.
+#: How each trainer shows, checked in this order. Lightning's profilers name every hook they time
+#: ``[LightningModule]Model.training_step``, ``[Strategy]SingleDeviceStrategy.backward``, …;
+#: Lightning 2.5+ prefixes them ``[pl][profile]``. kohya's sd-scripts all import
+#: ``library.train_util``; OneTrainer's ``scripts/train.py`` its ``modules.trainer``; ai-toolkit's
+#: ``run.py`` its ``toolkit.job``; SimpleTuner is the ``simpletuner`` package, or ``helpers`` in an
+#: older checkout. diffusers' example scripts import nothing of their own: their names say it.
 SIGNS: dict[str, TrainerSigns] = {
     "lightning": TrainerSigns(
         trace_ranges=re.compile(
@@ -64,6 +80,22 @@ SIGNS: dict[str, TrainerSigns] = {
         ),
         packages=("lightning", "pytorch_lightning"),
         ranges_seen_as="its profiler's [LightningModule]… and [Strategy]… ranges",
+    ),
+    "kohya": TrainerSigns(packages=("library.train_util",)),
+    "onetrainer": TrainerSigns(
+        packages=("modules.trainer.GenericTrainer", "modules.trainer.BaseTrainer")
+    ),
+    "ai-toolkit": TrainerSigns(packages=("toolkit.job", "jobs.process.BaseSDTrainProcess")),
+    "simpletuner": TrainerSigns(
+        packages=("simpletuner", "helpers.training.state_tracker", "helpers.training.trainer")
+    ),
+    "diffusers": TrainerSigns(
+        scripts=re.compile(
+            r"^(?:train_(?:dreambooth|text_to_image|controlnet|instruct_pix2pix|"
+            r"custom_diffusion|t2i_adapter|lcm_distill|amused|kandinsky)\w*"
+            r"|textual_inversion(?:_sdxl|_flux)?)\.py$"
+        ),
+        script_seen_as="one of diffusers' example training scripts",
     ),
 }
 
@@ -167,6 +199,20 @@ def trainer_in_packages(loaded: Mapping[str, object] | Iterable[str]) -> str | N
     return None
 
 
+def trainer_in_script(script: str) -> str | None:
+    """The trainer one of whose own entry scripts ``script`` (a path) is, or None."""
+    name = PurePath(script).name
+    for trainer, signs in SIGNS.items():
+        if signs.scripts is not None and signs.scripts.match(name):
+            return trainer
+    return None
+
+
+def watched_modules() -> tuple[str, ...]:
+    """Every module whose import names a trainer (what a profiled process reports loaded)."""
+    return tuple(dict.fromkeys(p for signs in SIGNS.values() for p in signs.packages))
+
+
 def speak_to_record(record: RunRecord, trainer: str, seen_as: str) -> None:
     """Write every fix in ``record`` (its findings and each probe's) in ``trainer``'s words,
     record which trainer ran (``config["trainer"]``) and say how it was seen (``seen_as``: "the
@@ -175,8 +221,13 @@ def speak_to_record(record: RunRecord, trainer: str, seen_as: str) -> None:
     if name is None:
         return
     record.config["trainer"] = trainer
-    for finding in [*record.findings, *(f for p in record.probes for f in p.findings)]:
+    findings = [*record.findings, *(f for p in record.probes for f in p.findings)]
+    for finding in findings:
         finding.fix = speak_to(finding.fix, trainer)
-    note = f"Trainer: {name} ({seen_as}); the fixes are written in its terms."
+    others = [n for key, n in TRAINERS.items() if key != trainer]
+    whole = any(f"{n}: " in finding.fix for finding in findings for n in others)
+    # A list without this trainer's words stays whole (speak_to): said, not hidden.
+    where = " where this project knows them, else in every trainer's" if whole else ""
+    note = f"Trainer: {name} ({seen_as}); the fixes are written in its terms{where}."
     if note not in record.notes:
         record.notes.append(note)

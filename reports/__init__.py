@@ -5,7 +5,13 @@ They only read a record (never torch, never a GPU), so a saved run re-renders an
 
 from __future__ import annotations
 
-from .html import render_html, write_html
+from .html import is_own_report, render_html, save_record_and_report, write_html
 from .terminal import terminal_summary
 
-__all__ = ["render_html", "terminal_summary", "write_html"]
+__all__ = [
+    "is_own_report",
+    "render_html",
+    "save_record_and_report",
+    "terminal_summary",
+    "write_html",
+]

@@ -87,4 +87,32 @@ def write_html(
     write_text_atomic(path, page)
 
 
-__all__ = ["render_html", "write_html"]
+#: How every page diagnose writes begins (templates/base.html): what tells a report it wrote,
+#: derived output it may render again, from a file of the user's by the same name.
+_OWN_PAGE_HEAD = '<meta name="generator" content="diagnose '
+
+
+def is_own_report(path: Path) -> bool:
+    """Whether ``path`` is a regular file holding a page diagnose rendered."""
+    try:
+        if not path.is_file() or path.is_symlink():
+            return False
+        with path.open("rb") as handle:
+            head = handle.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"<!DOCTYPE html>") and _OWN_PAGE_HEAD.encode() in head
+
+
+def save_record_and_report(record: RunRecord, record_path: Path, report_path: Path) -> RunRecord:
+    """Save ``record``, then render the report from the file as saved, as ``diagnose report``
+    reads it: re-rendering the folder gives the same bytes (a record's mappings come back in
+    the file's key order, so a page built from the live record laid its tables out otherwise).
+    Returns the record as read back."""
+    record.save(record_path)
+    saved = RunRecord.load(record_path)
+    write_html(saved, report_path)
+    return saved
+
+
+__all__ = ["is_own_report", "render_html", "save_record_and_report", "write_html"]

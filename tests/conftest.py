@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -142,17 +143,40 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
         workload.close()
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch computes on one intra-op thread inside (put back after), as ``diagnose run`` does
+    on a busy machine (:func:`diagnose.contention.threads_for_load`).
+
+    For what a test times or reads as shares of a step: on a 2-core machine shared with other
+    processes, every parallel region of a two-thread op waits for the thread that shares its
+    core with someone else, and a step swings tenfold (a 100 ms stall in a 0.2 ms call), which
+    is noise no planted effect stands above. One thread slows with the load, and steadily."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def profile_steps(step: Callable[[], object], path: Path, active: int = 3) -> Path:
     """A real CPU profiler trace of ``active`` calls of ``step`` (after one warm-up call), one
-    ``ProfilerStep#N`` each, as a training loop under a schedule writes it."""
+    ``ProfilerStep#N`` each, as a training loop under a schedule writes it (on one torch
+    thread: the tests read shares of its steps)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    with profile(
-        activities=[ProfilerActivity.CPU],
-        schedule=schedule(wait=0, warmup=1, active=active),
-        record_shapes=True,
-        on_trace_ready=lambda done: done.export_chrome_trace(str(path)),
-    ) as prof:
+    with (
+        one_torch_thread(),
+        profile(
+            activities=[ProfilerActivity.CPU],
+            schedule=schedule(wait=0, warmup=1, active=active),
+            record_shapes=True,
+            on_trace_ready=lambda done: done.export_chrome_trace(str(path)),
+        ) as prof,
+    ):
         for _ in range(active + 1):
             step()
             prof.step()

@@ -31,7 +31,8 @@ from tests.conftest import FIXTURES
 SEED = 20251201
 #: Hard bound per case: a hang (a FIFO read, a quadratic scan) fails the case instead of the run.
 CASE_SECONDS = 20.0
-#: Bound on each whole corpus; the cases take about 0.05 s each on a 2-core machine.
+#: Bound on the CPU time of each whole corpus; the cases take about 0.05 s each on a 2-core
+#: machine.
 CORPUS_SECONDS = 45.0
 #: A gzip bomb need not be GBs to prove the cap: the cap is lowered to this for the corpus.
 BOMB_CAP_MB = 8

@@ -9,7 +9,6 @@ twin is one kernel on both sides.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,7 +53,7 @@ from diagnose.workload import build_workload
 from diagnose.workload.data import generate_images
 from diagnose.workload.presets import load_preset
 from diagnose.workload.step import Workload
-from tests.conftest import ok_lines, unjudged_lines
+from tests.conftest import ok_lines, one_torch_thread, unjudged_lines
 
 CPU = torch.device("cpu")
 #: An attention call of the tiny SD1.5 (self-attention at its 64-token level), fp32, training.
@@ -80,7 +79,7 @@ def _interleaved(slow: str, fast: str, signature: Signature = TINY) -> dict[str,
         "ran": attention_call(slow, inputs, signature),
         "other": attention_call(fast, inputs, signature),
     }
-    with one_thread():
+    with one_torch_thread():
         samples, failed = interleaved_samples(
             calls,
             lambda: None,
@@ -93,20 +92,8 @@ def _interleaved(slow: str, fast: str, signature: Signature = TINY) -> dict[str,
     return samples
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """As the probe benchmarks on the CPU: with two threads on a shared machine every parallel
-    region waits for a descheduled thread (a 100 ms stall in a 0.2 ms call)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _judge(signature: Signature, ran: str, others: list[str], budget_s: float) -> FullSizeJudgement:
-    with one_thread():
+    with one_torch_thread():
         return judge_at_full_size(
             _stand_in(signature), ran, [ran, *others], CPU, lambda: None, budget_s=budget_s
         )

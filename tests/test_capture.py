@@ -152,7 +152,7 @@ def test_two_buckets_are_timed_apart_and_not_called_noise() -> None:
     from diagnose.reports.headline import build_headline
 
     m = measure(
-        _TwoBucketWorkload(64, 96, 0.16), steps=8, warmup=0, profiled_steps=0, trace_path=None
+        _TwoBucketWorkload(64, 96, 0.4), steps=8, warmup=0, profiled_steps=0, trace_path=None
     )
     assert {s.bucket for s in m.timing.samples} == {"64x64", "96x96"}
     buckets = m.timing.buckets()

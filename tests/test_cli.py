@@ -102,6 +102,39 @@ def test_run_writes_record_report_and_trace(default_run: Path) -> None:
     assert all(0 < c.share_of_peak <= 1 for c in u.classes if c.share_of_peak is not None)
 
 
+STARTED_LATE = """
+import time
+import psutil
+from diagnose.cli import main
+from diagnose.entry import seconds_since_entry
+
+main(["presets"], entered=__import__("diagnose").IMPORTED_AT)
+age = time.time() - psutil.Process().create_time()
+print(age, seconds_since_entry())
+"""
+
+
+def test_start_up_is_timed_from_the_commands_entry_not_the_processes_creation(
+    tmp_path: Path,
+) -> None:
+    """`bash -c 'sleep 2 && exec diagnose ...'`: the process bash made is two seconds old when
+    diagnose starts in it; none of them is diagnose's start-up."""
+    script = tmp_path / "late.py"
+    script.write_text(STARTED_LATE)
+    done = subprocess.run(
+        ["bash", "-c", 'sleep 2 && exec "$0" "$1"', sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    age, start_up = map(float, done.stdout.split()[-2:])
+    # The process's age holds the sleep; the start-up only what came after it (the creation
+    # time is counted in clock ticks: a hundredth of a second).
+    assert age >= 2.0
+    assert start_up <= age - 2.0 + 0.02
+
+
 def test_report_is_self_contained_and_states_the_number(default_run: Path) -> None:
     html = assert_offline_html(default_run / "report.html")
     record = RunRecord.load(default_run)
@@ -115,12 +148,32 @@ def test_report_command_rerenders_a_saved_record(default_run: Path, tmp_path: Pa
     copy = tmp_path / "copy"
     shutil.copytree(default_run, copy)
     (copy / "trace.json.gz").unlink()  # re-rendering needs only the record
-    # The run's own report is there: refused without --force ...
+    original = (copy / "report.html").read_bytes()
+    # The run's own report is derived output: rendered again in place, the same bytes when
+    # nothing changed, and the same bytes again to another file.
+    assert main(["report", str(copy)]) == 0
+    assert (copy / "report.html").read_bytes() == original
+    again = tmp_path / "again.html"
+    assert main(["report", str(copy / "record.json"), "-o", str(again)]) == 0
+    assert again.read_bytes() == original
+    assert_offline_html(again)
+    # An existing -o FILE, and a file of the user's by the report's name, need --force.
+    assert main(["report", str(copy), "-o", str(again)]) == ExitCode.OUTPUT_EXISTS
+    (copy / "report.html").write_text("<html>my own notes</html>")
     assert main(["report", str(copy)]) == ExitCode.OUTPUT_EXISTS
-    # ... written to another file, or over it with --force.
-    assert main(["report", str(copy / "record.json"), "-o", str(tmp_path / "again.html")]) == 0
-    assert_offline_html(tmp_path / "again.html")
+    assert (copy / "report.html").read_text() == "<html>my own notes</html>"
     assert main(["report", str(copy), "--force"]) == 0
+    assert (copy / "report.html").read_bytes() == original
+
+
+def test_a_traces_report_renders_again_to_the_same_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "trace"
+    assert (
+        main(["trace", str(FIXTURES / "traces" / "cpu_train_loop.json.gz"), "--out", str(out)]) == 0
+    )
+    original = (out / "report.html").read_bytes()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.html").read_bytes() == original
 
 
 def test_report_of_the_oldest_record_fixture(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 import diagnose.trace.rules as rules
 from diagnose.catalogs.dataloader_catalog import GPU_STARVED, BarWait, gpu_starved
@@ -26,6 +25,7 @@ from diagnose.trace.rules import dataloader as dataloader_rule
 from diagnose.trace.rules import pct
 from diagnose.verdicts import contradictions, settle, step_seconds
 from diagnose.workload.data import generate_image, generate_images
+from tests.conftest import one_torch_thread
 
 
 def _record(step: float, wait: float) -> RunRecord:
@@ -84,12 +84,8 @@ def test_the_probes_answer_replaces_the_trace_rules_whichever_is_stronger() -> N
 def only_the_dataloader_rule(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The run's trace analysed by this concern's rule alone (the other rules are other tests')."""
     monkeypatch.setattr(rules, "_registry", lambda: [("dataloader", dataloader_rule.check)])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 2-core machine shared with others: keep the step steady
-    try:
+    with one_torch_thread():  # a 2-core machine shared with others: keep the step steady
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _two_bucket_run(folder: Path, out: Path, *, cache_latents: bool) -> RunRecord:

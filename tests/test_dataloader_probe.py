@@ -75,7 +75,7 @@ from diagnose.workload.data import (
     make_loader,
     prepare_data,
 )
-from tests.conftest import FIXTURES, ok_lines, unjudged_lines
+from tests.conftest import FIXTURES, ok_lines, one_torch_thread, unjudged_lines
 
 FINDING_ID = GPU_STARVED.id
 SLOW_LOADER_ID = SLOW_LOADER.id
@@ -163,12 +163,8 @@ def _one_thread() -> Iterator[None]:
     peer make a multi-threaded CPU step swing 10x from one step to the next; the planted effect
     (decode time against compute time) is what these tests are about, not that noise.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

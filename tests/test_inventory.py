@@ -97,6 +97,11 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children."""
+    return sum(os.times()[:4])
+
+
 def _own_seconds(inventory: dict[str, Any]) -> float:
     """Seconds collect_inventory spent on its own, i.e. not importing the packages it checks."""
     imports = sum(
@@ -113,10 +118,11 @@ def test_inventory_of_this_machine(capfd: pytest.CaptureFixture[str]) -> None:
     assert out == "" and err == "", "collect_inventory printed something"
     # A first call imports diffusers, peft, bitsandbytes... (seconds, paid once per process and
     # needed by the run anyway); the inventory itself must stay cheap.
-    assert _own_seconds(inventory) < 0.5
-    started = time.perf_counter()
+    # What the inventory costs on its own, its packages imported: CPU time (its own process's and
+    # its children's), which a busy machine does not stretch as it stretches wall time.
+    spent = _cpu_seconds()
     again = collect_inventory("cpu")
-    assert time.perf_counter() - started < 5.0
+    assert _cpu_seconds() - spent < 0.5
     assert set(again) == set(inventory)
 
     text = json.dumps(inventory, allow_nan=False)
@@ -166,30 +172,35 @@ def test_fresh_interpreter_prints_nothing_and_is_fast(tmp_path: Path) -> None:
     """Cold start, as `diagnose env` runs: every package is imported for the first time.
 
     Measured on the 2-core CI box: 3.8-5.2 s, of which all but ~10 ms is the packages' own
-    import time (torch._dynamo/_inductor pulled in by diffusers and bitsandbytes). The bound
-    below only guards against a hang; the inventory's own share is checked tightly.
+    import time (torch._dynamo/_inductor pulled in by diffusers and bitsandbytes). The bound on
+    the CPU time it took only guards against a runaway; the inventory's own share of its wall
+    time is checked tightly (a busy machine stretches both alike).
     """
     result_path = tmp_path / "inventory.json"
     script = (
         "import json, sys, time\n"
         "from diagnose.inventory import collect_inventory\n"
-        "started = time.perf_counter()\n"
+        "import os\n"
+        "started, spent = time.perf_counter(), sum(os.times()[:4])\n"
         "inventory = collect_inventory()\n"
         "seconds = time.perf_counter() - started\n"
-        "open(sys.argv[1], 'w').write(json.dumps({'seconds': seconds, 'inventory': inventory}))\n"
+        "cpu = sum(os.times()[:4]) - spent\n"
+        "open(sys.argv[1], 'w').write(\n"
+        "    json.dumps({'seconds': seconds, 'cpu': cpu, 'inventory': inventory})\n"
+        ")\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script, str(result_path)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang's bound only: a busy machine may take minutes to import torch
         check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "" and done.stderr == ""
     result = json.loads(result_path.read_text())
-    assert result["seconds"] < 30.0
-    assert _own_seconds(result["inventory"]) < 1.0
+    assert result["cpu"] < 30.0
+    assert _own_seconds(result["inventory"]) < 0.1 * result["seconds"]
     packages = result["inventory"]["packages"]
     assert packages["bitsandbytes"]["checked"] == "this process"
 

@@ -35,6 +35,7 @@ from diagnose.record import DeviceInfo, RunRecord
 from diagnose.reports.format import format_seconds
 from diagnose.verdicts import contradictions, settle
 from diagnose.workload.step import Workload
+from tests.conftest import one_torch_thread
 from tests.test_trace_synthetic import training_trace
 
 CPU = torch.device("cpu")
@@ -125,7 +126,8 @@ def _run(workload: Workload, record: RunRecord, candidates: tuple[Candidate, ...
         candidates=candidates, min_calls=5, max_calls=5, budget_s=0.0, profiled_calls=1
     )
     probe.numerics = False
-    result = run_probe(probe, ctx)
+    with one_torch_thread():  # its A/B times steps (see one_torch_thread)
+        result = run_probe(probe, ctx)
     assert result.status == "ok", result.traceback
     saved = copy.deepcopy(record)
     saved.findings = list(result.findings)

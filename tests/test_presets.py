@@ -6,12 +6,14 @@ import pytest
 
 from diagnose.config import PRESETS, SIZES
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.record import ModelInfo
 from diagnose.workload.models import describe_preset
 from diagnose.workload.presets import (
     SDXL_MIN_MEMORY_BYTES,
     all_presets,
     default_preset,
     load_preset,
+    preset_counts,
 )
 
 GIB = 1024**3
@@ -114,10 +116,21 @@ def test_default_preset_follows_the_device() -> None:
     assert default_preset("cuda", None) == ("sdxl", "full")
 
 
+def _listed_as_counted(name: str, size: str, info: ModelInfo) -> None:
+    """`diagnose presets` lists what a model built now counts (else: scripts/preset_counts)."""
+    listed = preset_counts()[(name, size)]
+    assert (listed.class_name, listed.parameters, listed.trainable_parameters) == (
+        info.class_name,
+        info.parameters,
+        info.trainable_parameters,
+    ), f"{name}/{size}: run scripts/preset_counts"
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_full_preset_matches_the_real_model_on_meta(name: str) -> None:
     """Built on the meta device: real parameter counts, no memory, seconds at most."""
     info = describe_preset(name, "full")
+    _listed_as_counted(name, "full", info)
     real = REAL_DENOISER_PARAMETERS[name]
     assert abs(info.parameters - real) / real < 0.01
     assert info.text_encoders == REAL_TEXT_ENCODERS[name]
@@ -135,5 +148,29 @@ def test_full_preset_matches_the_real_model_on_meta(name: str) -> None:
 @pytest.mark.parametrize("name", PRESETS)
 def test_tiny_preset_is_tiny(name: str) -> None:
     info = describe_preset(name, "tiny")
+    _listed_as_counted(name, "tiny", info)
     assert info.parameters < 5_000_000
     assert info.lora_modules > 0
+
+
+def test_listing_the_presets_builds_nothing_and_says_nothing_else() -> None:
+    """`diagnose presets` in a fresh process: the table on stdout, nothing on stderr, and no
+    torch, diffusers or bitsandbytes imported (what made it take seconds and print their
+    warnings)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from diagnose.cli import main\n"
+        "code = main(['presets'])\n"
+        "heavy = sorted({'torch', 'diffusers', 'bitsandbytes', 'peft'} & set(sys.modules))\n"
+        "print('imported:', heavy)\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "imported: []"
+    assert len(lines) == 2 + len(PRESETS) * len(SIZES)
+    assert "859,520,964" in done.stdout  # the full SD1.5 UNet

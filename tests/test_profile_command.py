@@ -316,6 +316,32 @@ def test_a_script_that_never_steps_an_optimizer_is_stopped_and_said(
     assert not out.exists()
 
 
+def test_too_few_steps_to_time_any_is_nothing_captured_and_says_what_to_skip(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diagnose.errors import ExitCode
+
+    two_steps = _script(
+        tmp_path,
+        "import torch\n"
+        "m = torch.nn.Linear(8, 8)\n"
+        "o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(2):\n"
+        "    m(torch.randn(4, 8)).sum().backward(); o.step(); o.zero_grad()\n",
+        "two.py",
+    )
+    out = tmp_path / "out"
+    code = _profile(out, sys.executable, str(two_steps), options=["--skip-steps", "5"])
+    assert code == ExitCode.NOTHING_CAPTURED == 10
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.startswith("diagnose: the command made 2 optimizer steps"), said
+    assert "--skip-steps 1" in said and said.endswith("nothing was written")
+    assert not out.exists()
+    # Its twin, told to skip one: a step is timed and the outputs are written.
+    assert _profile(out, sys.executable, str(two_steps), options=["--skip-steps", "1"]) == 0
+    assert _record(out)["timing"]["unprofiled"]["n"] >= 1
+
+
 def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
     assert main(["profile", "--out", str(tmp_path / "out")]) == 2
     assert main(["profile", "--out", str(tmp_path / "out"), "--"]) == 2
@@ -399,6 +425,15 @@ def test_a_balanced_torchrun_job_names_no_straggler(tmp_path: Path) -> None:
     assert straggler["outcome"] in ("ok", "not_judged"), straggler
 
 
+def _timed_steps(capture: Path) -> int:
+    """Steps a capture file has timed so far (0 before it is written, or while it is)."""
+    try:
+        facts = json.loads(capture.read_text())
+    except (OSError, ValueError):
+        return 0
+    return len(facts.get("timed_step_s") or [])
+
+
 def test_ctrl_c_reaches_the_trainer_and_what_was_timed_is_written(tmp_path: Path) -> None:
     import signal
     import time
@@ -420,11 +455,13 @@ def test_ctrl_c_reaches_the_trainer_and_what_was_timed_is_written(tmp_path: Path
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    while not list(out.glob(".diagnose-capture/rank0.capture.json")):
+    # Ctrl-C once three steps are timed, however long a busy machine takes to time them (the
+    # capture rewrites its facts after each timed step); the deadline only ends a hang.
+    capture = out / ".diagnose-capture" / "rank0.capture.json"
+    deadline = time.monotonic() + 600
+    while _timed_steps(capture) < 3:
         assert time.monotonic() < deadline and process.poll() is None
         time.sleep(0.2)
-    time.sleep(1.0)  # some timed steps
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err
@@ -434,3 +471,50 @@ def test_ctrl_c_reaches_the_trainer_and_what_was_timed_is_written(tmp_path: Path
     steps = next(c for c in capture["checks"] if c["id"] == "profile.steps_captured")
     assert steps["outcome"] == "not_judged" and "interrupted" in steps["text"]
     assert not (out / ".diagnose-capture").exists()
+
+
+# What the profiled command sees of the hub's offline switches, written before it trains.
+SEES_ITS_ENVIRONMENT = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    with open(sys.argv[1], "w") as handle:
+        json.dump({name: os.environ.get(name) for name in names}, handle)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(8):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    """
+)
+
+
+def test_diagnose_stays_offline_and_the_trainer_keeps_the_users_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from diagnose.offline import hub_offline, user_environ
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")  # the user's own choice, for their trainer
+    # diagnose's own process: every switch on for the command, then as it was.
+    with hub_offline():
+        assert all(os.environ[n] == "1" for n in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+        users = user_environ()
+        assert "HF_HUB_OFFLINE" not in users and users["TRANSFORMERS_OFFLINE"] == "0"
+    assert "HF_HUB_OFFLINE" not in os.environ and os.environ["TRANSFORMERS_OFFLINE"] == "0"
+    # The trainer and the record's environment are the user's.
+    seen = tmp_path / "seen.json"
+    out = tmp_path / "out"
+    script = _script(tmp_path, SEES_ITS_ENVIRONMENT, "sees.py")
+    assert _profile(out, sys.executable, str(script), str(seen)) == 0
+    assert json.loads(seen.read_text()) == {
+        "HF_HUB_OFFLINE": None,
+        "TRANSFORMERS_OFFLINE": "0",
+        "HF_DATASETS_OFFLINE": None,
+    }
+    env = _record(out)["inventory"]["env"]
+    assert "HF_HUB_OFFLINE" not in env and env.get("TRANSFORMERS_OFFLINE") == "0"

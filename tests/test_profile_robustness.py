@@ -113,7 +113,7 @@ def test_ctrl_c_during_the_analysis_keeps_the_trainers_own_files(tmp_path: Path)
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # ends a hang only: a busy machine may take minutes
     done = out / "trainer-done"
     while not (done.exists() and done.read_text() and _ended(int(done.read_text()))):
         assert process.poll() is None and time.monotonic() < deadline, "the trainer never ended"

@@ -162,9 +162,11 @@ def test_measured_peaks_take_the_best_shape_and_note_unknown_dtypes() -> None:
     peaks = measure_peaks(torch.device("cpu"), ["float32", "int4"], step_gemm=(16, 16, 16))
     shapes = [g.shape for g in peaks.gemms]
     assert shapes[0] == "16x16 @ 16x16" and len(shapes) == 2
+    # Beside the step's GEMM, a square one of at least the floor's edge (which of the two is
+    # faster is the machine's business, and a busy one's: the peak is the better of them).
+    edge = peaks.gemms[1]
+    assert edge.m == edge.n == edge.k >= MIN_SQUARE_EDGE
     assert peaks.flops_per_s["float32"] == max(g.flops_per_s for g in peaks.gemms)
-    # A 16^3 GEMM is all overhead: the square one sets the peak.
-    assert peaks.flops_per_s["float32"] > peaks.gemms[0].flops_per_s
     assert peaks.memory_bytes_per_s is not None and peaks.memory_bytes_per_s > 1e8
     assert any("int4" in n for n in peaks.notes)
 

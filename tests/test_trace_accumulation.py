@@ -59,11 +59,12 @@ def test_a_step_of_three_micro_batches_says_three(tmp_path: Path, marks: str) ->
     steps = analysis.steps
     assert len(steps) >= 2
     # Each step holds one optimizer step: the micro-batches' time is in it, not cut into pieces.
-    seconds = analysis.breakdown.seconds
-    assert seconds.get("forward", 0) > 0 and seconds.get("backward", 0) > 0
-    assert sum(seconds.values()) == pytest.approx(
-        sorted(s.wall_seconds for s in steps)[len(steps) // 2], rel=0.05
-    )
+    # Judged step by step (a sum of per-phase medians is no step's sum once load makes the steps
+    # uneven).
+    assert len(steps) <= STEPS + 1
+    for step in steps:
+        assert step.phases.get("forward", 0) > 0 and step.phases.get("backward", 0) > 0
+        assert sum(step.phases.values()) == pytest.approx(step.wall_seconds, rel=1e-6)
     regrouped = any("mark micro-batches" in n for n in analysis.notes)
     assert regrouped == (marks == "micro"), analysis.notes
 

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.data import DataLoader, TensorDataset
 
 from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
-from tests.conftest import ok_lines, unjudged_lines
+from tests.conftest import ok_lines, one_torch_thread, unjudged_lines
 
 # Big enough that a step takes ~10 ms on a CPU: a 1 ms scheduling hiccup while fetching a batch on
 # a loaded CI machine must not read as a data-starved loop in the clean twin.
@@ -68,6 +68,7 @@ def capture(path: Path, mode: str = "clean", loader_sleep: float = 0.0) -> Path:
     loader = DataLoader(data, batch_size=8, collate_fn=collate)
     forced = sdpa_kernel(SDPBackend.MATH) if mode == "math" else contextlib.nullcontext()
     with (
+        one_torch_thread(),  # the rules read shares of the steps (see one_torch_thread)
         forced,
         profile(
             activities=[ProfilerActivity.CPU],

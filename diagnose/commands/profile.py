@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from diagnose.commands import add_output_options
@@ -19,6 +20,7 @@ from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.strict.options import add_strict_options, strict_options_of
 
 if TYPE_CHECKING:
+    from diagnose.profile.launch import RankCapture
     from diagnose.strict.violations import StrictLog
 
 #: The capture folder inside --out while the command runs (removed when the outputs are written).
@@ -181,6 +183,18 @@ class ProfileCommand:
                     if result.timed_out or result.exit_code == 0:
                         return int(ExitCode.BAD_INPUT)
                     return result.exit_code
+                if not any(c.timed_step_s for c in result.captures):
+                    clean_up()
+                    print(
+                        f"diagnose: {_nothing_timed(result.captures, options.skip_steps)}; "
+                        "nothing was written",
+                        file=sys.stderr,
+                    )
+                    if violation_count(logs):
+                        return _strict_exit(logs, result.exit_code)
+                    if result.exit_code != 0:
+                        return result.exit_code
+                    return int(ExitCode.NOTHING_CAPTURED)
                 outputs = finish_profile(
                     result,
                     out_dir,
@@ -205,3 +219,15 @@ class ProfileCommand:
                 file=sys.stderr,
             )
         return result.exit_code
+
+
+def _nothing_timed(captures: Sequence[RankCapture], skip_steps: int) -> str:
+    """Why no step was timed, in the steps the command made, and the --skip-steps that would
+    time some: the first half of them skipped as its warm-up."""
+    seen = max(int(c.facts.get("steps_seen") or 0) for c in captures)
+    suggested = seen // 2
+    return (
+        f"the command made {seen} optimizer step{'s' if seen != 1 else ''}, all within the "
+        f"{skip_steps} that --skip-steps {skip_steps} skips as warm-up: none was timed; "
+        f"pass --skip-steps {suggested} to time its last {seen - suggested}"
+    )

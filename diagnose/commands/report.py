@@ -19,7 +19,8 @@ class ReportCommand:
             "--out",
             type=Path,
             metavar="FILE",
-            help="HTML file to write (default: report.html beside the record)",
+            help="HTML file to write (default: report.html beside the record, rendered again "
+            "in place when it is a report diagnose wrote)",
         )
         parser.add_argument("--force", action="store_true", help="overwrite an existing FILE")
 
@@ -32,14 +33,17 @@ class ReportCommand:
         )
         from diagnose.record import RunRecord
         from diagnose.record_validation import left_out_notes
-        from diagnose.reports import terminal_summary, write_html
+        from diagnose.reports import is_own_report, terminal_summary, write_html
 
         record = RunRecord.load(args.record)
         folder = args.record if args.record.is_dir() else args.record.parent
         out = args.out if args.out is not None else folder / REPORT_NAME
         source = args.record / RECORD_NAME if args.record.is_dir() else args.record
         refuse_outputs_over_inputs([out], [source])
-        check_writable_file(out, force=args.force, option="--out")
+        # The report beside the record is derived from it: rendered again in place. A file the
+        # user made there (not a page diagnose wrote), or any existing -o FILE, needs --force.
+        derived = args.out is None and is_own_report(out)
+        check_writable_file(out, force=args.force or derived, option="--out")
         write_html(record, out)
         print(terminal_summary(record))
         # Step samples with impossible times were left out on loading: the headline alone would

@@ -28,6 +28,39 @@ def _str_list(text: str) -> list[str]:
     return [part for part in text.replace(" ", "").split(",") if part]
 
 
+def config_of(args: argparse.Namespace) -> RunConfig:
+    """The run a `diagnose run` command line asks for (not yet validated)."""
+    return RunConfig(
+        preset=args.preset,
+        size=args.size,
+        model_dir=args.model_dir,
+        device=args.device,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        base=args.base,
+        text_encoder_base=args.text_encoder_base,
+        batch=args.batch,
+        resolution=args.resolution,
+        rank=args.rank,
+        alpha=args.alpha,
+        target_modules=args.target_modules,
+        grad_checkpointing=args.grad_checkpointing,
+        workers=args.workers,
+        attention=args.attention,
+        steps=args.steps,
+        warmup=args.warmup,
+        profiled_steps=args.profiled_steps,
+        cache_latents=args.cache_latents,
+        cache_text_embeddings=args.cache_text_embeddings,
+        data_dir=args.data_dir,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+        skip_probes=args.skip,
+        nproc=args.nproc,
+        strategy=args.strategy,
+    )
+
+
 class RunCommand:
     name = "run"
     help = "run a real LoRA training step under the profiler and explain its s/it"
@@ -175,35 +208,7 @@ class RunCommand:
         from diagnose.progress import ProgressLine
         from diagnose.reports import terminal_summary
 
-        config = RunConfig(
-            preset=args.preset,
-            size=args.size,
-            model_dir=args.model_dir,
-            device=args.device,
-            precision=args.precision,
-            optimizer=args.optimizer,
-            base=args.base,
-            text_encoder_base=args.text_encoder_base,
-            batch=args.batch,
-            resolution=args.resolution,
-            rank=args.rank,
-            alpha=args.alpha,
-            target_modules=args.target_modules,
-            grad_checkpointing=args.grad_checkpointing,
-            workers=args.workers,
-            attention=args.attention,
-            steps=args.steps,
-            warmup=args.warmup,
-            profiled_steps=args.profiled_steps,
-            cache_latents=args.cache_latents,
-            cache_text_embeddings=args.cache_text_embeddings,
-            data_dir=args.data_dir,
-            learning_rate=args.learning_rate,
-            seed=args.seed,
-            skip_probes=args.skip,
-            nproc=args.nproc,
-            strategy=args.strategy,
-        )
+        config = config_of(args)
         config.validate()
         unknown = sorted(set(args.skip) - set(probe_names()))
         if unknown:

@@ -181,6 +181,7 @@ class SweepCommand:
             profiled_steps=args.profiled_steps,
             skip_probes=[] if args.probes else probe_names(),
         )
+        _refuse_impossible_points(grid, fixed)
         out: Path = args.out
         _prepare_sweep_dir(out)
         results, stale = plan(out, grid.points(), fixed)
@@ -432,3 +433,16 @@ class SweepProgress:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _refuse_impossible_points(grid: Grid, fixed: Fixed) -> None:
+    """Each point's `diagnose run` command line, judged as `diagnose run` judges it, before the
+    first point runs: a value no run can use (``--resolution 0``, ``--batch -1``) is one line
+    and ExitCode.USAGE, not a sweep whose every point fails."""
+    from diagnose.commands import ArgumentParser
+    from diagnose.commands.run import RunCommand, config_of
+
+    parser = ArgumentParser(prog="diagnose sweep")
+    RunCommand().prepare_parser(parser)
+    for point in grid.points():
+        config_of(parser.parse_args([*point.run_args(), *fixed.run_args()])).validate()

@@ -66,7 +66,7 @@ class TraceCommand:
             refuse_outputs_over_inputs,
         )
         from diagnose.redact import redact_record
-        from diagnose.reports import terminal_summary, write_html
+        from diagnose.reports import save_record_and_report, terminal_summary
         from diagnose.trace.analysis import analysis_to_record, analyze_trace
         from diagnose.trace.reader import exclusion_note
         from diagnose.verdicts import settle
@@ -100,8 +100,7 @@ class TraceCommand:
         prepare_out_dir(out_dir, force=args.force)
         record_path = out_dir / RECORD_NAME
         report_path = out_dir / REPORT_NAME
-        record.save(record_path)
-        write_html(record, report_path)
+        record = save_record_and_report(record, record_path, report_path)
         print(terminal_summary(record))
         for note in left_out:
             print(f"note: {note}")

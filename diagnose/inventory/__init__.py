@@ -21,7 +21,6 @@ them (:func:`collect_inventory`).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +51,7 @@ from diagnose.inventory.packages import (
 )
 from diagnose.inventory.telemetry_check import collect_telemetry
 from diagnose.inventory.torch_build import collect_sdpa, collect_torch
+from diagnose.offline import user_environ
 from diagnose.redact import redactor_for
 
 #: Bump when a key changes meaning or moves; readers treat missing keys as unknown.
@@ -81,8 +81,9 @@ def collect_inventory(
     Nothing is printed: what libraries print while being imported is kept under their entry.
     """
     started = time.perf_counter()
-    # Before any import below: imported packages set variables of their own.
-    environ = dict(os.environ)
+    # Before any import below: imported packages set variables of their own. The user's, not
+    # the hub's offline switches diagnose's own process runs under.
+    environ = user_environ()
     raw: dict[str, Any] = {
         "inventory_version": INVENTORY_VERSION,
         "os": collect_os(),

@@ -95,7 +95,8 @@ _MAX_NAME = 200
 #: DataLoaders remembered per process (one per distinct loader object).
 _MAX_LOADERS = 32
 #: Training frameworks whose import is recorded: which one drives the loop decides the words a
-#: fix is written in (diagnose.trainers reads them).
+#: fix is written in (diagnose.trainers reads them; its SIGNS' modules are all here, which a test
+#: holds: this file cannot import diagnose, which the trainer's Python may lack).
 _FRAMEWORK_PACKAGES = (
     "lightning",
     "pytorch_lightning",
@@ -104,6 +105,16 @@ _FRAMEWORK_PACKAGES = (
     "diffusers",
     "peft",
     "bitsandbytes",
+    # Modules of the trainers' own source trees (kohya's sd-scripts, OneTrainer, ai-toolkit,
+    # SimpleTuner), imported from the folder their scripts run in.
+    "library.train_util",
+    "modules.trainer.GenericTrainer",
+    "modules.trainer.BaseTrainer",
+    "toolkit.job",
+    "jobs.process.BaseSDTrainProcess",
+    "simpletuner",
+    "helpers.training.state_tracker",
+    "helpers.training.trainer",
 )
 
 

@@ -38,6 +38,7 @@ from types import FrameType
 from typing import IO, Any
 
 from diagnose.contention import LoadWindow
+from diagnose.offline import user_environ
 from diagnose.profile import capture
 from diagnose.profile.device_telemetry import CommandTelemetry, DeviceWindow, SamplerFactory
 from diagnose.record import HostLoad
@@ -178,9 +179,10 @@ def diagnose_search_path() -> list[str]:
 def capture_environment(
     capture_dir: Path, options: CaptureOptions, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """The environment of the profiled command: ``base`` (default ``os.environ``) plus the
-    bootstrap on ``PYTHONPATH`` and the capture settings."""
-    env = dict(os.environ if base is None else base)
+    """The environment of the profiled command: ``base`` (default: the user's, without the
+    offline switches diagnose's own process runs under) plus the bootstrap on ``PYTHONPATH``
+    and the capture settings."""
+    env = dict(user_environ() if base is None else base)
     existing = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = str(BOOTSTRAP_DIR) + (os.pathsep + existing if existing else "")
     env[capture.ENV_DIR] = str(Path(capture_dir).resolve())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import PurePath
 from typing import Any
 
 from diagnose.catalogs.compute_catalog import COMPILED_DURING_STEPS, compiled_during_steps_finding
@@ -31,7 +32,7 @@ from diagnose.record import Finding, ProbeResult, RunRecord, Stats, StepSample, 
 from diagnose.redact import redact_command
 from diagnose.sampling import INSTALL_HINT
 from diagnose.stats import at_line
-from diagnose.trainers import SIGNS, speak_to_record, trainer_in_packages
+from diagnose.trainers import SIGNS, speak_to_record, trainer_in_packages, trainer_in_script
 
 #: The ProbeResult that carries the capture's facts and its claimed-vs-actual checks.
 CAPTURE_PROBE = "capture"
@@ -113,8 +114,9 @@ def _separate_note(capture: RankCapture, job: Sequence[RankCapture]) -> str:
 
 
 def _speak_to_trainer(record: RunRecord, traced: object, facts: Mapping[str, Any]) -> None:
-    """The fixes in the words of the trainer the trace showed, or else the one whose package the
-    trainer's process imported."""
+    """The fixes in the words of the trainer the trace showed, or else the one a module of whose
+    the trainer's process imported, or else the one whose script it ran; in every trainer's words
+    (the generic form) when none of them shows."""
     if isinstance(traced, str) and traced in SIGNS:
         speak_to_record(record, traced, f"the trace holds {SIGNS[traced].ranges_seen_as}")
         return
@@ -123,6 +125,13 @@ def _speak_to_trainer(record: RunRecord, traced: object, facts: Mapping[str, Any
     if trainer is not None:
         packages = [p for p in SIGNS[trainer].packages if p in loaded]
         speak_to_record(record, trainer, f"the profiled process imported {', '.join(packages)}")
+        return
+    argv = facts.get("argv") or []
+    script = argv[0] if argv and isinstance(argv[0], str) else ""
+    trainer = trainer_in_script(script) if script else None
+    if trainer is not None:
+        name = PurePath(script).name
+        speak_to_record(record, trainer, f"it ran {name}, {SIGNS[trainer].script_seen_as}")
 
 
 def _unprofiled_step(traced: Sequence[RankCapture]) -> float | None:

@@ -147,18 +147,58 @@ def default_preset(device_kind: str, memory_bytes: int | None) -> tuple[str, str
     return ("sdxl", "full")
 
 
+@dataclass(frozen=True)
+class PresetCount:
+    """A preset's denoiser as ``diagnose presets`` lists it: its class, its parameters and those
+    the default LoRA (rank 16 on the preset's target modules) trains."""
+
+    class_name: str
+    parameters: int
+    trainable_parameters: int
+
+
+#: The counts' file beside the configs: written by ``scripts/preset_counts`` from the models
+#: built on the meta device, and held against a fresh count by tests/test_presets.py.
+COUNTS_FILE = "counts.json"
+
+
+@cache
+def preset_counts() -> dict[tuple[str, str], PresetCount]:
+    """Every preset's counts, read from :data:`COUNTS_FILE`: listing the presets imports no
+    torch and builds no model."""
+    resource = resources.files("diagnose.workload") / "configs" / COUNTS_FILE
+    try:
+        data = json.loads(resource.read_text(encoding="utf-8"))
+        return {
+            (name, size): PresetCount(
+                class_name=str(entry["class"]),
+                parameters=int(entry["parameters"]),
+                trainable_parameters=int(entry["trainable_parameters"]),
+            )
+            for name, sizes in data.items()
+            for size, entry in sizes.items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DiagnoseError(
+            f"presets: cannot read their counts ({exc})", ExitCode.INTERNAL_ERROR
+        ) from None
+
+
 def all_presets() -> list[tuple[str, str]]:
     """Every (preset, size) pair shipped."""
     return [(name, size) for name in PRESETS for size in SIZES]
 
 
 __all__ = [
+    "COUNTS_FILE",
     "SDXL_MIN_MEMORY_BYTES",
     "TEXT_ENCODER_ROLES",
     "ComponentSpec",
     "Preset",
+    "PresetCount",
     "TextEncoderSpec",
     "all_presets",
     "default_preset",
     "load_preset",
+    "preset_counts",
 ]
