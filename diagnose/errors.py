@@ -10,7 +10,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Process exit codes, documented in README.md."""
+    """Process exit codes, documented in docs/exit-codes.md."""
 
     OK = 0
     #: Something inside diagnose broke (a bug): the message says what.

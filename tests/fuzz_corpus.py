@@ -77,8 +77,8 @@ SECRET_PARTS = (HF[3:], GHP[4:], AWS[4:], PASSWORD, DB_PASSWORD)
 
 @dataclass(frozen=True)
 class Expect:
-    """The class of outcome a family's cases must end in (the README's reliability section
-    lists them)."""
+    """The class of outcome a family's cases must end in (the reliability section of
+    docs/exit-codes.md lists them)."""
 
     name: str
     #: Exit codes allowed (``diagnose compare`` may also say 6, a regression, where 0 is).

@@ -1,22 +1,21 @@
-"""The findings catalog: one entry per id, the README's table generated from it, and no finding
-made anywhere but through a catalog entry."""
+"""The findings catalog: one entry per id, the findings page's table generated from it, and no
+finding made anywhere but through a catalog entry."""
 
 from __future__ import annotations
 
 import re
 
 from diagnose.catalogs import TRAINERS, in_trainers, markdown_table, spec, specs
+from diagnose.catalogs.__main__ import BEGIN, END, replace_table
 from tests.conftest import REPO_ROOT
 
-_BEGIN = "<!-- findings table:"
-_END = "<!-- end of findings table -->"
 
-
-def test_readme_finding_table_is_the_catalog() -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
-    start = readme.index("\n", readme.index(_BEGIN)) + 1
-    table = readme[start : readme.index(_END)].strip()
-    assert table == markdown_table(), "run `python -m diagnose.catalogs` and paste it in README"
+def test_findings_page_table_is_the_catalog() -> None:
+    page = (REPO_ROOT / "docs" / "findings.md").read_text()
+    start = page.index("\n", page.index(BEGIN)) + 1
+    table = page[start : page.index(END)].strip()
+    assert table == markdown_table(), "run `python -m diagnose.catalogs --write docs/findings.md`"
+    assert replace_table(page) == page
 
 
 def test_every_id_is_in_its_category_and_declared_once() -> None:
@@ -43,8 +42,8 @@ def test_fixes_name_the_trainers_in_one_order() -> None:
 
 
 def test_findings_are_only_made_from_the_catalog() -> None:
-    """A Finding(...) written by hand outside the catalog is an id the README and the gate do not
-    know about; every probe and rule builds through FindingSpec.build."""
+    """A Finding(...) written by hand outside the catalog is an id the findings table and the gate
+    do not know about; every probe and rule builds through FindingSpec.build."""
     offenders = []
     for folder in ("diagnose", "probes"):
         for path in (REPO_ROOT / folder).rglob("*.py"):

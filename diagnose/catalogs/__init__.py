@@ -7,7 +7,8 @@ rule both build findings from there, so one phenomenon has one id and one wordin
 found. A finding is only ever made by :meth:`FindingSpec.build`, which fills in what the catalog
 knows (category, the phases the saving lives in); severity is left to :mod:`diagnose.verdicts`.
 
-``python -m diagnose.catalogs`` prints the README's table of findings; a test keeps the two equal.
+``python -m diagnose.catalogs`` prints the table of findings (``--write docs/findings.md`` puts
+it in that page); a test keeps the two equal.
 Torch-free: the report and the CI gate import it.
 """
 
@@ -56,7 +57,7 @@ def tiny_model_only(why: str) -> AtFullSize:
     return AtFullSize("tiny-model only", why)
 
 
-#: The concern modules, in the README's order.
+#: The concern modules, in the findings table's order.
 CONCERN_MODULES: tuple[str, ...] = (
     "diagnose.catalogs.dataloader_catalog",
     "diagnose.catalogs.precision_catalog",
@@ -78,7 +79,7 @@ class FindingSpec:
 
     id: str
     category: Category
-    #: One line: what it means (the README's table).
+    #: One line: what it means (the findings table, docs/findings.md).
     meaning: str
     #: Which kinds of check can raise it.
     found_by: tuple[FoundBy, ...]
@@ -161,7 +162,7 @@ def spec(finding_id: str) -> FindingSpec | None:
 
 
 def markdown_table() -> str:
-    """The README's table of findings."""
+    """The table of findings (docs/findings.md)."""
     lines = ["| finding id | found by | what it means |", "|---|---|---|"]
     for s in specs():
         lines.append(f"| `{s.id}` | {' + '.join(s.found_by)} | {s.meaning} |")

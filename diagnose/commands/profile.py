@@ -4,7 +4,7 @@ The command runs as is (its output passes through); a bootstrap in every Python 
 times and profiles a few of its optimizer steps (see ``diagnose.profile``). Once it has ended,
 the captured trace goes through the same analysis as ``diagnose trace``, the environment probe and
 the device's measured peak are added, and the same outputs as ``diagnose run`` are written.
-The exit code is the command's own; see README "diagnose profile" for the cases without a step.
+The exit code is the command's own; see docs/profile.md for the cases without a step.
 """
 
 from __future__ import annotations

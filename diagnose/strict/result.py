@@ -123,7 +123,7 @@ def add_strict(record: RunRecord, options: StrictOptions, logs: Sequence[StrictL
     elif record.timing.samples and any(log.watched_steps for log in logs):
         record.notes.append(
             "The steps were measured with --strict's checks installed: the s/it includes their "
-            "cost on every op (see README, strict mode); measure without --strict for the run's "
+            "cost on every op (see docs/strict.md); measure without --strict for the run's "
             "own s/it."
         )
 
