@@ -136,10 +136,6 @@ def gib(n: float | None) -> str:
     return "?" if n is None else f"{n / GIB:.1f} GiB"
 
 
-def pct(x: float | None) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
-
-
 def version_tuple(text: str | None) -> tuple[int, ...]:
     parts = []
     for piece in (text or "").split("."):

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from diagnose.record import DeviceInfo
+from diagnose.units import pct
 
 # --------------------------------------------------------------------------------------------
 # Constants
@@ -282,10 +283,6 @@ def dtype_shares(seconds_by_dtype: Mapping[str, float]) -> dict[str, float]:
     return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
 
 
-def _pct(share: float) -> str:
-    return f"{share * 100:.0f}%" if share >= 0.01 or share == 0 else f"{share * 100:.1f}%"
-
-
 def claimed_vs_actual(
     requested: str, seconds_by_dtype: Mapping[str, float], fp32_where: Sequence[str] = ()
 ) -> str:
@@ -296,7 +293,7 @@ def claimed_vs_actual(
     prefix = f"requested {requested} → actual: " if requested else "actual: "
     if not shares:
         return prefix + "no matmul/conv/attention time measured"
-    parts = [f"{_pct(share)} in {dtype}" for dtype, share in shares.items()]
+    parts = [f"{pct(share)} in {dtype}" for dtype, share in shares.items()]
     parts[0] = parts[0].replace(" in ", " of GEMM/conv/attention time in ", 1)
     text = prefix + ", ".join(parts)
     if fp32_where:

@@ -25,7 +25,7 @@ from diagnose.record import (
     Severity,
 )
 from diagnose.stats import AtLine, at_line
-from diagnose.trace.rules import pct_fine
+from diagnose.units import pct_fine
 
 #: Share of the step a finding's (sure) saving must reach to be a warning, and to be critical.
 WARN_SHARE = 0.10

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
 import os
 import random
 import re
@@ -44,6 +43,7 @@ from diagnose.attention_paths import ROCM_EXPERIMENTAL_ENV
 from diagnose.probes.attention_calls import Signature
 from diagnose.quiet import capture_output
 from diagnose.record import Stats
+from diagnose.units import ms_value
 
 SDPA_BACKENDS: dict[str, SDPBackend] = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -91,18 +91,14 @@ class Trial:
             "backend": self.backend,
             "runs": self.runs,
             "reasons": list(self.reasons),
-            "ms_median": _ms(stats.median),
-            "ms_q1": _ms(stats.q1),
-            "ms_q3": _ms(stats.q3),
+            "ms_median": ms_value(stats.median, 5),
+            "ms_q1": ms_value(stats.q1, 5),
+            "ms_q3": ms_value(stats.q3, 5),
             "samples": stats.n,
             "peak_bytes": self.peak_bytes,
             "memory_basis": self.memory_basis,
             "note": self.note,
         }
-
-
-def _ms(seconds: float) -> float | None:
-    return round(seconds * 1e3, 5) if math.isfinite(seconds) else None
 
 
 def clean_reason(text: str) -> str:

@@ -36,6 +36,7 @@ from diagnose.probes.attention_judging import (
 )
 from diagnose.record import Finding, Outcome, ProbeResult
 from diagnose.stats import at_line
+from diagnose.units import ms_significant
 
 _NOTHING_FASTER = (
     " No fused backend measured faster than math at these inputs here, so fixing it saves "
@@ -301,7 +302,7 @@ def _no_faster_backend_text(judged: Sequence[Judged], s_per_it: float | None) ->
         )
     share = f" ({saving / s_per_it:.1%} of s/it)" if s_per_it else ""
     return (
-        f"attention: {best_label(best, savings)} measured {ac.ms_text(saving)}/it faster than "
+        f"attention: {best_label(best, savings)} measured {ms_significant(saving)}/it faster than "
         f"the fused kernel that ran{share}: too little to act on (microbenchmarked at "
         f"{signatures} attention signatures)"
     )

@@ -18,7 +18,7 @@ from typing import Any
 import diagnose
 from diagnose import sampling
 from diagnose.probes.dataloader_facts import LoaderConfig
-from diagnose.trace.rules import pct
+from diagnose.units import pct
 from diagnose.workload.data import PreparedData
 
 #: How long the child iterates the loader under py-spy, and py-spy's sampling rate.

@@ -43,7 +43,7 @@ from diagnose.probes.dataloader_facts import LoaderConfig, WaitSummary
 from diagnose.probes.dataloader_frames import HotFrames
 from diagnose.record import Finding, Outcome
 from diagnose.stats import at_line, clearly_faster, saving_interval
-from diagnose.trace.rules import ms, pct
+from diagnose.units import ms, pct
 from diagnose.verdicts import NO_FASTER_KEY
 
 

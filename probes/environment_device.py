@@ -15,13 +15,13 @@ from diagnose.environment_facts import (
     found,
     gib,
     judged,
-    pct,
     truthy,
     unknown,
     version_tuple,
 )
 from diagnose.record import ProbeResult
 from diagnose.stats import at_line
+from diagnose.units import pct
 
 # --- which device --------------------------------------------------------------------------------
 

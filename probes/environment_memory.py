@@ -15,12 +15,12 @@ from diagnose.environment_facts import (
     found,
     gib,
     judged,
-    pct,
     truthy,
     unknown,
 )
 from diagnose.record import ProbeResult
 from diagnose.stats import at_line
+from diagnose.units import pct
 
 
 def _sysmem_fallback(facts: EnvironmentFacts) -> bool:

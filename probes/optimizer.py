@@ -95,6 +95,7 @@ from diagnose.quiet import capture_output
 from diagnose.record import Finding, ProbeResult
 from diagnose.stats import at_line
 from diagnose.timing import PhaseTimer, device_synchronizer
+from diagnose.units import ms_value
 from diagnose.workload.untouched import GradientCatcher, steps_without_update
 
 #: Calls recorded by the profiler per optimizer (after the timed ones).
@@ -373,8 +374,8 @@ class OptimizerProbe:
         data["configured"] = {
             "optimizer": running_label,
             "key": running,
-            "step_ms_median": _ms(configured_row.stats.median),
-            "step_ms_iqr": _ms(configured_row.stats.iqr),
+            "step_ms_median": ms_value(configured_row.stats.median),
+            "step_ms_iqr": ms_value(configured_row.stats.iqr),
             "samples": configured_row.stats.n,
             "s_per_it": s_per_it,
             "share_of_s_per_it": (
@@ -648,10 +649,6 @@ class OptimizerProbe:
             )
         else:
             result.add_not_judged(NUMERICS, "AdamW8bit numerics: no element to compare")
-
-
-def _ms(seconds: float) -> float | None:
-    return round(seconds * 1e3, 4) if math.isfinite(seconds) else None
 
 
 def _trace_finding(ctx: ProbeContext, finding_id: str) -> Finding | None:

@@ -28,6 +28,7 @@ from diagnose.stats import (
     sure_saving,
 )
 from diagnose.timing import timed_calls
+from diagnose.units import ms_value
 from diagnose.verdicts import borderline_at
 
 #: Timed calls per optimizer: at least MIN_CALLS, then more until the budget is spent.
@@ -60,18 +61,14 @@ class ABRow:
         stats = self.stats
         row = asdict(self)
         row.update(
-            step_ms_median=_ms(stats.median),
-            step_ms_q1=_ms(stats.q1),
-            step_ms_q3=_ms(stats.q3),
-            step_ms_iqr=_ms(stats.iqr),
+            step_ms_median=ms_value(stats.median),
+            step_ms_q1=ms_value(stats.q1),
+            step_ms_q3=ms_value(stats.q3),
+            step_ms_iqr=ms_value(stats.iqr),
             samples=stats.n,
             state_bytes_total=sum(self.state_bytes.values()),
         )
         return row
-
-
-def _ms(seconds: float) -> float | None:
-    return round(seconds * 1e3, 4) if math.isfinite(seconds) else None
 
 
 def implied_s_per_it(
@@ -159,19 +156,19 @@ def slower_than_alternative_rule(
     base, fastest = configured.stats, best.stats
     evidence: dict[str, Any] = {
         "configured": configured.optimizer,
-        "configured_step_ms_timed_alone": _ms(base.median),
-        "configured_step_ms_iqr": [_ms(base.q1), _ms(base.q3)],
+        "configured_step_ms_timed_alone": ms_value(base.median),
+        "configured_step_ms_iqr": [ms_value(base.q1), ms_value(base.q3)],
         "fastest": best.optimizer,
-        "fastest_step_ms_timed_alone": _ms(fastest.median),
-        "fastest_step_ms_iqr": [_ms(fastest.q1), _ms(fastest.q3)],
-        "optimizer_phase_ms_in_the_step": _ms(phase_seconds) if phase_seconds else None,
-        "saving_ms_per_it": _ms(saving),
-        "saving_ms_per_it_low": _ms(sure),
+        "fastest_step_ms_timed_alone": ms_value(fastest.median),
+        "fastest_step_ms_iqr": [ms_value(fastest.q1), ms_value(fastest.q3)],
+        "optimizer_phase_ms_in_the_step": ms_value(phase_seconds) if phase_seconds else None,
+        "saving_ms_per_it": ms_value(saving),
+        "saving_ms_per_it_low": ms_value(sure),
         "saving_interval_confidence": 1 - SAVING_SIGNIFICANCE,
         "s_per_it": s_per_it,
         "implied_s_per_it": best.implied_s_per_it,
         "table": [
-            {"optimizer": r.optimizer, "step_ms_median": _ms(r.stats.median)}
+            {"optimizer": r.optimizer, "step_ms_median": ms_value(r.stats.median)}
             for r in rows
             if r.step_seconds and not r.error
         ],

@@ -25,7 +25,7 @@ from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.catalogs.compute_catalog import is_blocking_call
 from diagnose.quiet import native_stderr_filtered
 from diagnose.record import Finding
-from diagnose.trace.rules import ms
+from diagnose.units import ms
 
 #: around ``step`` ("Optimizer.step#AdamW.step"); syncs inside either are counted.
 PROBE_STEP_SPAN = "diagnose::optimizer_probe.step"

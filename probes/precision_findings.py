@@ -23,7 +23,6 @@ from diagnose.catalogs.precision_catalog import (
     dtype_mismatch_finding,
     fp32_training_finding,
     fp32_weights_finding,
-    ms,
     upcast_finding,
 )
 from diagnose.precision_policy import claimed_vs_actual, is_dtype_warning, requested_low_dtype
@@ -32,6 +31,7 @@ from diagnose.probes.precision_speed import HeadlineScale, SpeedComparison, roun
 from diagnose.probes.precision_weights import Fp32Weights
 from diagnose.record import DeviceInfo, Finding
 from diagnose.stats import at_line
+from diagnose.units import ms
 from diagnose.verdicts import borderline_at
 
 #: Rows of the op table kept in the probe's data.

@@ -29,8 +29,8 @@ from diagnose.record import Finding, ProbeResult, RunRecord
 from diagnose.stats import ab_verdict, sure_saving
 from diagnose.timing import PhaseTimer, device_synchronizer
 from diagnose.torch_compat import tree_leaves
-from diagnose.trace.rules import pct, per_it
 from diagnose.trace.rules.quantization import RULE
+from diagnose.units import format_gib, pct, per_it
 from diagnose.verdicts import step_seconds
 from diagnose.workload.data import ImageBatch
 from diagnose.workload.quantize import FLOAT_BASES
@@ -556,8 +556,8 @@ def _memory_text(storage: str, unquantized: str, memory: Mapping[str, Any]) -> s
     held_twin = memory.get("unquantized_held_bytes")
     if held_stored and held_twin:
         parts.append(
-            f"Here the frozen weights held {_gib(held_stored)} as {storage} against "
-            f"{_gib(held_twin)} as {unquantized}."
+            f"Here the frozen weights held {format_gib(held_stored)} as {storage} against "
+            f"{format_gib(held_twin)} as {unquantized}."
         )
     full_stored = memory.get("stored_full_size_bytes")
     full_twin = memory.get("unquantized_full_size_bytes")
@@ -565,9 +565,9 @@ def _memory_text(storage: str, unquantized: str, memory: Mapping[str, Any]) -> s
     if not (full_stored and full_twin):
         return " ".join(parts)
     parts.append(
-        f"At full size the model needs {_gib(full_stored)} before activations as {storage} "
-        f"against {_gib(full_twin)} as {unquantized}"
-        + (f" and {_gib(full_fp8)} as fp8" if full_fp8 and storage != "FP8" else "")
+        f"At full size the model needs {format_gib(full_stored)} before activations as {storage} "
+        f"against {format_gib(full_twin)} as {unquantized}"
+        + (f" and {format_gib(full_fp8)} as fp8" if full_fp8 and storage != "FP8" else "")
         + "."
     )
     device = memory.get("device_bytes")
@@ -575,21 +575,18 @@ def _memory_text(storage: str, unquantized: str, memory: Mapping[str, Any]) -> s
         parts.append("Keep the quantized base only where the unquantized one does not fit.")
     elif full_twin <= device:
         parts.append(
-            f"On this GPU's {_gib(device)} the {unquantized} base fits before activations: "
+            f"On this GPU's {format_gib(device)} the {unquantized} base fits before activations: "
             "store the base unquantized."
         )
     elif full_fp8 and full_fp8 <= device and storage != "FP8":
         parts.append(
-            f"The {unquantized} base does not fit this GPU's {_gib(device)}, fp8 storage does: "
+            f"The {unquantized} base does not fit this GPU's {format_gib(device)}, "
+            "fp8 storage does: "
             "it expands with a plain cast, cheaper than a 4-bit table lookup."
         )
     else:
-        parts.append(f"On this GPU's {_gib(device)} only the quantized base fits.")
+        parts.append(f"On this GPU's {format_gib(device)} only the quantized base fits.")
     return " ".join(parts)
-
-
-def _gib(value: float) -> str:
-    return f"{value / GIB:.2f} GiB" if value >= GIB / 10 else f"{value / 2**20:.1f} MiB"
 
 
 __all__ = [

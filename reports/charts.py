@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .format import format_seconds
+from diagnose.units import format_seconds
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

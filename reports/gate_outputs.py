@@ -24,8 +24,13 @@ from diagnose.gate import (
     gate_failures,
     gate_status,
 )
-
-from .format import format_bytes, format_per_iteration, format_percent, format_seconds, is_number
+from diagnose.units import (
+    format_bytes,
+    format_per_iteration,
+    format_percent,
+    format_seconds,
+    is_number,
+)
 
 #: How a verdict reads, and the badge class the HTML gives it (existing report.css classes).
 VERDICT_BADGE: dict[str, str] = {

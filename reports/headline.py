@@ -17,8 +17,7 @@ from diagnose.config import MAX_TIMED_STEPS
 from diagnose.contention import describe as describe_load
 from diagnose.record import HostLoad, RunRecord, Stats, Timing
 from diagnose.trainers import accumulation_setting
-
-from .format import (
+from diagnose.units import (
     NOT_MEASURED,
     format_per_iteration,
     format_percent,

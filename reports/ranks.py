@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diagnose.record import PHASE_LABELS, PHASES, RankStat, Stats
-
-from .format import format_seconds, format_seconds_range
+from diagnose.units import format_seconds, format_seconds_range
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diagnose.record import RunRecord
-from diagnose.trace.rules import pct
+from diagnose.units import pct
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diagnose.sweep import AXES, AXIS_BY_NAME, STATUS_LABELS, PointResult, Setting, Sweep
+from diagnose.units import format_bytes, format_per_iteration, format_percent, format_seconds_range
 
 from .charts import CHART_RC, figure_svg, new_figure
-from .format import format_bytes, format_per_iteration, format_percent, format_seconds_range
 
 #: The memory sizes of common GPUs, GiB (a "24 GB" card holds 24 GiB).
 VRAM_SIZES_GIB: tuple[int, ...] = (8, 12, 16, 24, 48, 80)

@@ -8,8 +8,13 @@ from dataclasses import dataclass
 from diagnose.carry_over import shrunk_preset
 from diagnose.record import RunRecord
 from diagnose.roofline.model import Peak, Utilisation
-
-from .format import format_bytes, format_flops, format_percent, format_seconds, is_number
+from diagnose.units import (
+    format_bytes,
+    format_bytes_rate,
+    format_flops,
+    format_percent,
+    format_seconds,
+)
 
 _CLASS_LABELS = {
     "gemm": "matrix multiply (GEMM)",
@@ -17,10 +22,6 @@ _CLASS_LABELS = {
     "attention": "fused attention",
     "memory": "memory-bound ops (bytes)",
 }
-
-
-def _bytes_rate(value: float | None) -> str:
-    return f"{format_bytes(value)}/s" if value is not None and is_number(value) else "—"
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,17 @@ def _row(u: Utilisation, index: int) -> ClassRow:
             f"{format_seconds(c.seconds)} ({c.seconds_basis})" if c.seconds is not None else "—"
         ),
         achieved=(
-            _bytes_rate(c.achieved_per_s)
+            format_bytes_rate(c.achieved_per_s)
             if memory
             else format_flops(c.achieved_per_s, per_second=True)
         )
         if c.achieved_per_s is not None
         else "—",
-        peak=(_bytes_rate(c.peak_per_s) if memory else format_flops(c.peak_per_s, per_second=True))
+        peak=(
+            format_bytes_rate(c.peak_per_s)
+            if memory
+            else format_flops(c.peak_per_s, per_second=True)
+        )
         if c.peak_per_s is not None
         else "—",
         share=format_percent(c.share_of_peak, missing="—"),

@@ -26,6 +26,17 @@ from diagnose.record import (
     Timing,
 )
 from diagnose.trace.kernel_classes import COUNTED_ONCE_PRECEDENCE
+from diagnose.units import (
+    NOT_MEASURED,
+    format_bytes,
+    format_count,
+    format_per_iteration,
+    format_percent,
+    format_seconds,
+    format_seconds_range,
+    format_value,
+    is_number,
+)
 from diagnose.verdicts import step_seconds as step_seconds_of
 
 from .charts import (
@@ -37,17 +48,6 @@ from .charts import (
     breakdown_bar_svg,
     phase_color,
     step_times_svg,
-)
-from .format import (
-    NOT_MEASURED,
-    format_bytes,
-    format_count,
-    format_per_iteration,
-    format_percent,
-    format_seconds,
-    format_seconds_range,
-    format_value,
-    is_number,
 )
 from .gate_outputs import CompareView
 from .headline import (

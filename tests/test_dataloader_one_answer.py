@@ -22,7 +22,7 @@ from diagnose.record import Breakdown, ProbeResult, RunRecord, StepSample, Timin
 from diagnose.run import execute_run
 from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from diagnose.trace.rules import dataloader as dataloader_rule
-from diagnose.trace.rules import pct
+from diagnose.units import pct
 from diagnose.verdicts import contradictions, settle, step_seconds
 from diagnose.workload.data import generate_image, generate_images
 from tests.conftest import one_torch_thread

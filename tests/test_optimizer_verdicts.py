@@ -32,7 +32,7 @@ from diagnose.probes.optimizer import (
 from diagnose.probes.optimizer_ab import ABRow
 from diagnose.probes.optimizer_numerics import compare_updates, numerics_rule
 from diagnose.record import DeviceInfo, RunRecord
-from diagnose.reports.format import format_seconds
+from diagnose.units import format_seconds
 from diagnose.verdicts import contradictions, settle
 from diagnose.workload.step import Workload
 from tests.conftest import one_torch_thread

@@ -26,7 +26,7 @@ from diagnose.probes.environment import preset_memory
 from diagnose.probes.quantization import QuantizationProbe, compare_outputs, held_bytes
 from diagnose.quantized_base import KINDS
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, new_record
-from diagnose.trace.rules import per_it
+from diagnose.units import per_it
 from diagnose.workload import Workload, build_workload
 from diagnose.workload.data import generate_images
 from tests.conftest import one_torch_thread

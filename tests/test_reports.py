@@ -32,7 +32,8 @@ from diagnose.reports.charts import (
     compare_strip_svg,
     step_times_svg,
 )
-from diagnose.reports.format import (
+from diagnose.reports.view import KV, build_view, kv_rows
+from diagnose.units import (
     format_bytes,
     format_count,
     format_per_iteration,
@@ -41,7 +42,6 @@ from diagnose.reports.format import (
     format_seconds_range,
     format_value,
 )
-from diagnose.reports.view import KV, build_view, kv_rows
 
 # ---------------------------------------------------------------------------------------------
 # Records

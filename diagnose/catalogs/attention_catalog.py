@@ -15,6 +15,7 @@ from typing import Any
 from diagnose.attention_paths import ROCM_EXPERIMENTAL_ENV, rocm_needs_experimental
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, judged_at_full_size
 from diagnose.record import Basis, Finding
+from diagnose.units import ms_significant
 
 #: The phases in which attention runs.
 ATTENTION_PHASES = ("encode", "forward", "backward")
@@ -140,10 +141,6 @@ BACKEND_SWITCH: dict[str, str] = {
         diffusers="model.set_attention_backend('flash') or DIFFUSERS_ATTN_BACKEND=flash",
     ),
 }
-
-
-def ms_text(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
 
 
 def _count(value: float) -> str:
@@ -289,7 +286,7 @@ _MANUAL_LEAD = (
 
 def _measured_tail(faster_with: str | None, saving: float | None) -> str:
     if faster_with and saving:
-        return f" — measured {ms_text(saving)}/it faster with {faster_with}"
+        return f" — measured {ms_significant(saving)}/it faster with {faster_with}"
     return ""
 
 
@@ -312,7 +309,7 @@ def math_fallback(
     ``faster_with`` names the backend measured faster, ``how_measured`` says how the saving was
     obtained (or why there is none)."""
     of = f" of {_count(total_calls)}" if total_calls is not None else ""
-    took = f", {ms_text(seconds_per_step)}/step" if seconds_per_step is not None else ""
+    took = f", {ms_significant(seconds_per_step)}/step" if seconds_per_step is not None else ""
     title = (
         f"Attention ran on the unfused math path in {_count(calls)}{of} calls per step{took}"
         + _measured_tail(faster_with, saving)
@@ -352,7 +349,9 @@ def unfused_manual(
     ``processors`` on ``modules``, when known; inside the component ``where``, e.g. "the text
     encoder (T5EncoderModel)", with that component's ``fix``)."""
     by = f" by {processors}" if processors else ""
-    took = f", {ms_text(seconds_per_step)}/step forward" if seconds_per_step is not None else ""
+    took = (
+        f", {ms_significant(seconds_per_step)}/step forward" if seconds_per_step is not None else ""
+    )
     count = f" in {where}, {_count(calls)} calls" if where else f" in {_count(calls)} calls"
     title = (
         f"Attention is computed by hand (matmul → softmax → matmul){by}{count} per step{took}"
@@ -388,7 +387,7 @@ def slower_backend(
     ``best``."""
     return SLOWER_BACKEND.build(
         f"{ran} ran for {_count(calls)} attention calls per step; {best_label} is measured "
-        f"{ms_text(saving)}/it faster",
+        f"{ms_significant(saving)}/it faster",
         fix=f"Select {BACKEND_LABELS.get(best, best)}: {BACKEND_SWITCH.get(best, best)}.",
         evidence=evidence,
         saving=saving,
@@ -467,7 +466,6 @@ __all__ = [
     "manual_fix_for",
     "math_fallback",
     "math_fix",
-    "ms_text",
     "no_math_text",
     "slower_backend",
     "unfused_manual",

@@ -13,7 +13,7 @@ from typing import Any
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Finding
 from diagnose.stats import at_line
-from diagnose.trace.rules import ms, pct
+from diagnose.units import ms, pct
 
 LAUNCH_BOUND = FindingSpec(
     "compute.launch_bound",

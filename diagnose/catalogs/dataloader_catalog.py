@@ -17,7 +17,7 @@ from typing import Any
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding, RunRecord
 from diagnose.stats import AtLine, at_line
-from diagnose.trace.rules import ms, pct, per_it
+from diagnose.units import ms, pct, per_it
 from diagnose.verdicts import borderline_at, phase_bound, step_seconds
 
 GPU_STARVED = FindingSpec(

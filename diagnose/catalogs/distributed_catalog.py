@@ -14,7 +14,7 @@ from diagnose.catalogs.dataloader_catalog import (
 )
 from diagnose.record import PHASE_LABELS, Finding
 from diagnose.stats import AtLine
-from diagnose.trace.rules import ms, pct, pct_fine
+from diagnose.units import ms, pct, pct_fine
 from diagnose.verdicts import WARN_SHARE, borderline_at
 
 STRAGGLER = FindingSpec(

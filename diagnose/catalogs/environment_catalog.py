@@ -15,6 +15,7 @@ from typing import Any, Literal
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Finding, Severity
 from diagnose.stats import at_line
+from diagnose.units import pct
 
 CPU_WITH_GPU_PRESENT = FindingSpec(
     "environment.cpu_with_gpu_present",
@@ -465,10 +466,6 @@ def amd_log_level_finding(level: str) -> Finding:
     )
 
 
-def _pct(x: float | None) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
-
-
 def gpu_throttled_finding(
     *,
     worst: float,
@@ -497,8 +494,8 @@ def gpu_throttled_finding(
             else "`nvidia-smi -q -d PERFORMANCE,TEMPERATURE` shows the active reason"
         )
     return GPU_THROTTLED.build(
-        f"The GPU throttled in {_pct(worst)} of the busy samples ({', '.join(sorted(reasons))}); "
-        f"clocks at {_pct(clock_fraction)} of max",
+        f"The GPU throttled in {pct(worst)} of the busy samples ({', '.join(sorted(reasons))}); "
+        f"clocks at {pct(clock_fraction)} of max",
         fix=fix,
         evidence=evidence,
         severity=THROTTLED_MOST_SEVERITY if most else None,
@@ -510,7 +507,7 @@ def power_limited_finding(
 ) -> Finding:
     return POWER_LIMITED.build(
         f"The power limit is lowered to {limit_w:.0f} W (default {default_w:.0f} W) and the GPU "
-        f"sits at it in {_pct(at_limit)} of the busy samples",
+        f"sits at it in {pct(at_limit)} of the busy samples",
         fix=(
             f"sudo amd-smi set --power-cap {default_w:.0f} (or rocm-smi --resetpoweroverdrive)"
             if amd
@@ -533,7 +530,7 @@ def clocks_low_finding(
 ) -> Finding:
     return CLOCKS_LOW.build(
         f"The GPU is busy ({utilization_pct:.0f}%) but clocks at {clock_mhz:.0f} MHz, "
-        f"{_pct(clock_fraction)} of its {max_mhz:.0f} MHz maximum",
+        f"{pct(clock_fraction)} of its {max_mhz:.0f} MHz maximum",
         fix=(
             "sudo amd-smi set --perf-level AUTO (or rocm-smi --setperflevel auto); check the "
             "power profile (rocm-smi --showprofile)"

@@ -20,6 +20,7 @@ from diagnose.catalogs import (
 )
 from diagnose.record import Finding, Severity
 from diagnose.stats import at_line
+from diagnose.units import format_seconds
 
 SYNC_IN_STEP = FindingSpec(
     "optimizer.sync_in_step",
@@ -238,14 +239,6 @@ def sync_fix(running: str | None) -> str:
 # Builders: the one wording of each finding
 
 
-def _ms(seconds: float) -> str:
-    # The report's own formatter, so a time reads the same in a title and on the page.
-    from diagnose.reports.format import format_seconds
-
-    text: str = format_seconds(seconds)
-    return text
-
-
 def sync_in_step(
     *,
     optimizers: Sequence[str],
@@ -297,7 +290,6 @@ def sync_in_step(
 def phase_time_text(phase_seconds: float, step_seconds: float | None) -> str:
     """The optimizer phase's time written exactly as the report's phase bar writes it."""
     # Imported here: the reports package pulls in its renderers, which the catalog never needs.
-    from diagnose.reports.format import format_seconds
 
     text: str = format_seconds(phase_seconds, like=step_seconds)
     return text
@@ -325,8 +317,8 @@ def slower_than_alternative(
         title = (
             f"The optimizer phase takes {phase_time_text(phase_seconds, step_seconds)} per step "
             f"with {label(running)}; {label(fastest)} steps {faster} here "
-            f"(timed alone: {_ms(running_alone_seconds)} against "
-            f"{_ms(fastest_alone_seconds)})"
+            f"(timed alone: {format_seconds(running_alone_seconds)} against "
+            f"{format_seconds(fastest_alone_seconds)})"
         )
         how = (
             "The optimizer phase of the phase bar is optimizer.step() and zero_grad() inside the "
@@ -336,8 +328,9 @@ def slower_than_alternative(
         )
     else:
         title = (
-            f"optimizer.step() takes {_ms(running_alone_seconds)} timed alone with "
-            f"{label(running)}; {label(fastest)} takes {_ms(fastest_alone_seconds)} here "
+            f"optimizer.step() takes {format_seconds(running_alone_seconds)} timed alone with "
+            f"{label(running)}; {label(fastest)} takes "
+            f"{format_seconds(fastest_alone_seconds)} here "
             f"({faster})"
         )
         how = "The saving is the difference of the medians of the steps timed alone."
@@ -346,7 +339,8 @@ def slower_than_alternative(
         f"of repeated device-synchronised step() calls). {how} It assumes one optimizer step "
         "per iteration (divide by the gradient-accumulation steps if you accumulate). AdamW and "
         "AdamW8bit are the same algorithm; Adafactor is not. Severity is graded on the saving "
-        f"the A/B is {confidence:.0%} sure of ({_ms(sure_saving)}, the low end of its interval), "
+        f"the A/B is {confidence:.0%} sure of ({format_seconds(sure_saving)}, the low end of its "
+        "interval), "
         "so that it does not flip between runs of the same setup."
     )
     return SLOWER_THAN_ALTERNATIVE.build(

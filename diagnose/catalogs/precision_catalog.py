@@ -8,12 +8,12 @@ phenomenon has one id and one wording whichever of them saw it. Severity is not 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding
+from diagnose.units import ms
 
 #: The phases in which the step computes with the model's weights.
 COMPUTE_PHASES = ("encode", "forward", "backward")
@@ -200,14 +200,6 @@ def claim_not_applied_fix(said: str, low: str) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Builders: one per id, called by the probe and the trace rule alike
-
-
-def ms(seconds: float | None) -> str:
-    """Seconds as a short millisecond string for titles ("?" when unknown)."""
-    if seconds is None or not math.isfinite(seconds):
-        return "?"
-    value = seconds * 1e3
-    return f"{value:.2f} ms" if value < 10 else f"{value:.0f} ms"
 
 
 def upcast_finding(

@@ -11,7 +11,7 @@ from typing import Any
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
 from diagnose.record import Basis, Finding
 from diagnose.stats import at_line
-from diagnose.trace.rules import ms, pct, per_it
+from diagnose.units import ms, pct, per_it
 
 DEQUANT_COST = FindingSpec(
     "quantization.dequant_cost",

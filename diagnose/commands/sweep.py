@@ -330,7 +330,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _point_line(result: PointResult) -> str:
-    from diagnose.reports.format import format_bytes, format_per_iteration
+    from diagnose.units import format_bytes, format_per_iteration
 
     if result.status == "measured" and result.summary is not None:
         kind = "device" if result.summary.memory_kind == "device" else "host (RSS)"
@@ -399,7 +399,7 @@ class SweepProgress:
     def done(self, result: PointResult) -> None:
         if self._bar is None:
             return
-        from diagnose.reports.format import format_per_iteration
+        from diagnose.units import format_per_iteration
 
         last = (
             format_per_iteration(result.seconds_per_it)

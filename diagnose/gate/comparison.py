@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.gate.comparability import environment_changes, record_differences
 from diagnose.gate.finding_changes import FindingChange, diff_findings
-from diagnose.gate.metrics import MetricComparison, _drift, _pct
+from diagnose.gate.metrics import MetricComparison, _drift
 from diagnose.gate.options import CompareOptions
 from diagnose.gate.record_metrics import (
     _comparable_samples,
@@ -23,6 +23,7 @@ from diagnose.gate.record_metrics import (
 )
 from diagnose.record import RunRecord, StepSample
 from diagnose.record_validation import is_valid_step_time
+from diagnose.units import pct_change
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def compare_records(
     if drift is not None and drift > options.threshold:
         measured = sum(side.median_seconds is not None for side in sides)
         notes.append(
-            f"The {measured} baselines' s/it medians differ by {_pct(drift)} among "
+            f"The {measured} baselines' s/it medians differ by {pct_change(drift)} among "
             f"themselves, more than the {options.threshold:.0%} threshold: this runner drifts "
             "between runs by more than the change the gate is asked to catch, so a slowdown "
             "counts only beyond the slowest baseline. Steady the runner (pinned clocks, no "

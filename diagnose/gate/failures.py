@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.gate.comparison import Comparison
 from diagnose.gate.finding_changes import _SEVERITY_RANK, FindingChange
-from diagnose.gate.metrics import _pct
 from diagnose.gate.options import FAIL_ON_CHOICES
+from diagnose.units import pct_change
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,9 @@ def _where_slower(comparison: Comparison) -> str:
     phases = [m for m in comparison.metrics if m.kind == "phase" and m.verdict == "slower"]
     if not phases:
         return "; no single phase is significantly slower"
-    parts = [f"{m.label} {_pct(m.change)}" if m.change is not None else m.label for m in phases]
+    parts = [
+        f"{m.label} {pct_change(m.change)}" if m.change is not None else m.label for m in phases
+    ]
     return "; slower phases: " + ", ".join(parts)
 
 

@@ -52,6 +52,7 @@ from diagnose.stats import (
     shift_interval,
     smallest_p_value,
 )
+from diagnose.units import pct_change, seconds_significant
 
 Verdict = Literal[
     "faster", "same", "slower", "larger", "smaller", "lower", "higher", "inconclusive"
@@ -120,21 +121,8 @@ def _spread(values: Sequence[float]) -> float | None:
     return (q3 - q1) / median if median > 0 else None
 
 
-def _pct(fraction: float) -> str:
-    return f"{fraction * 100:+.1f}%"
-
-
 def _p(p: float) -> str:
     return f"p={p:.2g}" if p >= 1e-4 else "p<0.0001"
-
-
-def _seconds(value: float) -> str:
-    magnitude = abs(value)
-    if magnitude >= 1 or magnitude == 0:
-        return f"{value:.3g} s"
-    if magnitude >= 1e-3:
-        return f"{value * 1e3:.3g} ms"
-    return f"{value * 1e6:.3g} µs"
 
 
 def compare_samples(
@@ -202,10 +190,12 @@ def compare_samples(
     reaches_up = beyond_up or (ci_high is not None and ci_high >= upper and delta > 0)
     reaches_down = beyond_down or (ci_low is not None and ci_low <= lower and delta < 0)
     change = (
-        _pct(ratio - 1) if ratio is not None else f"{'+' if delta >= 0 else ''}{_seconds(delta)}"
+        pct_change(ratio - 1)
+        if ratio is not None
+        else f"{'+' if delta >= 0 else ''}{seconds_significant(delta)}"
     )
     ci_text = (
-        f", CI {_pct(ci_low - 1)}…{_pct(ci_high - 1)}"
+        f", CI {pct_change(ci_low - 1)}…{pct_change(ci_high - 1)}"
         if ci_low is not None and ci_high is not None
         else ""
     )
@@ -248,13 +238,16 @@ def compare_samples(
             reason = f"{stats_text}: within ±{threshold:.0%}"
     elif negligible:
         verdict = "same"
-        reason = f"{stats_text}: under the floor of {_seconds(floor_seconds or 0.0)} per step"
+        reason = (
+            f"{stats_text}: under the floor of {seconds_significant(floor_seconds or 0.0)} per step"
+        )
     elif significant:
         verdict = "same"
         if beyond_up or beyond_down:
             reason = (
-                f"{stats_text}: significant but {_seconds(abs(delta))} per step is under the "
-                f"floor of {_seconds(floor_seconds or 0.0)}"
+                f"{stats_text}: significant but {seconds_significant(abs(delta))} per step is "
+                "under the "
+                f"floor of {seconds_significant(floor_seconds or 0.0)}"
             )
         else:
             reason = f"{stats_text}: a real change, under the ±{threshold:.0%} threshold"
@@ -322,13 +315,13 @@ def compare_runs(
     pick = (max if slower else min)(measured, key=lambda item: statistics.median(item[1]))
     alone = judge(pick[1], current)
     extreme = "slowest" if slower else "fastest"
-    change = _pct(alone.ratio - 1) if alone.ratio is not None else "—"
+    change = pct_change(alone.ratio - 1) if alone.ratio is not None else "—"
     p_text = f", {_p(alone.p_value)}" if alone.p_value is not None else ""
     versus = f"the {extreme} baseline alone ({pick[0]}: {alone.verdict}, {change}{p_text})"
     if alone.verdict == metric.verdict:
         return replace(metric, reason=f"{metric.reason}; also against {versus}")
     spread = _drift([statistics.median(run) for _, run in measured])
-    between = f" ({_pct(spread)} between them)" if spread is not None else ""
+    between = f" ({pct_change(spread)} between them)" if spread is not None else ""
     return replace(
         metric,
         verdict="inconclusive",

@@ -15,14 +15,13 @@ from diagnose.gate.metrics import (
     Unit,
     Verdict,
     _finite,
-    _pct,
-    _seconds,
     compare_runs,
 )
 from diagnose.gate.options import CompareOptions
 from diagnose.record import PHASE_LABELS, PHASES, HostLoad, RunRecord, StepSample
 from diagnose.record_validation import is_valid_step_time
 from diagnose.roofline.utilisation import mfu_against
+from diagnose.units import pct_change, seconds_significant
 
 
 def _comparable_samples(
@@ -130,7 +129,8 @@ def judged_against_load(
             metric,
             reason=(
                 f"{metric.reason}; the {side} run's machine was busy ({describe(load)}), but "
-                f"the load could explain at most {_pct(explained - 1)} against the other side's"
+                f"the load could explain at most {pct_change(explained - 1)} against the other "
+                "side's"
             ),
         )
     return dataclasses.replace(
@@ -138,7 +138,8 @@ def judged_against_load(
         verdict="inconclusive",
         reason=(
             f"{metric.reason}; but the {side} run's machine was busy ({describe(load)}): a "
-            f"change of up to {_pct(explained - 1)} could be the load. Rerun on an idle machine"
+            f"change of up to {pct_change(explained - 1)} could be the load. Rerun on an idle "
+            "machine"
         ),
     )
 
@@ -231,7 +232,7 @@ def _single(
     up = b >= high * (1 + threshold) if high > 0 else b > high
     down = b <= low / (1 + threshold) if low > 0 else b < low
     every = " of every baseline" if len(present) > 1 else ""
-    change = _pct(ratio - 1) if ratio is not None else ("new" if b > 0 else "0 → 0")
+    change = pct_change(ratio - 1) if ratio is not None else ("new" if b > 0 else "0 → 0")
     verdict: Verdict
     if up and material_up:
         verdict = rise
@@ -242,7 +243,8 @@ def _single(
     elif (up or down) and floor is not None:
         verdict = "same"
         reason = (
-            f"{change}: {_seconds(abs(delta))} per step is under the floor of {_seconds(floor)}"
+            f"{change}: {seconds_significant(abs(delta))} per step is under the floor of "
+            f"{seconds_significant(floor)}"
         )
     elif len(present) > 1 and (ratio is None or not 1 / (1 + threshold) < ratio < 1 + threshold):
         # Beyond the threshold from the baselines' median, not from every baseline.

@@ -26,7 +26,7 @@ from diagnose.probes.attention_bench import SDPA_BACKENDS, SignatureTrials
 from diagnose.probes.attention_calls import Signature
 from diagnose.probes.attention_full_size import RealShapes, judge_at_full_size
 from diagnose.record import Finding, RunRecord
-from diagnose.trace.rules import ms
+from diagnose.units import ms
 
 #: Seconds the measurement may take, its pilot included (it runs after the user's command).
 BUDGET_S = 5.0

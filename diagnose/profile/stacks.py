@@ -16,7 +16,7 @@ from typing import Any
 from diagnose import sampling
 from diagnose.catalogs.dataloader_catalog import GPU_STARVED
 from diagnose.record import Finding
-from diagnose.trace.rules import pct
+from diagnose.units import pct
 
 #: Frames shown per ranking.
 TOP_FRAMES = 8

@@ -35,6 +35,7 @@ from diagnose.trace.kernels import KernelLabels, in_steps_mask
 from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
+from diagnose.units import ms
 
 if TYPE_CHECKING:
     from diagnose.trace.breakdown import PhaseModel
@@ -185,7 +186,7 @@ def placement_notes(
                 name = LAUNCH_PHASES[index]
                 by_phase[name] = by_phase.get(name, 0.0) + seconds
             told = ", ".join(
-                f"{PHASE_LABELS.get(p, p)} {_ms(v)}"
+                f"{PHASE_LABELS.get(p, p)} {ms(v)}"
                 for p, v in sorted(by_phase.items(), key=lambda kv: -kv[1])
             )
             notes.append(
@@ -205,27 +206,22 @@ def placement_notes(
                 minlength=len(KERNEL_CLASSES),
             )
             listed = ", ".join(
-                f"{KERNEL_CLASSES[c]} {_ms(float(classes[c]))}"
+                f"{KERNEL_CLASSES[c]} {ms(float(classes[c]))}"
                 for c in np.argsort(-classes).tolist()
                 if classes[c] > 0
             )
             share = f" ({exposed / step:.0%} of the step)" if step > 0 else ""
             notes.append(
-                f"GPU work of unknown phase: {_ms(exposed)} per step{share} of device time whose "
+                f"GPU work of unknown phase: {ms(exposed)} per step{share} of device time whose "
                 f"launching code is not in the trace. By kernel class: {listed}."
             )
     unplaced = breakdown.seconds.get("other", 0.0)
     if step > 0 and unplaced > UNPLACED_NOTE_SHARE * step:
         notes.append(
-            f"{_ms(unplaced)} per step ({unplaced / step:.0%} of the step) could not be placed in "
+            f"{ms(unplaced)} per step ({unplaced / step:.0%} of the step) could not be placed in "
             "any phase and is shown as 'other'."
         )
     return notes
-
-
-def _ms(seconds: float) -> str:
-    value = seconds * 1e3
-    return f"{value:.2f} ms" if value < 10 else f"{value:.0f} ms"
 
 
 __all__ = [

@@ -20,7 +20,7 @@ from diagnose.catalogs.dataloader_catalog import CACHE_LATENTS_ADVICE
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import Intervals
 from diagnose.trace.modules import ModuleScopes, ModuleShare, attribute, attribute_time
-from diagnose.trace.rules import pct
+from diagnose.units import pct
 
 #: Frozen components whose per-step work can be computed once before training.
 ENCODERS: frozenset[str] = frozenset({"text_encoder", "vae"})

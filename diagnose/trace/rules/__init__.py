@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 from diagnose.record import ProbeResult
 
 if TYPE_CHECKING:
-    # Only for annotations: the catalogs import the formatting helpers below, and the trace
-    # engine the context is built from imports the catalogs.
+    # Only for annotations: the trace engine the context is built from imports the rules.
     from diagnose.trace.context import TraceContext
 
 #: A rule reads the trace and returns the same result type as a probe (named after the rule).
@@ -66,23 +65,3 @@ def run_rules(ctx: TraceContext) -> list[ProbeResult]:
         result.settle_checks(f"trace:{name}")
         results.append(result)
     return results
-
-
-def ms(seconds: float) -> str:
-    """Seconds as a short millisecond string for finding titles."""
-    value = seconds * 1e3
-    return f"{value:.2f} ms" if value < 10 else f"{value:.0f} ms"
-
-
-def per_it(seconds: float) -> str:
-    """A per-iteration time for finding titles: "8.72 ms/it" under a second, "1.23 s/it" above."""
-    return f"{ms(seconds)}/it" if abs(seconds) < 1 else f"{seconds:.2f} s/it"
-
-
-def pct(share: float) -> str:
-    return f"{share * 100:.0f}%" if share >= 0.01 else f"{share * 100:.1f}%"
-
-
-def pct_fine(share: float) -> str:
-    """A share to a tenth of a per cent, for a value beside its line: "9.6%", "10%", "12.3%"."""
-    return f"{share * 100:.1f}".rstrip("0").rstrip(".") + "%"

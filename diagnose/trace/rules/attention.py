@@ -25,7 +25,7 @@ from diagnose.trace.context import TraceContext
 from diagnose.trace.kernel_classes import KERNEL_CLASSES
 from diagnose.trace.kernels import short_kernel_name
 from diagnose.trace.modules import ModuleShare
-from diagnose.trace.rules import ms
+from diagnose.units import ms
 
 RULE = "attention"
 MATH_ID = ac.MATH_ID

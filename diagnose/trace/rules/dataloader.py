@@ -35,7 +35,7 @@ from diagnose.trace import components
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import Intervals, complement, intersect, union_of
 from diagnose.trace.modules import ModuleShare
-from diagnose.trace.rules import ms, pct
+from diagnose.units import ms, pct
 
 RULE = "dataloader"
 #: The check (and finding) id, kept importable here for the modules that name it.

@@ -33,7 +33,7 @@ from diagnose.trace.columns import KERNEL
 from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS, TraceContext
 from diagnose.trace.intervals import EMPTY, Intervals, subtract, union_of
 from diagnose.trace.modules import ModuleShare
-from diagnose.trace.rules import pct
+from diagnose.units import pct
 
 RULE = "launch"
 FINDING_ID = LAUNCH_BOUND.id

@@ -50,7 +50,7 @@ from diagnose.trace import components
 from diagnose.trace.breakdown import compact_dims
 from diagnose.trace.context import TraceContext
 from diagnose.trace.modules import ModuleShare
-from diagnose.trace.rules import ms, pct
+from diagnose.units import ms, pct
 
 RULE = "precision"
 

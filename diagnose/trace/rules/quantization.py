@@ -18,7 +18,7 @@ from diagnose.catalogs import quantization_catalog as catalog
 from diagnose.record import ProbeResult
 from diagnose.stats import at_line
 from diagnose.trace.context import TraceContext
-from diagnose.trace.rules import ms, pct
+from diagnose.units import ms, pct
 
 RULE = "quantization"
 FINDING_ID = catalog.DEQUANT_COST.id

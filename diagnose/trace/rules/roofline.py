@@ -30,7 +30,6 @@ import numpy as np
 import numpy.typing as npt
 
 from diagnose.record import ProbeResult
-from diagnose.reports.format import format_flops
 from diagnose.roofline.op_inputs import OpInputs, Shape, op_inputs
 from diagnose.roofline.op_work import (
     BEYOND_A_STEP,
@@ -55,6 +54,7 @@ from diagnose.roofline.op_work import (
 )
 from diagnose.trace.context import TraceContext
 from diagnose.trace.intervals import Intervals
+from diagnose.units import format_flops
 
 RULE = "roofline"
 CHECK_ID = "compute.flops_counted"

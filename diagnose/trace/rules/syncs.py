@@ -21,9 +21,9 @@ from diagnose.catalogs import compute_catalog
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.record import ProbeResult
 from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS, TraceContext
-from diagnose.trace.rules import ms
 from diagnose.trace.steps import OPTIMIZER_STEP_RANGE
 from diagnose.trace.sync_reading import SyncPlace, SyncReading
+from diagnose.units import ms
 
 RULE = "syncs"
 OPTIMIZER_ID = catalog.SYNC_IN_STEP.id

@@ -1,4 +1,9 @@
-"""Number formatting shared by the HTML and terminal renderers.
+"""Units: how every layer writes a duration, a share, a byte count, a rate or a count.
+
+A leaf: it imports nothing of the project, so the catalogs' wording, the trace rules, the probes and
+the renderers all format with it and a number reads the same in a finding's title and on the page.
+The ``format_*`` functions are the report's (units chosen by magnitude); the short ones (``ms``,
+``per_it``, ``pct``, ...) are for finding titles and evidence.
 
 Pure functions of plain values. A missing or non-finite value is never printed as "nan" or "None":
 the caller gets the ``missing`` text instead, so the report says "not measured" rather than lying.
@@ -152,15 +157,86 @@ def format_flops(value: float | None, *, per_second: bool = False) -> str:
     return f"{value:.0f} FLOP{suffix}"
 
 
+def ms(seconds: float | None) -> str:
+    """Seconds as a short millisecond string for finding titles ("?" when unknown)."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    value = seconds * 1e3
+    return f"{value:.2f} ms" if value < 10 else f"{value:.0f} ms"
+
+
+def ms_significant(seconds: float) -> str:
+    """Seconds in milliseconds to three significant digits: "0.523 ms", "12.3 ms"."""
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def ms_value(seconds: float, digits: int = 4) -> float | None:
+    """Seconds as milliseconds rounded for a probe's data (None when not finite)."""
+    return round(seconds * 1e3, digits) if math.isfinite(seconds) else None
+
+
+def seconds_significant(value: float) -> str:
+    """Three significant digits in s, ms or µs, the unit by magnitude: "1.84 s", "523 µs"."""
+    magnitude = abs(value)
+    if magnitude >= 1 or magnitude == 0:
+        return f"{value:.3g} s"
+    if magnitude >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value * 1e6:.3g} µs"
+
+
+def per_it(seconds: float) -> str:
+    """A per-iteration time for finding titles: "8.72 ms/it" under a second, "1.23 s/it" above."""
+    return f"{ms(seconds)}/it" if abs(seconds) < 1 else f"{seconds:.2f} s/it"
+
+
+def pct(share: float | None) -> str:
+    """A share for finding titles: "12%", "0.4%" below one per cent, "0%", "?" when unknown."""
+    if share is None:
+        return "?"
+    return f"{share * 100:.0f}%" if share >= 0.01 or share == 0 else f"{share * 100:.1f}%"
+
+
+def pct_fine(share: float) -> str:
+    """A share to a tenth of a per cent, for a value beside its line: "9.6%", "10%", "12.3%"."""
+    return f"{share * 100:.1f}".rstrip("0").rstrip(".") + "%"
+
+
+def pct_change(fraction: float) -> str:
+    """A relative change, signed, to a tenth of a per cent: "+12.3%", "-4.0%"."""
+    return f"{fraction * 100:+.1f}%"
+
+
+def format_gib(count: float) -> str:
+    """Bytes in GiB to two decimals, or in MiB below a tenth of a GiB: "1.25 GiB", "80.0 MiB"."""
+    gib = 2**30
+    return f"{count / gib:.2f} GiB" if count >= gib / 10 else f"{count / 2**20:.1f} MiB"
+
+
+def format_bytes_rate(value: float | None) -> str:
+    """Bytes per second in binary units ("1.5 GiB/s"), "—" when not measured."""
+    return f"{format_bytes(value)}/s" if value is not None and is_number(value) else "—"
+
+
 __all__ = [
     "NOT_MEASURED",
     "format_bytes",
+    "format_bytes_rate",
     "format_count",
     "format_flops",
+    "format_gib",
     "format_per_iteration",
     "format_percent",
     "format_seconds",
     "format_seconds_range",
     "format_value",
     "is_number",
+    "ms",
+    "ms_significant",
+    "ms_value",
+    "pct",
+    "pct_change",
+    "pct_fine",
+    "per_it",
+    "seconds_significant",
 ]
