@@ -64,6 +64,8 @@ from typing import Any
 
 from PIL import Image
 
+from diagnose.record_io import record_from_dict
+
 #: The settings each config adds to ``diagnose run``; ``{data}`` is the big-PNG folder.
 CONFIGS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -279,9 +281,7 @@ def s_per_it(data: Mapping[str, Any]) -> float | None:
     """The s/it the report leads with (with resolution buckets, the bucket mix's), by the
     record's own definition; the unprofiled median when the record cannot be loaded."""
     try:
-        from diagnose.record import RunRecord
-
-        value: float = RunRecord.from_dict(data).timing.per_iteration
+        value: float = record_from_dict(data).timing.per_iteration
         return value if value == value else None  # NaN: no steps
     except Exception:  # an old or newer record: fall back to the raw field
         unprofiled = data.get("timing", {}).get("unprofiled")

@@ -3,9 +3,8 @@
 Reports and the CI gate only ever read a saved record, so re-rendering never needs a GPU (or torch).
 This module must therefore import nothing heavy.
 
-Loading is forgiving: fields added in later versions are read with their defaults, unknown fields
-are ignored, and :mod:`diagnose.record_migrations` upgrades documents written by older schema
-versions.
+A leaf: the data model alone (and the step a record's savings are shares of). Reading and writing
+a record file, its checks and the upgrades of older schema versions are :mod:`diagnose.record_io`.
 """
 
 from __future__ import annotations
@@ -15,14 +14,13 @@ import datetime as _dt
 import json
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_type_hints
+from typing import Any, Literal, get_args
 
 from diagnose import __version__
-from diagnose.errors import DiagnoseError, ExitCode
-from diagnose.record_migrations import MIGRATIONS
+from diagnose.errors import ExitCode
 from diagnose.roofline.model import Utilisation
 
 #: Bump when a field changes meaning or is removed, and add a migration for the previous version.
@@ -559,12 +557,6 @@ class RunRecord:
         """Every check of every probe and trace rule, in probe order."""
         return [c for p in self.probes for c in p.checks]
 
-    def ranked_findings(self) -> list[Finding]:
-        """Critical, then warn, then info; within a severity the largest saving first."""
-        from diagnose.verdicts import ranked
-
-        return ranked(self.findings)
-
     def to_dict(self) -> dict[str, Any]:
         return _to_jsonable(dataclasses.asdict(self))  # type: ignore[no-any-return]
 
@@ -576,46 +568,29 @@ class RunRecord:
 
         write_text_atomic(path, self.to_json() + "\n")
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RunRecord:
-        if not isinstance(data, Mapping):
-            raise DiagnoseError("not a diagnose record: the JSON top level is not an object")
-        if "schema_version" not in data or "mode" not in data:
-            raise DiagnoseError("not a diagnose record: no schema_version/mode field")
-        version = data["schema_version"]
-        if not isinstance(version, int):
-            raise DiagnoseError(f"not a diagnose record: schema_version is {version!r}")
-        if version > SCHEMA_VERSION:
-            raise DiagnoseError(
-                f"record schema version {version} is newer than this diagnose "
-                f"(reads up to {SCHEMA_VERSION}); upgrade diagnose"
-            )
-        upgraded = dict(data)
-        while upgraded["schema_version"] < SCHEMA_VERSION:
-            step = MIGRATIONS.get(upgraded["schema_version"])
-            if step is None:
-                raise DiagnoseError(
-                    f"record schema version {upgraded['schema_version']} is not supported"
-                )
-            upgraded = step(upgraded)
-        try:
-            record = _from_dict(cls, upgraded)
-        except (TypeError, ValueError) as exc:
-            raise DiagnoseError(f"malformed record: {exc}") from None
-        record.timing.summarize()
-        return record
 
-    @classmethod
-    def load(cls, path: Path) -> RunRecord:
-        """Load a record file, or the ``record.json`` inside a run folder.
+def step_seconds(record: RunRecord) -> float | None:
+    """The step the savings are shares of: the s/it the report leads with, when there is one
+    (with several resolution buckets, the s/it of the run's bucket mix)."""
+    if not record.timing.headline.n:
+        return None
+    step = record.timing.per_iteration
+    if math.isfinite(step) and step > 0:
+        return step
+    return None
 
-        Bad input of any kind (not a regular file, not UTF-8 or JSON, nested too deep, wrong
-        types, impossible numbers) is one DiagnoseError line naming the file; impossible step
-        times are left out with a note. See :mod:`diagnose.record_validation`.
-        """
-        from diagnose.record_validation import load_record
 
-        return load_record(path, cls.from_dict)
+def phase_bound(record: RunRecord, phases: Sequence[str]) -> float | None:
+    """Seconds per step of ``phases`` as the report's phase bar shows them (scaled to the headline
+    step when the bar was measured on other steps), or None when none of them was measured."""
+    seconds = record.breakdown.seconds
+    known = [seconds[p] for p in phases if p in seconds and math.isfinite(seconds[p])]
+    if not known:
+        return None
+    total = sum(v for v in seconds.values() if math.isfinite(v))
+    step = step_seconds(record)
+    scale = step / total if step is not None and total > step else 1.0
+    return sum(known) * scale
 
 
 def utc_now_iso() -> str:
@@ -630,65 +605,6 @@ def _to_jsonable(value: Any) -> Any:
         return {str(k): _to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_to_jsonable(v) for v in value]
-    return value
-
-
-_T = TypeVar("_T")
-
-
-def _from_dict(cls: type[_T], data: Any) -> _T:
-    """Build dataclass ``cls`` from ``data``: unknown keys ignored, missing keys defaulted."""
-    if not isinstance(data, Mapping):
-        raise TypeError(f"{cls.__name__} must be an object, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name not in data:
-            continue
-        kwargs[f.name] = _convert(hints[f.name], data[f.name], f"{cls.__name__}.{f.name}")
-    return cls(**kwargs)
-
-
-def _convert(hint: Any, value: Any, where: str) -> Any:
-    origin = getattr(hint, "__origin__", None)
-    args = get_args(hint)
-    if dataclasses.is_dataclass(hint):
-        return _from_dict(hint, value)  # type: ignore[arg-type]
-    if origin is list:
-        if not isinstance(value, Sequence) or isinstance(value, str):
-            raise TypeError(f"{where} must be a list")
-        return [_convert(args[0], v, where) for v in value] if args else list(value)
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise TypeError(f"{where} must be an object")
-        return dict(value)
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{where} is {value!r}, expected one of {', '.join(map(str, args))}")
-        return value
-    if args and type(None) in args:  # Optional[X]
-        if value is None:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value, where) if len(inner) == 1 else value
-    if hint is float:
-        if value is None:  # a NaN written as null
-            return math.nan
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{where} must be a number")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{where} must be an integer")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise TypeError(f"{where} must be a string")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise TypeError(f"{where} must be true or false")
-        return value
     return value
 
 

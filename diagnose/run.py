@@ -21,6 +21,7 @@ import torch
 
 from diagnose import torch_compat
 from diagnose.capture import measure
+from diagnose.catalogs import specs
 from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.contention import LoadWindow, threads_for_load
 from diagnose.device import describe_device, select_device
@@ -135,7 +136,6 @@ def refuse_full_size_on_cpu(config: RunConfig, device_kind: str, force: bool) ->
 def _merge_findings(groups: Sequence[Sequence[Finding]]) -> list[Finding]:
     """One finding per id: when a probe and a trace rule report the same id, keep the one whose
     saving was measured (then the larger saving)."""
-    from diagnose.catalogs import specs
     from diagnose.verdicts import from_trace
 
     probe_first = {s.id for s in specs() if s.probe_answer_stands}
@@ -393,7 +393,7 @@ def finish_run(
 
     # The record keeps one ranked list: probe results hand their findings over to it.
     record.findings = _merge_findings([p.findings for p in record.probes])
-    settle(record)
+    settle(record, specs())
     settle_utilisation(record)
     for result in record.probes:
         result.findings = []

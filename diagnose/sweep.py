@@ -4,7 +4,7 @@ This module holds the grid (axes, points, stable point ids), the command line of
 rule that says a point was already measured, the running of one point in a child process (with a
 timeout and Ctrl-C handling), and the summary dataclasses that ``sweep.json`` holds. It never
 measures anything itself: every number comes from the point's own ``record.json``, read with
-:meth:`RunRecord.load`. No torch import.
+:func:`diagnose.record_io.load_record`. No torch import.
 
 Rendering (table, charts, VRAM fits, CSV, HTML) is :mod:`diagnose.reports.sweep`'s job.
 """
@@ -30,6 +30,7 @@ from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.offline import user_environ
 from diagnose.output import RECORD_NAME, REPORT_NAME
 from diagnose.record import RunRecord, utc_now_iso
+from diagnose.record_io import load_record
 
 SWEEP_JSON = "sweep.json"
 SWEEP_CSV = "sweep.csv"
@@ -280,7 +281,7 @@ def measured_record(point_dir: Path, expected: Mapping[str, Any]) -> tuple[RunRe
     if not (point_dir / RECORD_NAME).is_file():
         return None, ""
     try:
-        record = RunRecord.load(point_dir / RECORD_NAME)
+        record = load_record(point_dir / RECORD_NAME)
     except DiagnoseError as exc:
         return None, f"its record could not be read ({exc.message})"
     if record.mode != "run":
@@ -579,7 +580,7 @@ def run_point(
         return
     if process.returncode == 0:
         try:
-            record = RunRecord.load(point_dir / RECORD_NAME)
+            record = load_record(point_dir / RECORD_NAME)
         except DiagnoseError as exc:
             result.status = "failed"
             result.reason = f"exited 0 but left no usable record: {exc.message}"

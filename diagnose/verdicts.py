@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from diagnose.record import (
     SEVERITIES,
@@ -23,9 +24,14 @@ from diagnose.record import (
     ProbeResult,
     RunRecord,
     Severity,
+    phase_bound,
+    step_seconds,
 )
 from diagnose.stats import AtLine, at_line
 from diagnose.units import pct_fine
+
+if TYPE_CHECKING:
+    from diagnose.catalogs import FindingSpec
 
 #: Share of the step a finding's (sure) saving must reach to be a warning, and to be critical.
 WARN_SHARE = 0.10
@@ -132,35 +138,11 @@ def shown_severity(grade: Grade, borderline: Borderline | None) -> Severity:
     return below if _SEVERITY_ORDER[grade.severity] > _SEVERITY_ORDER[below] else grade.severity
 
 
-def step_seconds(record: RunRecord) -> float | None:
-    """The step the savings are shares of: the s/it the report leads with, when there is one
-    (with several resolution buckets, the s/it of the run's bucket mix)."""
-    if not record.timing.headline.n:
-        return None
-    step = record.timing.per_iteration
-    if math.isfinite(step) and step > 0:
-        return step
-    return None
-
-
-def phase_bound(record: RunRecord, phases: Sequence[str]) -> float | None:
-    """Seconds per step of ``phases`` as the report's phase bar shows them (scaled to the headline
-    step when the bar was measured on other steps), or None when none of them was measured."""
-    seconds = record.breakdown.seconds
-    known = [seconds[p] for p in phases if p in seconds and math.isfinite(seconds[p])]
-    if not known:
-        return None
-    total = sum(v for v in seconds.values() if math.isfinite(v))
-    step = step_seconds(record)
-    scale = step / total if step is not None and total > step else 1.0
-    return sum(known) * scale
-
-
-def saving_bound(record: RunRecord, finding: Finding) -> tuple[float | None, str]:
+def saving_bound(
+    record: RunRecord, finding: Finding, specs: Sequence[FindingSpec]
+) -> tuple[float | None, str]:
     """The most ``finding`` could save, and what bounds it ("the step", "its phases: ...", "the
     step less the GPU's busy time" for time the device waits for the host)."""
-    from diagnose.catalogs import spec
-
     step = step_seconds(record)
     bound, why = step, "the step"
     if finding.phases:
@@ -168,7 +150,11 @@ def saving_bound(record: RunRecord, finding: Finding) -> tuple[float | None, str
         if in_phases is not None and (bound is None or in_phases < bound):
             bound, why = in_phases, "the time of " + " + ".join(finding.phases)
     busy = record.breakdown.device_busy_seconds
-    entry = spec(finding.id) if busy is not None and step is not None else None
+    entry = (
+        next((s for s in specs if s.id == finding.id), None)
+        if busy is not None and step is not None
+        else None
+    )
     if entry is not None and entry.host_bound and step is not None and busy is not None:
         idle = max(step - busy, 0.0)
         if bound is None or idle < bound:
@@ -176,11 +162,11 @@ def saving_bound(record: RunRecord, finding: Finding) -> tuple[float | None, str
     return bound, why
 
 
-def settle_findings(record: RunRecord) -> None:
+def settle_findings(record: RunRecord, specs: Sequence[FindingSpec]) -> None:
     """Bound every saving by its step and phases, then grade every finding by the one rule."""
     step = step_seconds(record)
     for finding in record.findings:
-        bound, why = saving_bound(record, finding)
+        bound, why = saving_bound(record, finding, specs)
         saving = finding.est_seconds_saved_per_it
         if saving is not None and bound is not None and saving > bound + _TOLERANCE:
             finding.evidence = {
@@ -242,7 +228,7 @@ def ranked(findings: Iterable[Finding]) -> list[Finding]:
 # One answer per question
 
 
-def reconcile_checks(record: RunRecord) -> None:
+def reconcile_checks(record: RunRecord, specs: Sequence[FindingSpec]) -> None:
     """Give every check id one outcome in the record.
 
     Sources can disagree (a probe that measured a slow loader, a trace rule that saw little wait
@@ -250,7 +236,7 @@ def reconcile_checks(record: RunRecord) -> None:
     finding keeps what the weaker answers said in its evidence so the reader sees both numbers.
     A finding check without a finding in the record (its finding was merged away) is dropped.
     """
-    _set_aside_trace_answers(record)
+    _set_aside_trace_answers(record, specs)
     finding_ids = {f.id for f in record.findings}
     best: dict[str, int] = {}
     for check in record.all_checks():
@@ -297,13 +283,11 @@ def from_trace(source: str) -> bool:
     return source == "trace" or source.startswith("trace:")
 
 
-def _set_aside_trace_answers(record: RunRecord) -> None:
+def _set_aside_trace_answers(record: RunRecord, specs: Sequence[FindingSpec]) -> None:
     """For the questions whose catalog entry says a probe's answer stands, drop the trace rules'
     answers when a probe answered too; what they said is kept in the probe's finding's evidence,
     or in a note when the probe found nothing."""
-    from diagnose.catalogs import specs
-
-    for entry in specs():
+    for entry in specs:
         if not entry.probe_answer_stands:
             continue
         answers = [c for c in record.all_checks() if c.id == entry.id]
@@ -339,15 +323,16 @@ def _owner(record: RunRecord, source: str) -> ProbeResult:
     return probe
 
 
-def settle(record: RunRecord) -> None:
+def settle(record: RunRecord, specs: Sequence[FindingSpec]) -> None:
     """What every record goes through before it is saved: one answer per question, savings
-    bounded, severities graded by the one rule."""
+    bounded, severities graded by the one rule. ``specs``: the catalog's entries
+    (:func:`diagnose.catalogs.specs`), passed in: the catalogs grade with this module."""
     for probe in record.probes:
         probe.settle_checks(probe.name)
-    settle_findings(record)
-    reconcile_checks(record)
+    settle_findings(record, specs)
+    reconcile_checks(record, specs)
     # Whatever is left would be a bug of ours: the page says so rather than hide it.
-    for problem in contradictions(record):
+    for problem in contradictions(record, specs):
         record.notes.append(f"Internal inconsistency in this record (please report it): {problem}")
 
 
@@ -364,7 +349,7 @@ class Contradiction:
         return f"{self.check_id}: {self.problem}"
 
 
-def contradictions(record: RunRecord) -> list[Contradiction]:
+def contradictions(record: RunRecord, specs: Sequence[FindingSpec]) -> list[Contradiction]:
     """Everything on the page that disagrees with something else on it (empty for a sound
     record): a question with two answers, a finding without its check or a check without its
     finding, a saving above its step or phases, a severity the one rule would not give."""
@@ -388,7 +373,7 @@ def contradictions(record: RunRecord) -> list[Contradiction]:
     step = step_seconds(record)
     for finding in record.findings:
         saving = finding.est_seconds_saved_per_it
-        bound, why = saving_bound(record, finding)
+        bound, why = saving_bound(record, finding, specs)
         if saving is not None and bound is not None and saving > bound * (1 + 1e-6) + _TOLERANCE:
             problems.append(
                 Contradiction(finding.id, f"saves {saving:.6g} s/it, more than {why} ({bound:.6g})")

@@ -71,9 +71,8 @@ from diagnose.probes.dataloader_frames import (
     sample_hot_frames,
 )
 from diagnose.probes.dataloader_verdict import Verdict, judge, measured_saving
-from diagnose.record import ProbeResult
+from diagnose.record import ProbeResult, phase_bound
 from diagnose.timing import device_synchronizer
-from diagnose.verdicts import phase_bound
 from diagnose.workload.data import DatasetInfo
 
 NAME = "dataloader"

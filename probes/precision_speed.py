@@ -26,9 +26,8 @@ import torch
 from diagnose.catalogs.precision_catalog import COMPUTE_PHASES
 from diagnose.probes.precision_audit_log import AuditLog, ReplaySpec
 from diagnose.probes.precision_replay import BenchResult
-from diagnose.record import RunRecord
+from diagnose.record import RunRecord, phase_bound, step_seconds
 from diagnose.stats import SAVING_SIGNIFICANCE, clearly_faster, ratio_interval, sure_saving
-from diagnose.verdicts import phase_bound, step_seconds
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

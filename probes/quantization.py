@@ -25,13 +25,12 @@ from diagnose.capture import input_shape
 from diagnose.catalogs import quantization_catalog as catalog
 from diagnose.environment_facts import GIB
 from diagnose.probes.base import ProbeContext, ProbeSkipped
-from diagnose.record import Finding, ProbeResult, RunRecord
+from diagnose.record import Finding, ProbeResult, RunRecord, step_seconds
 from diagnose.stats import ab_verdict, sure_saving
 from diagnose.timing import PhaseTimer, device_synchronizer
 from diagnose.torch_compat import tree_leaves
 from diagnose.trace.rules.quantization import RULE
 from diagnose.units import format_gib, pct, per_it
-from diagnose.verdicts import step_seconds
 from diagnose.workload.data import ImageBatch
 from diagnose.workload.quantize import FLOAT_BASES
 

@@ -18,6 +18,7 @@ from markupsafe import Markup
 
 from diagnose.gate import Comparison
 from diagnose.record import RunRecord
+from diagnose.record_io import load_record
 
 from .view import KV, build_view
 
@@ -110,7 +111,7 @@ def save_record_and_report(record: RunRecord, record_path: Path, report_path: Pa
     the file's key order, so a page built from the live record laid its tables out otherwise).
     Returns the record as read back."""
     record.save(record_path)
-    saved = RunRecord.load(record_path)
+    saved = load_record(record_path)
     write_html(saved, report_path)
     return saved
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from diagnose.record import RunRecord
-from diagnose.verdicts import step_seconds as step_seconds_of
+from diagnose.record import step_seconds as step_seconds_of
 
 from .headline import build_headline, describe_wall, phase_bar_steps
 from .ranks import build_ranks

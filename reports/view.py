@@ -25,6 +25,7 @@ from diagnose.record import (
     RunRecord,
     Timing,
 )
+from diagnose.record import step_seconds as step_seconds_of
 from diagnose.trace.kernel_classes import COUNTED_ONCE_PRECEDENCE
 from diagnose.units import (
     NOT_MEASURED,
@@ -37,7 +38,7 @@ from diagnose.units import (
     format_value,
     is_number,
 )
-from diagnose.verdicts import step_seconds as step_seconds_of
+from diagnose.verdicts import ranked
 
 from .charts import (
     DEVICE_BUSY_COLOR,
@@ -366,7 +367,7 @@ def build_findings(record: RunRecord) -> tuple[FindingView, ...]:
     scale = carry_over(record)
     kinds = {} if scale is None else {i.check_id: i for i in scale.items}
     views = []
-    for i, finding in enumerate(record.ranked_findings()):
+    for i, finding in enumerate(ranked(record.findings)):
         view = _finding_view(i + 1, finding, step)
         item = kinds.get(finding.id)
         if item is not None and item.kind != "unclassified":

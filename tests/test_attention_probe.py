@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diagnose import attention_paths as ap
 from diagnose.catalogs import attention_catalog as ac
+from diagnose.catalogs import specs
 from diagnose.config import RunConfig
 from diagnose.probes.attention import (
     AttentionProbe,
@@ -263,8 +264,8 @@ def test_forced_math_is_a_measured_fallback(images: Path) -> None:
     record.probes = [result]
     record.findings = list(result.findings)
     result.findings = []
-    settle(record)
-    assert contradictions(record) == []
+    settle(record, specs())
+    assert contradictions(record, specs()) == []
 
 
 @pytest.mark.slow
@@ -552,7 +553,7 @@ def _graded(finding: Finding, step_seconds: float) -> Finding:
     record.timing.samples = [StepSample(index=i, seconds=step_seconds) for i in range(3)]
     record.timing.summarize()
     record.findings = [finding]
-    settle_findings(record)
+    settle_findings(record, specs())
     return finding
 
 

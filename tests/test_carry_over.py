@@ -6,6 +6,7 @@ from diagnose.carry_over import carry_over, shrunk_preset
 from diagnose.catalogs import spec
 from diagnose.config import RunConfig
 from diagnose.record import Check, ProbeResult, RunRecord, new_record
+from diagnose.record_io import record_from_dict
 
 
 def _record(size: str, checks: list[Check], **config: object) -> RunRecord:
@@ -71,7 +72,7 @@ def test_a_run_at_the_size_it_trains_needs_no_carry_over() -> None:
 
 
 def test_an_old_record_without_checks_still_answers() -> None:
-    record = RunRecord.from_dict(
+    record = record_from_dict(
         {"schema_version": 2, "mode": "run", "config": {"preset": "sd15", "size": "tiny"}}
     )
     result = carry_over(record)

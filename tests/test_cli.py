@@ -20,7 +20,8 @@ from diagnose.config import RunConfig
 from diagnose.errors import ExitCode
 from diagnose.output import prepare_out_dir
 from diagnose.probes import ProbeContext
-from diagnose.record import ProbeResult, RunRecord
+from diagnose.record import ProbeResult
+from diagnose.record_io import load_record
 from diagnose.run import execute_run
 from diagnose.torch_compat import sdpa_takes_enable_gqa
 from tests.conftest import FIXTURES, QUICK
@@ -64,7 +65,7 @@ def test_run_writes_record_report_and_trace(default_run: Path) -> None:
         "report.html",
         "trace.json.gz",
     }
-    record = RunRecord.load(default_run / "record.json")
+    record = load_record(default_run / "record.json")
     assert record.mode == "run"
     assert record.device.kind == "cpu"
     assert record.config["preset"] == "sd15" and record.config["size"] == "tiny"
@@ -137,7 +138,7 @@ def test_start_up_is_timed_from_the_commands_entry_not_the_processes_creation(
 
 def test_report_is_self_contained_and_states_the_number(default_run: Path) -> None:
     html = assert_offline_html(default_run / "report.html")
-    record = RunRecord.load(default_run)
+    record = load_record(default_run)
     assert "/it" in html  # "s/it" or "ms/it"
     assert "SD 1.5" in html
     assert record.command in html  # the command that reproduces the run
@@ -263,7 +264,7 @@ def test_a_probe_that_raises_still_leaves_a_report(tmp_path: Path) -> None:
     html = assert_offline_html(outputs.report_path)
     assert "went wrong" in html
     assert "<script>alert('probe')</script>" not in html  # escaped, not injected
-    assert RunRecord.load(out).probes[-1].traceback
+    assert load_record(out).probes[-1].traceback
 
 
 def test_run_with_the_network_blocked(
@@ -325,7 +326,7 @@ def test_run_with_a_baseline_gates_and_keeps_the_measurement(
     same = tmp_path / "same"
     junit = tmp_path / "gate.xml"
     # A second baseline (--baseline repeats): the default run's record, as if run a minute later.
-    earlier = RunRecord.load(default_run)
+    earlier = load_record(default_run)
     earlier.created = "2026-11-30T10:00:00+00:00"
     second = tmp_path / "second.json"
     second.write_text(earlier.to_json(), encoding="utf-8")
@@ -344,7 +345,7 @@ def test_run_with_a_baseline_gates_and_keeps_the_measurement(
     argv = ["run", "--out", str(other), *QUICK, *no_probes, "--baseline", str(old)]
     assert main(argv) == ExitCode.BAD_INPUT
     assert capsys.readouterr().err.startswith("diagnose: error:")
-    assert RunRecord.load(other).mode == "run"
+    assert load_record(other).mode == "run"
     page = (other / "report.html").read_text(encoding="utf-8")
     assert "not compared" in page and "device" in page  # the report says why, too
 

@@ -28,6 +28,7 @@ from diagnose.gate import (
     record_differences,
 )
 from diagnose.record import Breakdown, Finding, RunRecord, Stats, StepSample
+from diagnose.record_io import load_record, record_from_dict
 from diagnose.stats import mann_whitney_u, minimum_samples, ratio_interval, smallest_p_value
 from tests.conftest import FIXTURES
 
@@ -35,7 +36,7 @@ COMPARE = FIXTURES / "compare"
 
 
 def load(name: str) -> RunRecord:
-    return RunRecord.load(COMPARE / name)
+    return load_record(COMPARE / name)
 
 
 def noise_runs() -> list[list[float]]:
@@ -451,7 +452,7 @@ def test_a_record_from_before_counting_once_compares_its_sums(quiet: RunRecord) 
     document = json.loads(old.to_json())
     document["schema_version"] = 2
     document["breakdown"] = {"device_seconds_by_kernel_class": {"communication": 0.6 * step}}
-    old = RunRecord.from_dict(document)
+    old = record_from_dict(document)
     assert old.breakdown.device_seconds_by_kernel_class == {}
     # Overlapped with compute, communication counted once is far less than its sum.
     new.breakdown = Breakdown(

@@ -29,6 +29,7 @@ from diagnose.commands.compare import (
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.gate import compare_records
 from diagnose.record import Finding, RunRecord
+from diagnose.record_io import load_record
 from diagnose.reports import render_html
 from diagnose.reports.gate_outputs import compare_junit, compare_markdown, compare_table
 from tests.conftest import FIXTURES, REPO_ROOT
@@ -100,7 +101,7 @@ def test_planted_slowdown_fails_with_regression_and_writes_every_output(tmp_path
 def test_run_folders_are_accepted(tmp_path: Path) -> None:
     folder = tmp_path / "run"
     folder.mkdir()
-    write_record(folder / "record.json", RunRecord.load(BASELINE))
+    write_record(folder / "record.json", load_record(BASELINE))
     code, out, _ = run_compare([str(folder), str(SAME)])
     assert code == ExitCode.INCONCLUSIVE and "record.json" in out
 
@@ -123,7 +124,7 @@ def test_bad_records_exit_3_with_one_line(tmp_path: Path, content: str | None, n
 
 
 def test_mismatched_records_exit_3_unless_allowed_and_then_say_so_loudly(tmp_path: Path) -> None:
-    other = RunRecord.load(SAME)
+    other = load_record(SAME)
     other.config["attention"] = "math"
     other_path = write_record(tmp_path / "math.json", other)
     code, _, err = run_compare([str(BASELINE), str(other_path)])
@@ -167,7 +168,7 @@ def test_several_baselines_on_the_command_line(tmp_path: Path) -> None:
 
 
 def test_an_output_over_a_compared_record_is_refused_even_with_force(tmp_path: Path) -> None:
-    current = write_record(tmp_path / "current.json", RunRecord.load(SLOW))
+    current = write_record(tmp_path / "current.json", load_record(SLOW))
     before = current.read_bytes()
     code, out, err = run_compare([str(BASELINE), str(current), "--junit", str(current), "--force"])
     assert code == ExitCode.USAGE and out == ""
@@ -176,7 +177,7 @@ def test_an_output_over_a_compared_record_is_refused_even_with_force(tmp_path: P
 
 
 def test_the_summary_writes_a_tiny_p_value_as_an_inequality() -> None:
-    quiet = RunRecord.load(BASELINE)
+    quiet = load_record(BASELINE)
     slower = copy.deepcopy(quiet)
     slower.created = "2026-11-30T10:00:00+00:00"
     for sample in slower.timing.samples:
@@ -208,7 +209,7 @@ def test_threshold_parsing() -> None:
 
 
 def test_threshold_option_changes_the_verdict(tmp_path: Path) -> None:
-    base = RunRecord.load(BASELINE)
+    base = load_record(BASELINE)
     for i, sample in enumerate(base.timing.samples):  # quiet steps: 100 ms ± 0.5%
         sample.seconds = 0.1 * (1 + 0.001 * (i % 5))
     slower = copy.deepcopy(base)
@@ -228,7 +229,7 @@ def test_gate_options_work_for_another_command() -> None:
     args = parser.parse_args(["--fail-on", "slower,phase", "--threshold", "5%"])
     assert args.fail_on == {"slower", "phase"} and args.threshold == pytest.approx(0.05)
     stream = io.StringIO()
-    outcome = apply_gate([RunRecord.load(BASELINE)], RunRecord.load(SLOW), args)
+    outcome = apply_gate([load_record(BASELINE)], load_record(SLOW), args)
     assert outcome.exit_code == ExitCode.REGRESSION
     print_gate(outcome, args, stream=stream)
     assert stream.getvalue().startswith("diagnose compare: FAIL")
@@ -239,7 +240,7 @@ def test_gate_options_work_for_another_command() -> None:
 
 
 def test_junit_has_the_required_structure(tmp_path: Path) -> None:
-    comparison = compare_records(RunRecord.load(BASELINE), RunRecord.load(SLOW))
+    comparison = compare_records(load_record(BASELINE), load_record(SLOW))
     text = compare_junit(comparison)
     root = ET.fromstring(text.encode("utf-8"))
     assert text.startswith("<?xml")
@@ -278,7 +279,7 @@ def test_junit_reads_back_in_an_independent_junit_reader(tmp_path: Path) -> None
     results and counts the gate wrote."""
     from junitparser import Failure, JUnitXml, Skipped
 
-    comparison = compare_records(RunRecord.load(BASELINE), RunRecord.load(SLOW))
+    comparison = compare_records(load_record(BASELINE), load_record(SLOW))
     path = tmp_path / "gate.xml"
     path.write_text(compare_junit(comparison), encoding="utf-8")
     suites = list(JUnitXml.fromfile(str(path)))
@@ -295,7 +296,7 @@ def test_junit_reads_back_in_an_independent_junit_reader(tmp_path: Path) -> None
 
 
 def test_junit_escapes_hostile_record_strings() -> None:
-    base = RunRecord.load(BASELINE)
+    base = load_record(BASELINE)
     current = copy.deepcopy(base)
     current.findings = [
         Finding(
@@ -333,7 +334,7 @@ def _table_rows(markdown: str, header_start: str) -> tuple[list[str], list[list[
 
 
 def test_markdown_has_a_table_with_the_right_columns() -> None:
-    comparison = compare_records(RunRecord.load(BASELINE), RunRecord.load(SLOW))
+    comparison = compare_records(load_record(BASELINE), load_record(SLOW))
     text = compare_markdown(comparison)
     assert text.startswith("## ❌ diagnose compare: FAIL")
     header, rows = _table_rows(text, "| metric")
@@ -347,7 +348,7 @@ def test_markdown_has_a_table_with_the_right_columns() -> None:
 
 
 def test_markdown_neutralises_hostile_strings() -> None:
-    base = RunRecord.load(BASELINE)
+    base = load_record(BASELINE)
     current = copy.deepcopy(base)
     current.findings = [
         Finding(id="a|b", severity="warn", title="<script>x</script> | [link](http://x)")
@@ -359,11 +360,11 @@ def test_markdown_neutralises_hostile_strings() -> None:
 
 
 def test_terminal_table_and_html_agree() -> None:
-    comparison = compare_records(RunRecord.load(BASELINE), RunRecord.load(SLOW))
+    comparison = compare_records(load_record(BASELINE), load_record(SLOW))
     table = compare_table(comparison)
     assert "\033[" not in table
     assert "\033[" in compare_table(comparison, color=True)
-    html = render_html(RunRecord.load(SLOW), comparison=comparison)
+    html = render_html(load_record(SLOW), comparison=comparison)
     for row in ("s/it", "data wait", "dataloader.gpu_starved"):
         assert row in table and row in html
 
@@ -371,7 +372,7 @@ def test_terminal_table_and_html_agree() -> None:
 def test_html_comparison_has_a_chart_of_every_compared_step_and_no_record_string_in_it(
     tmp_path: Path,
 ) -> None:
-    hostile = RunRecord.load(SLOW)
+    hostile = load_record(SLOW)
     hostile.command = "diagnose run <script>alert(1)</script>"
     current = write_record(tmp_path / "current.json", hostile)
     html = tmp_path / "r.html"
@@ -385,10 +386,10 @@ def test_html_comparison_has_a_chart_of_every_compared_step_and_no_record_string
 
 
 def test_html_with_a_comparison_and_with_a_refused_one() -> None:
-    current = RunRecord.load(SLOW)
-    html = render_html(current, comparison=compare_records(RunRecord.load(BASELINE), current))
+    current = load_record(SLOW)
+    html = render_html(current, comparison=compare_records(load_record(BASELINE), current))
     assert 'id="comparison"' in html and "Compared with the baseline" in html
-    other = RunRecord.load(BASELINE)
+    other = load_record(BASELINE)
     other.device.name = "NVIDIA H100 80GB HBM3"
     with pytest.raises(DiagnoseError) as raised:
         compare_records(other, current)
@@ -398,7 +399,7 @@ def test_html_with_a_comparison_and_with_a_refused_one() -> None:
 
 
 def test_html_escapes_hostile_finding_titles() -> None:
-    base = RunRecord.load(BASELINE)
+    base = load_record(BASELINE)
     current = copy.deepcopy(base)
     current.findings = [Finding(id="x", severity="critical", title="<img src=x onerror=alert(1)>")]
     html = render_html(current, comparison=compare_records(base, current))

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from diagnose.catalogs import specs
 from diagnose.cli import main
 from diagnose.record import SEVERITIES, Check, RunRecord
+from diagnose.record_io import load_record
 from diagnose.reports import render_html
 from diagnose.reports.view import build_view
 from diagnose.trace.analysis import analysis_to_record, analyze_trace
@@ -28,7 +30,7 @@ def _trace_files() -> list[Path]:
 
 
 def assert_consistent(record: RunRecord) -> None:
-    problems = contradictions(record)
+    problems = contradictions(record, specs())
     assert not problems, [str(p) for p in problems]
     # The report ranks what the record ranks: critical, then warn, then info, larger saving first.
     shown = build_view(record).findings
@@ -46,18 +48,18 @@ def assert_consistent(record: RunRecord) -> None:
 @pytest.mark.parametrize("trace", _trace_files(), ids=lambda p: p.name)
 def test_every_trace_record_is_consistent(trace: Path) -> None:
     record = analysis_to_record(analyze_trace(trace), trace)
-    settle(record)
+    settle(record, specs())
     assert_consistent(record)
 
 
 def test_a_planted_contradiction_is_caught_on_a_real_record() -> None:
     trace = FIXTURES / "traces" / "cpu_train_loop_math_attention.json.gz"
     record = analysis_to_record(analyze_trace(trace), trace)
-    settle(record)
+    settle(record, specs())
     assert record.findings, "the math-attention fixture must raise a finding"
     finding = record.findings[0]
     record.probes[0].checks.append(Check(finding.id, "ok", "found fine after all", "planted"))
-    assert contradictions(record)
+    assert contradictions(record, specs())
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def planted_run(tmp_path_factory: pytest.TempPathFactory) -> RunRecord:
         "adamw8bit",
     ]
     assert main(argv) == 0
-    return RunRecord.load(out)
+    return load_record(out)
 
 
 def test_a_real_run_with_planted_slow_downs_is_consistent(planted_run: RunRecord) -> None:
@@ -97,7 +99,7 @@ def test_a_real_run_with_planted_slow_downs_is_consistent(planted_run: RunRecord
 
 
 def test_the_default_run_is_consistent(default_run: Path) -> None:
-    assert_consistent(RunRecord.load(default_run))
+    assert_consistent(load_record(default_run))
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,15 +15,24 @@ from pathlib import Path
 import pytest
 
 import diagnose.trace.rules as rules
+from diagnose.catalogs import specs
 from diagnose.catalogs.dataloader_catalog import GPU_STARVED, BarWait, gpu_starved
 from diagnose.config import RunConfig
 from diagnose.probes.dataloader import DataLoaderProbe
-from diagnose.record import Breakdown, ProbeResult, RunRecord, StepSample, Timing, new_record
+from diagnose.record import (
+    Breakdown,
+    ProbeResult,
+    RunRecord,
+    StepSample,
+    Timing,
+    new_record,
+    step_seconds,
+)
 from diagnose.run import execute_run
 from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from diagnose.trace.rules import dataloader as dataloader_rule
 from diagnose.units import pct
-from diagnose.verdicts import contradictions, settle, step_seconds
+from diagnose.verdicts import contradictions, settle
 from diagnose.workload.data import generate_image, generate_images
 from tests.conftest import one_torch_thread
 
@@ -62,13 +71,13 @@ def test_the_probes_answer_replaces_the_trace_rules_whichever_is_stronger() -> N
     record.findings = [f for p in record.probes for f in p.findings]
     for p in record.probes:
         p.findings = []
-    settle(record)
+    settle(record, specs())
     assert record.notes == [
         "The profiled steps' trace answered differently, set aside for the timed steps' "
         "measurement: trace:dataloader: The training loop waits for data 11% of each step "
         "(110 ms/step) while compute stops"
     ]
-    assert not contradictions(record)
+    assert not contradictions(record, specs())
     answers = [c for c in record.all_checks() if c.id == GPU_STARVED.id]
     assert [(c.outcome, c.source) for c in answers] == [("ok", "dataloader")]
     assert not record.findings
@@ -137,7 +146,7 @@ def test_two_bucket_run_with_a_slow_loader_has_one_answer_with_the_bars_share(
 
     # Each bucket is timed apart; the run's s/it is their mix.
     assert len(record.timing.buckets()) == 2
-    assert not contradictions(record)
+    assert not contradictions(record, specs())
     outcome, source, text = _the_answer(record)
     assert (outcome, source) == ("finding", "dataloader")
     [finding] = [f for f in record.findings if f.id == GPU_STARVED.id]
@@ -162,7 +171,7 @@ def test_two_bucket_run_with_cached_latents_is_quiet(tmp_path: Path) -> None:
     generate_images(folder, count=4, seed=4, size=(64, 96))
     record = _two_bucket_run(folder, tmp_path / "out", cache_latents=True)
 
-    assert not contradictions(record)
+    assert not contradictions(record, specs())
     outcome, source, text = _the_answer(record)
     assert (outcome, source) == ("ok", "dataloader")
     assert text.startswith(f"data loading: {pct(_bar_share(record))} of the step")

@@ -845,7 +845,7 @@ def test_fixes_whose_phases_cannot_hold_a_saving_are_not_timed() -> None:
     that counts), so they are left out with the numbers that say why; cached latents can
     shorten the encode too and is timed. Clean twin: a 30 ms wait keeps every fix."""
     from diagnose.catalogs.dataloader_catalog import MIN_MEASURED_GAIN
-    from diagnose.verdicts import phase_bound
+    from diagnose.record import phase_bound
 
     def record(wait: float) -> RunRecord:
         timing = Timing(

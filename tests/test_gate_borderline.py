@@ -23,6 +23,7 @@ from diagnose.gate import compare_records, gate_exit_code
 from diagnose.gate.metrics import MetricComparison
 from diagnose.gate.record_metrics import judged_against_load
 from diagnose.record import HostLoad, RunRecord
+from diagnose.record_io import load_record
 from tests.test_compare_cli import run_compare, write_record
 from tests.test_verdict_lines import _judged, _run_with_wait
 
@@ -165,7 +166,7 @@ def test_128_against_256_px_under_a_busy_core_is_not_pass(
     assert main(["run", "--out", str(small), "--resolution", "128", *_STEPS_ONLY]) == 0
     assert main(["run", "--out", str(large), "--resolution", "256", *_STEPS_ONLY]) == 0
     for folder in (small, large):
-        load = RunRecord.load(folder).timing.host_load
+        load = load_record(folder).timing.host_load
         assert load is not None and load.others_cores > 0.5  # the spinner was seen
     capsys.readouterr()
     code = main(["compare", str(small), str(large), "--allow-different"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from diagnose.cli import main
-from diagnose.record import RunRecord
+from diagnose.record_io import load_record
 from tests.test_profile_command import FAST, _script
 from tests.test_sweep import TINY
 
@@ -25,7 +25,7 @@ def test_profile_under_load_says_so_in_the_record_and_on_the_page(
     out = tmp_path / "out"
     command = [sys.executable, str(script), "--work-ms", "30"]
     assert main(["profile", "--out", str(out), *FAST, "--", *command]) == 0
-    record = RunRecord.load(out)
+    record = load_record(out)
     load = record.timing.host_load
     assert load is not None and load.basis == "psutil"
     assert load.others_cores > 0.5, load  # the spinner held most of a core

@@ -4,6 +4,7 @@ line states other torch threads than the steps ran on. The consistency check
 
 from __future__ import annotations
 
+from diagnose.catalogs import specs
 from diagnose.catalogs.dataloader_catalog import ADVICE_SETTING, BarWait
 from diagnose.environment_facts import EnvironmentFacts
 from diagnose.probes.dataloader_ab import VariantRow
@@ -52,7 +53,7 @@ def _record(findings: list[Finding]) -> RunRecord:
     probe.settle_checks("dataloader")
     record.findings, probe.findings = probe.findings, []
     record.probes = [probe]
-    settle(record)
+    settle(record, specs())
     return record
 
 
@@ -78,7 +79,7 @@ def test_a_fix_never_advises_what_the_ab_measured_no_faster() -> None:
     # What was measured faster but not surely so is advised with its numbers.
     assert finding.fix.lower().startswith(ADVICE_SETTING["cached_latents"])
     assert "0.119 against 0.137 s/it here, faster but not surely so" in finding.fix
-    assert not contradictions(_record([finding]))
+    assert not contradictions(_record([finding]), specs())
 
 
 def test_with_nothing_faster_the_fix_says_what_was_measured() -> None:
@@ -90,13 +91,13 @@ def test_with_nothing_faster_the_fix_says_what_was_measured() -> None:
     assert finding.fix.startswith("No loader change measured here was faster")
     assert "2 workers (persistent) 0.148" in finding.fix
     assert ADVICE_SETTING["workers"] not in finding.fix
-    assert not contradictions(_record([finding]))
+    assert not contradictions(_record([finding]), specs())
 
 
 def test_a_planted_contradicting_fix_is_caught() -> None:
     finding = _starved([CONFIGURED, WORKERS_SLOWER, LATENTS_NOT_SURE])
     finding.fix = "Load batches in background workers: DataLoader(num_workers=2)."
-    problems = [str(p) for p in contradictions(_record([finding]))]
+    problems = [str(p) for p in contradictions(_record([finding]), specs())]
     assert any("measured no faster (2 workers (persistent))" in p for p in problems), problems
 
 
@@ -124,7 +125,7 @@ def test_found_fine_says_the_threads_the_steps_ran_on() -> None:
     probe.settle_checks("environment")
     record.findings, probe.findings = probe.findings, []
     record.probes = [probe]
-    assert not [p for p in contradictions(record) if "threads" in str(p)]
+    assert not [p for p in contradictions(record, specs()) if "threads" in str(p)]
     # On an idle machine the line says only what torch is set to.
     idle = rule_cpu_threads(_cpu_facts(configured=2, ran=2))
     assert "ran on" not in next(
@@ -134,4 +135,4 @@ def test_found_fine_says_the_threads_the_steps_ran_on() -> None:
     record.probes[0].checks.append(
         Check("planted", "ok", "torch uses 2 threads on 2 usable cores", "planted")
     )
-    assert any("while the steps ran on 1" in str(p) for p in contradictions(record))
+    assert any("while the steps ran on 1" in str(p) for p in contradictions(record, specs()))

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from diagnose.catalogs import specs
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.probes.optimizer import (
     CANDIDATES,
@@ -307,7 +308,7 @@ def _graded(finding: Finding, s_per_it: float) -> str:
     record.timing.samples = [StepSample(index=i, seconds=s_per_it) for i in range(3)]
     record.timing.summarize()
     record.findings = [finding]
-    settle_findings(record)
+    settle_findings(record, specs())
     return finding.severity
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from diagnose.catalogs import optimizer_catalog as catalog
+from diagnose.catalogs import specs
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.probes.optimizer import (
     CANDIDATES,
@@ -133,7 +134,7 @@ def _run(workload: Workload, record: RunRecord, candidates: tuple[Candidate, ...
     saved.findings = list(result.findings)
     result.findings = []
     saved.probes = [result]
-    settle(saved)
+    settle(saved, specs())
     return saved
 
 
@@ -170,7 +171,7 @@ def test_a_slower_optimizer_quotes_the_phase_bar_and_proposes_a_change_it_lacks(
     assert format_seconds(alone) in finding.title
     assert finding.est_seconds_saved_per_it is not None
     assert finding.est_seconds_saved_per_it < phase
-    assert not contradictions(saved)
+    assert not contradictions(saved, specs())
     # 3. The run already uses torch AdamW: the fix changes its implementation, never its kind.
     assert finding.fix.startswith("Keep torch AdamW and pass foreach=True")
     assert "--optimizer_type AdamW" not in finding.fix

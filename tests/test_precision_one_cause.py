@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from diagnose.catalogs import specs
 from diagnose.catalogs.precision_catalog import (
     BF16_NOT_NATIVE_ID,
     BF16_SLOWER_ID,
@@ -97,7 +98,7 @@ def _run(
     assert result.status == "ok", result.traceback
     record.probes = [result]
     record.findings = list(result.findings)
-    settle(record)
+    settle(record, specs())
     return record
 
 
@@ -117,7 +118,7 @@ def _assert_one_finding_carrying_both(record: RunRecord, info: DeviceInfo) -> No
     assert "Measured" in finding.detail and "AVX512-BF16" in finding.detail
     assert finding.fix == CPU_WITHOUT_BF16_FIX
     # The hardware question is still answered, once, by a check that points at the finding.
-    assert contradictions(record) == []
+    assert contradictions(record, specs()) == []
     assert _outcomes(record, BF16_SLOWER_ID) == ["finding"]
     assert _outcomes(record, BF16_NOT_NATIVE_ID) == ["ok"]
     check = next(c for c in record.all_checks() if c.id == BF16_NOT_NATIVE_ID)
@@ -130,7 +131,7 @@ def _assert_hardware_finding_alone(record: RunRecord) -> None:
     finding = next(f for f in record.findings if f.id == BF16_NOT_NATIVE_ID)
     assert finding.evidence["bf16_native"] is False and finding.fix == CPU_WITHOUT_BF16_FIX
     assert BF16_SLOWER_ID in finding.detail  # says which finding would carry it, and when
-    assert contradictions(record) == []
+    assert contradictions(record, specs()) == []
     assert _outcomes(record, BF16_NOT_NATIVE_ID) == ["finding"]
     assert len(_outcomes(record, BF16_SLOWER_ID)) == 1
     assert _outcomes(record, BF16_SLOWER_ID) != ["finding"]

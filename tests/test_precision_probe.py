@@ -51,6 +51,7 @@ from diagnose.probes.precision_findings import (
 from diagnose.probes.precision_replay import MIN_CALLS, BenchResult, bench_pair, replay_arguments
 from diagnose.probes.precision_speed import HeadlineScale, SignatureBench, SpeedComparison
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, StepSample, new_record
+from diagnose.record_io import record_from_dict
 from diagnose.timing import PhaseTimer
 from diagnose.trace.analysis import analyze_trace
 from diagnose.workload import build_workload
@@ -382,7 +383,7 @@ def test_clean_bf16_step_has_no_upcast(tiny: Callable[[str], Workload]) -> None:
     # Everything the probe reports survives the record's JSON round trip.
     record = _record()
     record.probes, record.findings = [result], list(result.findings)
-    loaded = RunRecord.from_dict(json.loads(record.to_json()))
+    loaded = record_from_dict(json.loads(record.to_json()))
     assert loaded.probes[0].data["claimed_vs_actual"] == data["claimed_vs_actual"]
 
 

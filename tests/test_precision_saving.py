@@ -14,14 +14,15 @@ import re
 
 import torch
 
+from diagnose.catalogs import specs
 from diagnose.catalogs.precision_catalog import BF16_SLOWER_ID, COMPUTE_PHASES
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.probes.precision import PrecisionProbe
 from diagnose.probes.precision_audit import audit_step
 from diagnose.probes.precision_replay import BenchResult
 from diagnose.probes.precision_speed import Bencher
-from diagnose.record import DeviceInfo, ProbeResult, RunRecord, StepSample, new_record
-from diagnose.verdicts import contradictions, phase_bound, settle
+from diagnose.record import DeviceInfo, ProbeResult, RunRecord, StepSample, new_record, phase_bound
+from diagnose.verdicts import contradictions, settle
 from tests.conftest import ok_lines
 from tests.test_precision_probe import CPU, TinyLoop, _tiny_config
 
@@ -81,10 +82,10 @@ def test_bf16_slower_saving_fits_in_the_runs_compute_phases() -> None:
     assert saving is not None and 0 < saving <= bound
     sure = finding.sure_seconds_saved_per_it
     assert sure is not None and 0 < sure <= saving
-    settle(record)
+    settle(record, specs())
     assert "saving_cap" not in finding.evidence  # the probe's number needed no cap
     assert finding.est_seconds_saved_per_it == saving
-    assert contradictions(record) == []
+    assert contradictions(record, specs()) == []
     # The title quotes the measured ratio, the one number it is sure of, and no share of a step.
     ratio = re.search(r"([\d.]+)x slower", finding.title)
     assert ratio and float(ratio.group(1)) == round(finding.evidence["bf16_over_fp32_time"], 2)
@@ -95,5 +96,5 @@ def test_bf16_faster_than_fp32_stays_quiet() -> None:
     record, result = _run(bf16_factor=0.5)
     assert BF16_SLOWER_ID not in {f.id for f in record.findings}
     assert any("not a measurable slowdown" in line for line in ok_lines(result))
-    settle(record)
-    assert contradictions(record) == []
+    settle(record, specs())
+    assert contradictions(record, specs()) == []

@@ -21,6 +21,8 @@ from diagnose.record import (
     Timing,
     new_record,
 )
+from diagnose.record_io import load_record, record_from_dict
+from diagnose.verdicts import ranked
 from tests.conftest import FIXTURES
 
 
@@ -49,9 +51,9 @@ def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
     record = _sample_record()
     path = tmp_path / "record.json"
     record.save(path)
-    loaded = RunRecord.load(path)
+    loaded = load_record(path)
     assert loaded == record
-    assert RunRecord.load(tmp_path) == record  # a run folder works too
+    assert load_record(tmp_path) == record  # a run folder works too
 
 
 def test_stats_are_derived_from_samples() -> None:
@@ -65,7 +67,7 @@ def test_stats_are_derived_from_samples() -> None:
     # Summaries written in a file are ignored in favour of the samples.
     data = record.to_dict()
     data["timing"]["unprofiled"]["median"] = 123.0
-    assert RunRecord.from_dict(data).timing.unprofiled.median == pytest.approx(0.6)
+    assert record_from_dict(data).timing.unprofiled.median == pytest.approx(0.6)
 
 
 def test_profiler_overhead_compares_steps_of_the_same_input_shape() -> None:
@@ -95,11 +97,11 @@ def test_stats_of_nothing_is_nan_and_serialises_as_null() -> None:
     assert math.isnan(Stats.of([]).median)
     text = new_record("trace").to_json()
     assert "NaN" not in text
-    assert RunRecord.from_dict(json.loads(text)).timing.unprofiled.n == 0
+    assert record_from_dict(json.loads(text)).timing.unprofiled.n == 0
 
 
 def test_ranked_findings_by_severity_then_saving() -> None:
-    ids = [f.id for f in _sample_record().ranked_findings()]
+    ids = [f.id for f in ranked(_sample_record().findings)]
     assert ids == ["c.none", "a.small", "b.big"]
 
 
@@ -109,7 +111,7 @@ def test_unknown_fields_are_ignored_and_missing_ones_defaulted() -> None:
     data["findings"][0]["another_new_field"] = True
     del data["notes"]
     del data["top_ops"]
-    record = RunRecord.from_dict(data)
+    record = record_from_dict(data)
     assert record.notes == []
     assert record.top_ops == []
     assert record.findings[0].id == "a.small"
@@ -121,13 +123,13 @@ def test_checks_round_trip() -> None:
     probe.add_not_judged("optimizer.sync_in_step", "syncs: no device kernels", "trace:syncs")
     probe.add_ok("compute.launch_bound", "host overhead: 2% of the step", "trace:launch")
     record.probes = [probe]
-    again = RunRecord.from_dict(json.loads(record.to_json()))
+    again = record_from_dict(json.loads(record.to_json()))
     assert again.probes[0].checks == probe.checks
 
 
 def test_oldest_supported_record_fixture_loads() -> None:
     """A record of the first schema with only the fields the design asked for still loads."""
-    record = RunRecord.load(FIXTURES / "records" / "v1_minimal.json")
+    record = load_record(FIXTURES / "records" / "v1_minimal.json")
     assert record.mode == "run"
     assert record.timing.unprofiled.n == 3
     assert record.findings[0].id == "attention.math_fallback"
@@ -153,7 +155,7 @@ def test_bad_records_give_one_line_errors(tmp_path: Path, content: str, message:
     path = tmp_path / "record.json"
     path.write_text(content)
     with pytest.raises(DiagnoseError) as info:
-        RunRecord.load(path)
+        load_record(path)
     assert message in info.value.message
     assert str(path) in info.value.message
     assert "\n" not in info.value.message
@@ -162,7 +164,7 @@ def test_bad_records_give_one_line_errors(tmp_path: Path, content: str, message:
 
 def test_missing_record_file(tmp_path: Path) -> None:
     with pytest.raises(DiagnoseError, match="no such file"):
-        RunRecord.load(tmp_path / "nope.json")
+        load_record(tmp_path / "nope.json")
 
 
 def test_schema_version_constant_matches_fixture() -> None:
@@ -176,7 +178,7 @@ def test_a_version_1_record_gets_its_lines_and_findings_as_checks() -> None:
     data = json.loads((FIXTURES / "records" / "v1_minimal.json").read_text())
     data["probes"][0]["checked_ok"] = ["optimizer: no sync inside the step"]
     data["probes"][0]["data"] = {"not_judged": ["optimizer: bitsandbytes missing"]}
-    record = RunRecord.from_dict(data)
+    record = record_from_dict(data)
     assert record.schema_version == SCHEMA_VERSION
     by_outcome = {c.outcome: c for c in record.all_checks()}
     assert by_outcome["ok"].text == "optimizer: no sync inside the step"
@@ -186,12 +188,12 @@ def test_a_version_1_record_gets_its_lines_and_findings_as_checks() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Loading hostile or corrupt files (diagnose.record_validation)
+# Loading hostile or corrupt files (diagnose.record_io)
 
 
 def _one_line_error(path: Path) -> str:
     with pytest.raises(DiagnoseError) as info:
-        RunRecord.load(path)
+        load_record(path)
     assert info.value.code == ExitCode.BAD_INPUT
     assert "\n" not in info.value.message and str(path) in info.value.message
     return info.value.message
@@ -222,7 +224,7 @@ def _with_steps(tmp_path: Path, seconds: list[str]) -> Path:
 def test_impossible_step_times_are_left_out_and_counted(
     tmp_path: Path, literal: str, reason: str
 ) -> None:
-    record = RunRecord.load(_with_steps(tmp_path, ["1.80", literal, "1.90"]))
+    record = load_record(_with_steps(tmp_path, ["1.80", literal, "1.90"]))
     assert [s.seconds for s in record.timing.samples] == [1.80, 1.90]
     assert record.timing.unprofiled.median == pytest.approx(1.85)
     assert record.notes[-1] == (
@@ -230,7 +232,7 @@ def test_impossible_step_times_are_left_out_and_counted(
         "2 valid steps remain."
     )
     # The clean twin: every step kept, nothing noted.
-    clean = RunRecord.load(_with_steps(tmp_path, ["1.80", "1.84", "1.90"]))
+    clean = load_record(_with_steps(tmp_path, ["1.80", "1.84", "1.90"]))
     assert len(clean.timing.samples) == 3 and not clean.notes
 
 
@@ -239,7 +241,7 @@ def test_a_record_of_only_impossible_steps_reports_no_step_time(
 ) -> None:
     """Before: "−1.00 s/it" for negative steps, and an OverflowError (in math.fsum) for 1e308."""
     path = _with_steps(tmp_path, ["-1.0", "1e308", "NaN"])
-    record = RunRecord.load(path)
+    record = load_record(path)
     assert record.timing.samples == [] and record.timing.unprofiled.n == 0
     assert "3 step samples with an impossible time" in record.notes[-1]
     capsys.readouterr()
@@ -302,7 +304,7 @@ def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
     plain = FIXTURES / "records" / "v1_minimal.json"
     marked = tmp_path / "record.json"
     marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
-    assert RunRecord.load(marked) == RunRecord.load(plain)
+    assert load_record(marked) == load_record(plain)
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
@@ -331,4 +333,4 @@ def test_every_fixture_record_loads_as_before() -> None:
         data = json.loads(path.read_text())
         if "schema_version" not in data:  # noise.json holds step times, not a record
             continue
-        assert RunRecord.load(path) == RunRecord.from_dict(data), path
+        assert load_record(path) == record_from_dict(data), path

@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 
 from diagnose.cli import main
-from diagnose.record import RunRecord
-from diagnose.record_validation import LEFT_OUT, left_out_notes
+from diagnose.record_io import LEFT_OUT, left_out_notes, load_record
 from tests.conftest import FIXTURES, SHARED, percentages
 
 SOURCE = FIXTURES / "compare" / "same_config.json"
@@ -124,7 +123,7 @@ def test_an_impossible_number_is_left_out_with_a_note_naming_its_field(
     tmp_path: Path, planted: str, edit: Edit, field: str, shown: str
 ) -> None:
     path = _write(tmp_path, edit)
-    record = RunRecord.load(path)
+    record = load_record(path)
     notes = left_out_notes(record)
     assert len(notes) == 1 and field in notes[0], notes
     html = tmp_path / "page.html"
@@ -142,7 +141,7 @@ def test_an_impossible_number_is_left_out_with_a_note_naming_its_field(
 
 def test_the_savings_that_remain_are_the_records_own(tmp_path: Path) -> None:
     path = _write(tmp_path, lambda d: _finding(d, est_seconds_saved_per_it=1e9))
-    record = RunRecord.load(path)
+    record = load_record(path)
     original = json.loads(SOURCE.read_text())["findings"]
     by_id = {f.id: f.est_seconds_saved_per_it for f in record.findings}
     assert by_id[original[0]["id"]] is None  # "not quantified", not a number
@@ -163,7 +162,7 @@ def test_records_diagnose_writes_have_nothing_left_out() -> None:
             records.append(path)
     assert len(records) >= 5
     for path in records:
-        notes = [n for n in RunRecord.load(path).notes if n.startswith(LEFT_OUT)]
+        notes = [n for n in load_record(path).notes if n.startswith(LEFT_OUT)]
         assert not notes, (path, notes)
 
 

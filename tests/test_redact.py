@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from diagnose.record import Finding, ProbeResult, RunRecord, StepSample
+from diagnose.record_io import record_from_dict
 from diagnose.redact import (
     MASK,
     Redactor,
@@ -221,7 +222,7 @@ def test_redact_record_reaches_every_string_and_keeps_the_shape(
     assert redacted.timing.samples[0].seconds == 1.25
     assert redacted.findings[0].fix == f"--token {MASK}"
     assert record.command.endswith(HF)  # the input is left alone
-    assert RunRecord.from_dict(redacted.to_dict()).trace_path == f"hf_{MASK}/trace.json.gz"
+    assert record_from_dict(redacted.to_dict()).trace_path == f"hf_{MASK}/trace.json.gz"
 
 
 # --- linear time on adversarial text -------------------------------------------------------------

@@ -25,6 +25,7 @@ from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext
 from diagnose.probes.environment import EnvironmentProbe
 from diagnose.record import ProbeResult, RunRecord
+from diagnose.record_io import load_record
 from diagnose.redact import MASK, redact_record
 from diagnose.workload.data import generate_images
 
@@ -117,7 +118,7 @@ def test_redact_record_removes_every_secret(
     assert_clean(out + err, "the terminal")
 
     # Still a valid, loadable record with the masks where the secrets were.
-    loaded = RunRecord.load(tmp_path / "record.json")
+    loaded = load_record(tmp_path / "record.json")
     assert loaded.config["data_dir"].endswith(f"hf_{MASK}/set-{MASK}")
     assert f"hf_{MASK}" in loaded.command
     assert (
@@ -177,7 +178,7 @@ def test_cli_run_with_redact_paths_hides_the_host_in_the_record_and_the_trace(
     assert main(["run", "--out", str(out), "--redact-paths", *QUICK, *skip]) == 0
     trace = json.loads(gzip.decompress((out / "trace.json.gz").read_bytes()))
     assert trace["host_name"] == "<host>" and trace["traceEvents"]
-    record = RunRecord.load(out)
+    record = load_record(out)
     host_fields = record.probes[0].data["metadata"]["trace_fields"]
     assert host_fields["host_name"] == "<host>"
     host = socket.gethostname()

@@ -24,6 +24,7 @@ from diagnose.record import (
     StepSample,
     Timing,
 )
+from diagnose.record_io import load_record
 from diagnose.reports import render_html, terminal_summary, write_html
 from diagnose.reports.charts import (
     Segment,
@@ -488,7 +489,7 @@ def test_rendering_is_deterministic() -> None:
 def test_a_saved_and_reloaded_record_renders_the_same(tmp_path: Path) -> None:
     record = full_record()
     record.save(tmp_path / "record.json")
-    loaded = RunRecord.load(tmp_path)
+    loaded = load_record(tmp_path)
     assert render_html(loaded) == render_html(record)
     write_html(loaded, tmp_path / "report.html")
     assert (tmp_path / "report.html").read_text(encoding="utf-8") == render_html(record)
@@ -508,7 +509,7 @@ def test_rendering_does_not_import_torch(tmp_path: Path) -> None:
         from pathlib import Path
         import diagnose.reports
         from diagnose.record import RunRecord
-        record = RunRecord.load(Path({str(tmp_path)!r}))
+        record = load_record(Path({str(tmp_path)!r}))
         assert "1.82 s/it" in diagnose.reports.render_html(record)
         assert "1.82 s/it" in diagnose.reports.terminal_summary(record)
         heavy = {{"torch", "diffusers", "peft", "transformers"}}
@@ -571,7 +572,7 @@ def test_terminal_summary_of_empty_and_hostile_records() -> None:
 def test_the_phase_bar_and_the_device_bar_are_per_the_same_steps(shared_evidence: Path) -> None:
     """The first GPU run drew its phases per unprofiled step (643 ms) and the device's busy and
     idle time per profiled step (1.13 s) under them, with nothing to say so."""
-    record = RunRecord.load(shared_evidence / "run" / "record.json")
+    record = load_record(shared_evidence / "run" / "record.json")
     breakdown = build_view(record).breakdown
     assert breakdown.steps == "unprofiled step"
     busy, idle = (float(p.seconds.split()[0]) for p in breakdown.device_legend)

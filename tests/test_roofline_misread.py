@@ -20,6 +20,7 @@ import pytest
 
 from diagnose.cli import main
 from diagnose.record import RunRecord
+from diagnose.record_io import load_record
 from diagnose.reports.utilisation import build_utilisation
 from diagnose.roofline.model import Peak
 from diagnose.roofline.op_inputs import op_inputs
@@ -117,7 +118,7 @@ def _trace(path: Path, out: Path) -> tuple[str, RunRecord]:
         code = main(["trace", str(path), "--out", str(out)])
     assert code == 0, printed.getvalue()
     text = printed.getvalue() + (out / "report.html").read_text()
-    return text, RunRecord.load(out)
+    return text, load_record(out)
 
 
 @pytest.mark.parametrize("edge", [65536, 2**62])
@@ -163,7 +164,7 @@ def test_a_record_with_an_mfu_above_100_reads_as_a_misread(tmp_path: Path) -> No
     doc["utilisation"]["classes"][0]["share_of_peak"] = 12.6
     path = tmp_path / "record.json"
     path.write_text(json.dumps(doc))
-    loaded = RunRecord.load(path)
+    loaded = load_record(path)
     assert loaded.utilisation is not None and loaded.utilisation.misread
     view = build_utilisation(loaded)
     assert view is not None and "misread" in view.line

@@ -17,6 +17,7 @@ from diagnose.distributed.launch import RankJob, cpu_threads_per_rank, free_port
 from diagnose.distributed.run_ranks import RANKS_DIR
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import RunRecord
+from diagnose.record_io import load_record
 from diagnose.run import execute_run, resolve_config
 from tests.conftest import ok_lines, unjudged_lines
 
@@ -73,7 +74,7 @@ def _check_ranks_record(record: RunRecord, out: Path, strategy: str, wrapped_as:
     judged += [line for line in unjudged_lines(trace) if line.startswith("ranks: inconclusive")]
     assert judged or straggler, (ok_lines(trace), unjudged_lines(trace))
     assert {p.name for p in record.probes if p.status == "skipped"} == set(PROBES)
-    assert RunRecord.load(out).ranks == record.ranks
+    assert load_record(out).ranks == record.ranks
     assert (out / "report.html").is_file()
 
 
@@ -83,7 +84,7 @@ def test_ddp_two_ranks_from_the_command_line(tmp_path: Path) -> None:
     argv = ["run", "--nproc", "2", "--strategy", "ddp", *SHORT, *SKIP_ALL, "--no-progress"]
     argv += ["--out", str(out)]
     assert main(argv) == ExitCode.OK
-    record = RunRecord.load(out)
+    record = load_record(out)
     _check_ranks_record(record, out, "ddp", "DistributedDataParallel")
     # DDP all-reduces the LoRA gradients in the backward pass.
     assert all("all_reduce" in r.comm_by_kind for r in record.ranks), record.ranks

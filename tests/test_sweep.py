@@ -24,6 +24,7 @@ import pytest
 from diagnose.cli import main
 from diagnose.errors import ExitCode
 from diagnose.record import RunRecord, StepSample, new_record
+from diagnose.record_io import load_record
 from diagnose.reports.sweep import (
     CSV_COLUMNS,
     build_sweep_view,
@@ -124,7 +125,7 @@ def test_a_real_sweep_measures_each_point_as_a_run_record(one_by_two: Invocation
     schema = set(RunRecord().to_dict())
     for point in points:
         record_path = one_by_two.out / str(point["record"])
-        record = RunRecord.load(record_path)
+        record = load_record(record_path)
         # The same document a single `diagnose run` writes: every field, mode "run".
         assert set(json.loads(record_path.read_text(encoding="utf-8"))) == schema
         assert record.mode == "run"

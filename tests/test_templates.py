@@ -21,6 +21,7 @@ from diagnose.record import (
     StepSample,
     Timing,
 )
+from diagnose.record_io import load_record
 from diagnose.reports import render_html
 
 SCRIPT = "<script>alert(1)</script>"
@@ -287,7 +288,7 @@ def test_trace_record_without_model() -> None:
 
 def test_the_oldest_saved_record_still_renders() -> None:
     path = Path(__file__).resolve().parent.parent / "fixtures" / "records" / "v1_minimal.json"
-    html = render_html(RunRecord.load(path))
+    html = render_html(load_record(path))
     assert "1.84 s/it" in html
     assert "Attention fell back to the math path in 70 of 70 calls" in html
     assert "how obtained not recorded" in html  # a saving with no basis says so

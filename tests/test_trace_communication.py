@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from diagnose.catalogs import distributed_catalog as catalog
+from diagnose.catalogs import specs
 from diagnose.record import RunRecord
 from diagnose.reports.terminal import terminal_summary
 from diagnose.trace.analysis import analysis_to_record, analyze_trace
-from diagnose.verdicts import contradictions, settle
+from diagnose.verdicts import contradictions, ranked, settle
 from tests.conftest import ok_lines
 from tests.test_trace_synthetic import TraceBuilder
 
@@ -26,7 +27,7 @@ GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"
 
 def _record(path: Path) -> RunRecord:
     record = analysis_to_record(analyze_trace(path), path)
-    settle(record)
+    settle(record, specs())
     return record
 
 
@@ -44,7 +45,7 @@ def test_one_ranks_trace_with_exposed_communication_says_so_first(
     record = _record(shared_traces / name)
     finding = next(f for f in record.findings if f.id == catalog.EXPOSED_COMM_ID)
     assert finding.severity in ("warn", "critical"), finding
-    assert record.ranked_findings()[0].id == catalog.EXPOSED_COMM_ID
+    assert ranked(record.findings)[0].id == catalog.EXPOSED_COMM_ID
     assert "DistributedDataParallel(" in finding.fix
     assert "a wait for a slower rank" in finding.detail
     assert (
@@ -54,7 +55,7 @@ def test_one_ranks_trace_with_exposed_communication_says_so_first(
     screen = _first_screen(record)
     assert "Communication is not hidden behind compute" in screen
     assert "no slow-down found" not in screen
-    assert not contradictions(record)
+    assert not contradictions(record, specs())
 
 
 def _ddp_steps(path: Path, *, overlapped: bool, steps: int = 4) -> Path:

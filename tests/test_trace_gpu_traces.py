@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from diagnose.record import PHASES, RunRecord
+from diagnose.catalogs import specs
+from diagnose.record import PHASES
+from diagnose.record_io import load_record
 from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.verdicts import settle
 from tests.conftest import SHARED_TRACES as SHARED
@@ -81,7 +83,7 @@ def test_analyses_with_device_and_a_valid_record(traces: Path, name: str, tmp_pa
     record = analysis_to_record(a, traces / name)
     path = tmp_path / "record.json"
     record.save(path)
-    loaded = RunRecord.load(path)
+    loaded = load_record(path)
     assert loaded.mode == "trace"
     assert loaded.device.name == device_name
     assert [s.profiled for s in loaded.timing.samples] == [True] * len(a.steps)
@@ -121,7 +123,7 @@ def test_dataloader_before_and_after(traces: Path) -> None:
     starved = analysis(traces, "cuda/v100_resnet50_num_workers_0.json.gz")
     fed = analysis(traces, "cuda/v100_resnet50_num_workers_4.json.gz")
     record = analysis_to_record(starved, Path(starved.path))
-    settle(record)
+    settle(record, specs())
     finding = next(f for f in record.findings if f.id == "dataloader.gpu_starved")
     assert finding.severity in ("warn", "critical")
     assert finding.evidence["num_workers_zero"] is True
@@ -170,7 +172,7 @@ def test_fp32_training_is_reported_as_such(traces: Path) -> None:
     for name in ("rocm/mi250_minitoy_train.json.gz", "cuda/v100_resnet50_num_workers_0.json.gz"):
         a = analysis(traces, name)
         record = analysis_to_record(a, Path(a.path))
-        settle(record)
+        settle(record, specs())
         finding = next(f for f in record.findings if f.category == "precision")
         # Its saving is an estimate (a typical low-precision speed-up), never critical.
         assert finding.id == "precision.fp32_training" and finding.saving_basis == "estimated"

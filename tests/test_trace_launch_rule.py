@@ -7,17 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from diagnose.catalogs import specs
 from diagnose.catalogs.compute_catalog import RECOVERABLE
 from diagnose.record import RunRecord
+from diagnose.record_io import load_record
 from diagnose.trace.analysis import analysis_to_record, analyze_trace
-from diagnose.verdicts import contradictions, settle
+from diagnose.verdicts import contradictions, ranked, settle
 from tests.synthetic_gpu import lora_loop
 from tests.test_trace_synthetic import training_trace
 
 
 def _settled(path: Path) -> RunRecord:
     record = analysis_to_record(analyze_trace(path), path)
-    settle(record)
+    settle(record, specs())
     return record
 
 
@@ -28,9 +30,9 @@ def test_a_gpu_waiting_for_the_host_most_of_the_step_is_critical_and_first(
     info finding of 0.04 ms was ranked above it. The wait is read off the trace, so it is the
     saving (basis "trace"), and the one severity rule makes it critical."""
     record = _settled(shared_traces / "rocm" / "mi250_minitoy_train.json.gz")
-    ranked = record.ranked_findings()
-    first = ranked[0]
-    assert first.id == "compute.launch_bound", [(f.id, f.severity) for f in ranked]
+    in_order = ranked(record.findings)
+    first = in_order[0]
+    assert first.id == "compute.launch_bound", [(f.id, f.severity) for f in in_order]
     assert first.severity == "critical"
     assert first.saving_basis == "trace"
     step = record.timing.headline.median
@@ -39,8 +41,8 @@ def test_a_gpu_waiting_for_the_host_most_of_the_step_is_critical_and_first(
     saving = first.est_seconds_saved_per_it
     assert saving is not None and saving == pytest.approx(wait) and saving <= step
     assert first.sure_seconds_saved_per_it == pytest.approx(wait * RECOVERABLE)
-    assert all(f.severity != "critical" for f in ranked[1:])
-    assert contradictions(record) == []
+    assert all(f.severity != "critical" for f in in_order[1:])
+    assert contradictions(record, specs()) == []
     [check] = [c for c in record.all_checks() if c.id == "compute.launch_bound"]
     assert check.outcome == "finding" and check.source == "trace:launch"
 
@@ -57,8 +59,8 @@ def test_the_gpu_runs_saving_is_no_more_than_the_step_less_the_gpus_busy_time(
 ) -> None:
     """The first GPU run said "saves ~643 ms/it (100% of the step)" of a 643 ms step in which
     the GPU was busy 143 ms: re-judged, no launch fix saves more than the rest."""
-    record = RunRecord.load(shared_evidence / "run" / "record.json")
-    settle(record)
+    record = load_record(shared_evidence / "run" / "record.json")
+    settle(record, specs())
     [finding] = [f for f in record.findings if f.id == "compute.launch_bound"]
     step = record.timing.per_iteration
     busy = record.breakdown.device_busy_seconds
@@ -66,7 +68,7 @@ def test_the_gpu_runs_saving_is_no_more_than_the_step_less_the_gpus_busy_time(
     saving = finding.est_seconds_saved_per_it
     assert saving is not None and saving <= step - busy + 1e-9
     assert "busy time" in finding.evidence["saving_cap"]
-    assert contradictions(record) == []
+    assert contradictions(record, specs()) == []
 
 
 def test_launch_gaps_are_judged_less_the_profilers_time_on_the_unprofiled_step(
@@ -84,7 +86,7 @@ def test_launch_gaps_are_judged_less_the_profilers_time_on_the_unprofiled_step(
     step = profiled.timing.profiled.median
     unprofiled = step * 0.6
     record = analysis_to_record(analyze_trace(path, unprofiled_step_seconds=unprofiled), path)
-    settle(record)
+    settle(record, specs())
     [judged] = [f for f in record.findings if f.id == "compute.launch_bound"]
     evidence = judged.evidence
     assert "each unprofiled step" in judged.title and "taken out" in judged.detail

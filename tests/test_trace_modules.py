@@ -16,10 +16,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from diagnose.catalogs import attention_catalog as ac
-from diagnose.record import Finding
+from diagnose.catalogs import specs
+from diagnose.record import Finding, step_seconds
 from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from diagnose.trace.modules import classify
-from diagnose.verdicts import WARN_SHARE, grade, settle, step_seconds
+from diagnose.verdicts import WARN_SHARE, grade, settle
 
 transformers = pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
@@ -152,7 +153,7 @@ def test_severity_follows_the_share_of_the_step(
     """The text encoder's attention is a small part of a step the denoiser dominates: graded by
     the one rule on its share of the step (info below the warning share), whatever its kind."""
     record = analysis_to_record(traces["text_encoder"], tmp_path / "trace.json")
-    settle(record)
+    settle(record, specs())
     finding = next(f for f in record.findings if f.id == ac.MANUAL_ID)
     step = step_seconds(record)
     assert step and finding.est_seconds_saved_per_it is not None

@@ -21,6 +21,7 @@ from diagnose.catalogs import distributed_catalog as catalog
 from diagnose.cli import main
 from diagnose.distributed.collectives import collective_kind
 from diagnose.record import RunRecord
+from diagnose.record_io import load_record
 from diagnose.trace.analysis import analyze_trace
 from tests.conftest import FIXTURES, ok_lines, unjudged_lines
 
@@ -61,7 +62,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _trace(folder: Path, tmp_path: Path, *extra: str) -> RunRecord:
     out = tmp_path / f"out-{folder.name}"
     assert main(["trace", str(folder), "--out", str(out), *extra]) == 0
-    return RunRecord.load(out)
+    return load_record(out)
 
 
 def _ids(record: RunRecord) -> set[str]:
@@ -232,7 +233,7 @@ def test_files_named_one_by_one_read_as_the_folder(runs: Path, tmp_path: Path) -
     files = sorted(str(p) for p in folder.iterdir())
     out = tmp_path / "files"
     assert main(["trace", *files, "--out", str(out), "--jobs", "1"]) == 0
-    record = RunRecord.load(out)
+    record = load_record(out)
     assert catalog.DATA_WAIT_IMBALANCE_ID in _ids(record)
 
 
@@ -316,7 +317,7 @@ def test_an_unreadable_rank_is_left_out_and_said(tmp_path: Path, shared_traces: 
     (folder / "rank2.json").write_text('{"traceEvents": [')
     out = tmp_path / "o"
     assert main(["trace", str(folder), "--out", str(out), "--jobs", "2"]) == 0
-    record = RunRecord.load(out)
+    record = load_record(out)
     assert [r.rank for r in record.ranks] == [0, 1]
     assert any("rank2.json" in n and "left out" in n for n in record.notes)
     # Two of eight ranks: the report says the rest are missing.

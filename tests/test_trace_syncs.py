@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from diagnose.catalogs import specs
 from diagnose.record import Finding, RunRecord
 from diagnose.reports import terminal_summary
 from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
@@ -24,7 +25,7 @@ PARAMS, BLOCKS = 24, 4
 def _record(path: Path, unprofiled: float | None = None) -> RunRecord:
     analysis = analyze_trace(path, unprofiled_step_seconds=unprofiled)
     record = analysis_to_record(analysis, path)
-    settle(record)
+    settle(record, specs())
     return record
 
 
@@ -126,7 +127,7 @@ def foreach(shared_evidence: Path) -> tuple[TraceAnalysis, RunRecord]:
     path = shared_evidence / "traces" / "lora_adamw_foreach.json.gz"
     analysis = analyze_trace(path)
     record = analysis_to_record(analysis, path)
-    settle(record)
+    settle(record, specs())
     return analysis, record
 
 

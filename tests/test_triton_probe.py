@@ -40,7 +40,8 @@ from diagnose.probes.triton_probe import (
     parse_torch_requirement,
     version_problems,
 )
-from diagnose.record import DeviceInfo, RunRecord, new_record
+from diagnose.record import DeviceInfo, new_record
+from diagnose.record_io import record_from_dict
 from tests.conftest import FIXTURES, REPO_ROOT, ok_lines, unjudged_lines
 
 pytest.importorskip("triton", reason="the triton package is not installed")
@@ -584,7 +585,7 @@ def test_the_corpus_passes_in_interpreter_mode() -> None:
     # The record carrying it still serialises (NaN-free) and loads back.
     record = new_record("run")
     record.probes.append(result)
-    assert RunRecord.from_dict(json.loads(record.to_json())).probes[0].data["mode"] == "interpreter"
+    assert record_from_dict(json.loads(record.to_json())).probes[0].data["mode"] == "interpreter"
 
 
 def _signatures(d: str) -> list[tuple[str, str, dict[str, str], dict[str, object]]]:

@@ -12,6 +12,7 @@ import statistics
 import pytest
 
 from diagnose.capture import phase_breakdown
+from diagnose.catalogs import specs
 from diagnose.catalogs.dataloader_catalog import GPU_STARVED, STARVED_SHARE
 from diagnose.probes.dataloader_ab import VariantRow
 from diagnose.probes.dataloader_facts import LoaderConfig, wait_summary
@@ -137,7 +138,7 @@ def _judged(record: RunRecord) -> RunRecord:
     record.findings = result.findings
     result.findings = []
     record.probes.append(result)
-    settle(record)
+    settle(record, specs())
     return record
 
 
@@ -154,7 +155,7 @@ def test_a_wait_on_its_line_is_borderline_never_warn(seed: int) -> None:
     assert finding.borderline.low < STARVED_SHARE <= finding.borderline.high
     assert finding.borderline.text.startswith("data wait ")
     assert finding.borderline.text.endswith("of the step, at the 10% line")
-    assert not contradictions(record)
+    assert not contradictions(record, specs())
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -162,7 +163,7 @@ def test_a_wait_clearly_above_its_line_is_warn(seed: int) -> None:
     record = _judged(_run_with_wait(1.5 * STARVED_SHARE, seed))
     [finding] = _starved(record)
     assert finding.severity == "warn" and finding.borderline is None
-    assert not contradictions(record)
+    assert not contradictions(record, specs())
 
 
 @pytest.mark.parametrize("seed", SEEDS)

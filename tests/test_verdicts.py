@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from diagnose.catalogs import specs
 from diagnose.record import Check, Finding, ProbeResult, RunRecord, StepSample
 from diagnose.verdicts import contradictions, grade, ranked, settle
 
@@ -41,11 +42,11 @@ def test_grade_is_one_function_of_share_and_basis() -> None:
 def test_a_saving_larger_than_the_step_is_capped_at_the_step() -> None:
     # The reported case: "saves about 2.08 s/it (148% of the step)" on a 1.41 s/it run.
     record = _with(_record(1.41), Finding(id="x.y", est_seconds_saved_per_it=2.08))
-    settle(record)
+    settle(record, specs())
     finding = record.findings[0]
     assert finding.est_seconds_saved_per_it == pytest.approx(1.41)
     assert finding.evidence["saving_before_cap_seconds"] == 2.08
-    assert not contradictions(record)
+    assert not contradictions(record, specs())
 
 
 def test_a_saving_is_capped_at_the_phases_it_lives_in() -> None:
@@ -55,7 +56,7 @@ def test_a_saving_is_capped_at_the_phases_it_lives_in() -> None:
             id="x.opt", est_seconds_saved_per_it=0.5, phases=["optimizer"], saving_basis="measured"
         ),
     )
-    settle(record)
+    settle(record, specs())
     assert record.findings[0].est_seconds_saved_per_it == pytest.approx(0.1)
     assert "optimizer" in record.findings[0].evidence["saving_cap"]
 
@@ -68,13 +69,13 @@ def test_phase_bound_follows_the_headline_when_the_bar_was_measured_on_slower_st
             id="x.f", est_seconds_saved_per_it=0.9, phases=["forward"], saving_basis="measured"
         ),
     )
-    settle(record)
+    settle(record, specs())
     assert record.findings[0].est_seconds_saved_per_it == pytest.approx(0.5)
 
 
 def test_a_saving_within_its_bounds_is_left_alone() -> None:
     record = _with(_record(1.44), Finding(id="x.y", est_seconds_saved_per_it=0.6))
-    settle(record)
+    settle(record, specs())
     assert record.findings[0].est_seconds_saved_per_it == 0.6
     assert "saving_before_cap_seconds" not in record.findings[0].evidence
 
@@ -91,7 +92,7 @@ def test_severity_is_graded_on_the_sure_saving() -> None:
             saving_basis="measured",
         ),
     )
-    settle(record)
+    settle(record, specs())
     assert record.findings[0].severity == "warn"
 
 
@@ -140,9 +141,9 @@ def test_one_answer_per_question(question: str, kept_as: str) -> None:
     record.findings = list(probe.findings)
     probe.findings = []
     record.probes = [probe, trace]
-    assert contradictions(record), "the planted contradiction must be caught"
-    settle(record)
-    assert not contradictions(record)
+    assert contradictions(record, specs()), "the planted contradiction must be caught"
+    settle(record, specs())
+    assert not contradictions(record, specs())
     outcomes = {c.id: c.outcome for c in record.all_checks()}
     assert outcomes == {question: "finding", "attention.math_fallback": "not_judged"}
     # The overruled answer stays visible as evidence, not as a second verdict.
@@ -156,7 +157,7 @@ def test_an_ok_overrules_a_not_judged_of_the_same_question() -> None:
     a = ProbeResult(name="a", checks=[Check("q.one", "not_judged", "cannot see it here", "a")])
     b = ProbeResult(name="b", checks=[Check("q.one", "ok", "measured fine", "b")])
     record.probes = [a, b]
-    settle(record)
+    settle(record, specs())
     assert [(c.id, c.outcome) for c in record.all_checks()] == [("q.one", "ok")]
 
 
@@ -169,8 +170,8 @@ def test_contradictions_catch_each_planted_fault(plant: str) -> None:
         _record(1.0, {"forward": 0.5, "backward": 0.5}),
         Finding(id="x.y", title="t", est_seconds_saved_per_it=0.2, saving_basis="measured"),
     )
-    settle(record)
-    assert not contradictions(record)
+    settle(record, specs())
+    assert not contradictions(record, specs())
     probe = record.probes[0]
     if plant == "two_outcomes":
         probe.add_ok("x.y", "x is fine")
@@ -182,7 +183,7 @@ def test_contradictions_catch_each_planted_fault(plant: str) -> None:
         record.findings[0].est_seconds_saved_per_it = 1.5
     else:
         record.findings[0].severity = "critical"
-    assert contradictions(record)
+    assert contradictions(record, specs())
 
 
 def test_what_settling_cannot_mend_is_said_on_the_page() -> None:
@@ -191,7 +192,7 @@ def test_what_settling_cannot_mend_is_said_on_the_page() -> None:
         Finding(id="x.y", title="one"),
         Finding(id="x.y", title="the same id again"),
     )
-    settle(record)
+    settle(record, specs())
     assert any("Internal inconsistency" in note and "x.y" in note for note in record.notes)
 
 
@@ -207,7 +208,7 @@ def test_shares_are_of_the_bucket_mix() -> None:
     ]
     record.timing.summarize()
     record = _with(record, Finding(id="x.y", est_seconds_saved_per_it=0.3, saving_basis="measured"))
-    settle(record)
+    settle(record, specs())
     assert record.timing.headline.median == pytest.approx(1.4)
     assert record.timing.per_iteration == pytest.approx((4 * 1.4 + 3 * 0.2) / 7)
     assert record.findings[0].severity == "critical"  # 34% of the mix; 21% of the median

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from diagnose.catalogs import FindingSpec, carries_over, in_trainers, tiny_model_only
-from diagnose.record import Basis, Finding, RunRecord
+from diagnose.record import Basis, Finding, RunRecord, phase_bound, step_seconds
 from diagnose.stats import AtLine, at_line
 from diagnose.units import ms, pct, per_it
-from diagnose.verdicts import borderline_at, phase_bound, step_seconds
+from diagnose.verdicts import borderline_at
 
 GPU_STARVED = FindingSpec(
     "dataloader.gpu_starved",

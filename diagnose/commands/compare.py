@@ -31,6 +31,7 @@ from diagnose.gate import (
     parse_fail_on,
 )
 from diagnose.record import RunRecord
+from diagnose.record_io import load_record
 
 GATE_OPTION_DESTS: tuple[str, ...] = (
     "threshold",
@@ -234,8 +235,8 @@ class CompareCommand:
         outputs = [p for p in (args.junit, args.markdown, args.html) if p is not None]
         _refuse_duplicate_outputs(outputs)
         refuse_outputs_over_inputs(outputs, [*args.baseline, args.current])
-        baselines = [RunRecord.load(path) for path in args.baseline]
-        current = RunRecord.load(args.current)
+        baselines = [load_record(path) for path in args.baseline]
+        current = load_record(args.current)
         labels = [record_label(path) for path in (*args.baseline, args.current)]
         outcome = apply_gate(baselines, current, args, labels=labels)
         if args.html is not None:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from diagnose.errors import ExitCode
+from diagnose.record_io import load_record
 
 
 class ReportCommand:
@@ -31,11 +32,10 @@ class ReportCommand:
             check_writable_file,
             refuse_outputs_over_inputs,
         )
-        from diagnose.record import RunRecord
-        from diagnose.record_validation import left_out_notes
+        from diagnose.record_io import left_out_notes
         from diagnose.reports import is_own_report, terminal_summary, write_html
 
-        record = RunRecord.load(args.record)
+        record = load_record(args.record)
         folder = args.record if args.record.is_dir() else args.record.parent
         out = args.out if args.out is not None else folder / REPORT_NAME
         source = args.record / RECORD_NAME if args.record.is_dir() else args.record

@@ -21,6 +21,7 @@ from diagnose.config import (
 )
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.quantized_base import BASE_KINDS
+from diagnose.record_io import load_record
 from diagnose.strict.options import add_strict_options, strict_options_of
 
 
@@ -228,10 +229,9 @@ class RunCommand:
                 record_label,
                 refuse_outputs_over_inputs,
             )
-            from diagnose.record import RunRecord
 
             # Before the long run: a bad baseline or an existing --junit file fails fast.
-            baselines = [RunRecord.load(path) for path in args.baseline]
+            baselines = [load_record(path) for path in args.baseline]
             check_gate_outputs(args, force=args.force)
             gate_outputs = [p for p in (args.junit, args.markdown) if p is not None]
             refuse_outputs_over_inputs(gate_outputs, args.baseline)

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diagnose.catalogs import specs
 from diagnose.commands import add_output_options
 from diagnose.errors import DiagnoseError, ExitCode
 
@@ -94,7 +95,7 @@ class TraceCommand:
             if (note := exclusion_note(analysis.metadata.get("events") or {}))
         ]
         record.notes.extend(left_out)
-        settle(record)
+        settle(record, specs())
         # Records and reports get attached to public tickets: no secret leaves this process.
         record = redact_record(record, redact_paths=args.redact_paths)
         prepare_out_dir(out_dir, force=args.force)

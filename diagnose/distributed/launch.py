@@ -32,6 +32,7 @@ from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.output import note_created
 from diagnose.record import RunRecord
+from diagnose.record_io import load_record
 
 WORKER_MODULE = "diagnose.distributed.worker"
 #: Ranks that report nothing for this long are taken as hung (a model build on a slow disk and
@@ -268,7 +269,7 @@ class RankJob:
                 f"({self._last_output(r)})",
                 ExitCode.INTERNAL_ERROR,
             )
-        record = RunRecord.load(path)
+        record = load_record(path)
         trace = Path(r.spec.trace_path) if r.spec.trace_path else None
         if trace is not None and not trace.is_file():
             trace = None

@@ -22,7 +22,7 @@ from diagnose.gate.record_metrics import (
     judged_against_load,
 )
 from diagnose.record import RunRecord, StepSample
-from diagnose.record_validation import is_valid_step_time
+from diagnose.record_io import is_valid_step_time
 from diagnose.units import pct_change
 
 

@@ -19,7 +19,7 @@ from diagnose.gate.metrics import (
 )
 from diagnose.gate.options import CompareOptions
 from diagnose.record import PHASE_LABELS, PHASES, HostLoad, RunRecord, StepSample
-from diagnose.record_validation import is_valid_step_time
+from diagnose.record_io import is_valid_step_time
 from diagnose.roofline.utilisation import mfu_against
 from diagnose.units import pct_change, seconds_significant
 

@@ -1,6 +1,6 @@
-"""Reading a record file safely, and checking the values of a loaded record.
+"""Reading a record file: its checks, the upgrades of older schema versions, building the record.
 
-:meth:`diagnose.record.RunRecord.load` reads every record (``diagnose report``, ``compare``,
+:func:`load_record` reads every record (``diagnose report``, ``compare``,
 ``run --baseline``, sweeps) through here, so a hand-edited, truncated or hostile file ends in one
 :class:`DiagnoseError` line (exit 3), never a traceback, a hang or unbounded memory:
 
@@ -15,7 +15,9 @@
   and no sum overflows; :func:`validate_record` says so in a counted note, and requires every
   other number to be finite and plausible and the maps of seconds to hold numbers.
 
-:func:`load_record` is the whole of it, what ``RunRecord.load`` calls.
+:func:`load_record` is the whole of it; :func:`record_from_dict` builds a record from a document
+(:data:`MIGRATIONS` upgrades one written by an older schema version, one step per version). Saving
+is :meth:`diagnose.record.RunRecord.save`.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import json
 import math
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar, get_args, get_type_hints
 
 from diagnose.errors import DiagnoseError, ExitCode
-from diagnose.record import RankStat, RunRecord
+from diagnose.record import SCHEMA_VERSION, RankStat, RunRecord
 from diagnose.redact import redact_record
 
 #: Real records are KB to a few MB (a trace record lists kernels and rules' tables).
@@ -47,15 +49,15 @@ _INT_LIMIT = 1 << 63
 LEFT_OUT = "Left out when the record was read: "
 
 
-def load_record(path: Path, from_dict: Callable[[Mapping[str, Any]], RunRecord]) -> RunRecord:
-    """Read, build (with ``from_dict``) and check the record at ``path``, a file or a run folder.
+def load_record(path: Path) -> RunRecord:
+    """Read, build and check the record at ``path``, a file or a run folder.
 
     Every problem is one DiagnoseError line naming the file (exit 3).
     """
     path, data = read_record_document(path)
     left_out = screen_steps(data)
     try:
-        record = from_dict(data)
+        record = record_from_dict(data)
         validate_record(record, left_out)
     except DiagnoseError as exc:
         raise DiagnoseError(f"{path}: {exc.message}", exc.code) from None
@@ -384,3 +386,169 @@ def _check_numbers(record: RunRecord) -> None:
             stack.extend((child, f"{at}[{i}]", typed) for i, child in enumerate(item))
         elif isinstance(item, dict):
             stack.extend((child, f"{at}[{key!r}]", False) for key, child in item.items())
+
+
+# --------------------------------------------------------------------------------------------
+# Upgrades of documents written by older schema versions, one step per version
+
+
+def _checks_from_lines(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 kept a probe's checks as bare lines (``checked_ok``, ``not_judged``, and before
+    those ``data["not_judged"]``) and its findings only in the record's list: each becomes a
+    check, the lines with an id made from the probe's name."""
+    upgraded = dict(data, schema_version=2)
+    probes = [dict(p) for p in data.get("probes") or [] if isinstance(p, Mapping)]
+    by_name = {p.get("name", ""): p for p in probes}
+    for probe in probes:
+        name = str(probe.get("name", ""))
+        old_data = probe.get("data")
+        old_data = dict(old_data) if isinstance(old_data, Mapping) else {}
+        lines: list[tuple[str, Any]] = [("ok", line) for line in probe.pop("checked_ok", []) or []]
+        lines += [("not_judged", line) for line in probe.pop("not_judged", []) or []]
+        lines += [("not_judged", line) for line in old_data.pop("not_judged", []) or []]
+        probe["data"] = old_data
+        checks = list(probe.get("checks") or [])
+        for outcome, line in lines:
+            checks.append(
+                {
+                    "id": f"{name}.check_{len(checks) + 1}",
+                    "outcome": outcome,
+                    "text": str(line),
+                    "source": name,
+                }
+            )
+        probe["checks"] = checks
+    for finding in data.get("findings") or []:
+        if not isinstance(finding, Mapping):
+            continue
+        source = str(finding.get("source", "")).split(":", 1)[0]
+        owner = by_name.get(source)
+        if owner is None:
+            owner = {"name": source or "record", "status": "ok", "checks": []}
+            probes.append(owner)
+            by_name[owner["name"]] = owner
+        owner["checks"].append(
+            {
+                "id": finding.get("id", ""),
+                "outcome": "finding",
+                "text": finding.get("title", ""),
+                "source": finding.get("source", ""),
+            }
+        )
+    upgraded["probes"] = probes
+    return upgraded
+
+
+def _kernel_time_counted_once(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 kept summed kernel durations per class in ``device_seconds_by_kernel_class``
+    (overlapping streams both counted); version 3 counts each instant once there and keeps the
+    sums in ``kernel_seconds_summed_by_class``. An old record's sums move to their new name; the
+    counted-once times cannot be made from them and stay unknown."""
+    upgraded = dict(data, schema_version=3)
+    breakdown = data.get("breakdown")
+    if isinstance(breakdown, Mapping):
+        moved = dict(breakdown)
+        moved["kernel_seconds_summed_by_class"] = moved.pop("device_seconds_by_kernel_class", {})
+        upgraded["breakdown"] = moved
+    return upgraded
+
+
+#: schema_version -> function that upgrades a document of that version to the next one.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    1: _checks_from_lines,
+    2: _kernel_time_counted_once,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Building the record
+
+
+def record_from_dict(data: Mapping[str, Any]) -> RunRecord:
+    """The record a JSON document describes, upgraded from an older schema version; fields it
+    lacks take their defaults, unknown fields are ignored."""
+    if not isinstance(data, Mapping):
+        raise DiagnoseError("not a diagnose record: the JSON top level is not an object")
+    if "schema_version" not in data or "mode" not in data:
+        raise DiagnoseError("not a diagnose record: no schema_version/mode field")
+    version = data["schema_version"]
+    if not isinstance(version, int):
+        raise DiagnoseError(f"not a diagnose record: schema_version is {version!r}")
+    if version > SCHEMA_VERSION:
+        raise DiagnoseError(
+            f"record schema version {version} is newer than this diagnose "
+            f"(reads up to {SCHEMA_VERSION}); upgrade diagnose"
+        )
+    upgraded = dict(data)
+    while upgraded["schema_version"] < SCHEMA_VERSION:
+        step = MIGRATIONS.get(upgraded["schema_version"])
+        if step is None:
+            raise DiagnoseError(
+                f"record schema version {upgraded['schema_version']} is not supported"
+            )
+        upgraded = step(upgraded)
+    try:
+        record = _from_dict(RunRecord, upgraded)
+    except (TypeError, ValueError) as exc:
+        raise DiagnoseError(f"malformed record: {exc}") from None
+    record.timing.summarize()
+    return record
+
+
+_T = TypeVar("_T")
+
+
+def _from_dict(cls: type[_T], data: Any) -> _T:
+    """Build dataclass ``cls`` from ``data``: unknown keys ignored, missing keys defaulted."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{cls.__name__} must be an object, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in data:
+            continue
+        kwargs[f.name] = _convert(hints[f.name], data[f.name], f"{cls.__name__}.{f.name}")
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    origin = getattr(hint, "__origin__", None)
+    args = get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _from_dict(hint, value)  # type: ignore[arg-type]
+    if origin is list:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise TypeError(f"{where} must be a list")
+        return [_convert(args[0], v, where) for v in value] if args else list(value)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{where} must be an object")
+        return dict(value)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{where} is {value!r}, expected one of {', '.join(map(str, args))}")
+        return value
+    if args and type(None) in args:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, where) if len(inner) == 1 else value
+    if hint is float:
+        if value is None:  # a NaN written as null
+            return math.nan
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{where} must be a number")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where} must be an integer")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{where} must be a string")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{where} must be true or false")
+        return value
+    return value
