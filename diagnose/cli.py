@@ -8,8 +8,34 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from diagnose import IMPORTED_AT, __version__, interrupts
-from diagnose.commands import ArgumentParser, all_commands
+from diagnose.commands import ArgumentParser, Command
 from diagnose.errors import DiagnoseError, ExitCode
+
+
+def all_commands() -> list[Command]:
+    """Every subcommand, in the order ``diagnose --help`` lists them; each module is imported here,
+    so the package of commands imports none of them."""
+    from diagnose.commands.compare import CompareCommand
+    from diagnose.commands.env import EnvCommand
+    from diagnose.commands.presets import PresetsCommand
+    from diagnose.commands.profile import ProfileCommand
+    from diagnose.commands.report import ReportCommand
+    from diagnose.commands.run import RunCommand
+    from diagnose.commands.sweep import SweepCommand
+    from diagnose.commands.trace import TraceCommand
+    from diagnose.commands.triton import TritonCommand
+
+    return [
+        RunCommand(),
+        ProfileCommand(),
+        SweepCommand(),
+        TraceCommand(),
+        ReportCommand(),
+        CompareCommand(),
+        TritonCommand(),
+        EnvCommand(),
+        PresetsCommand(),
+    ]
 
 
 def build_parser() -> ArgumentParser:

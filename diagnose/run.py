@@ -13,41 +13,28 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from diagnose import torch_compat
 from diagnose.capture import measure
-from diagnose.catalogs import specs
 from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.contention import LoadWindow, threads_for_load
 from diagnose.device import describe_device, select_device
 from diagnose.entry import seconds_since_entry
 from diagnose.environment_facts import FullSizeMemory
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.finish import Progress, RunOutputs, finish_run, redact_own_trace
 from diagnose.inventory import collect_inventory
-from diagnose.output import RECORD_NAME, REPORT_NAME, TRACE_NAME
+from diagnose.output import TRACE_NAME
 from diagnose.probes import REGISTRY, Probe, ProbeContext, run_probes
-from diagnose.record import Finding, HostLoad, ProbeResult, RunRecord, new_record
-from diagnose.redact import redact_record
+from diagnose.record import HostLoad, ProbeResult, RunRecord, new_record
 from diagnose.strict import StrictOptions, StrictViolation
 from diagnose.strict.mode import strict_watch
 from diagnose.strict.result import add_strict
 from diagnose.telemetry import TelemetrySampler
-from diagnose.verdicts import settle
-
-Progress = Callable[[str], None]
-
-
-@dataclass
-class RunOutputs:
-    record: RunRecord
-    record_path: Path
-    report_path: Path
-    trace_path: Path | None
 
 
 def resolve_config(config: RunConfig, device_kind: str, memory_bytes: int | None) -> RunConfig:
@@ -133,29 +120,6 @@ def refuse_full_size_on_cpu(config: RunConfig, device_kind: str, force: bool) ->
     )
 
 
-def _merge_findings(groups: Sequence[Sequence[Finding]]) -> list[Finding]:
-    """One finding per id: when a probe and a trace rule report the same id, keep the one whose
-    saving was measured (then the larger saving)."""
-    from diagnose.verdicts import from_trace
-
-    probe_first = {s.id for s in specs() if s.probe_answer_stands}
-    basis_rank = {"measured": 0, "estimated": 1, "trace": 2, "none": 3}
-
-    def key(finding: Finding) -> tuple[int, int, float]:
-        # A question whose probe answer stands keeps the probe's finding over the trace rule's.
-        set_aside = int(finding.id in probe_first and from_trace(finding.source))
-        basis = basis_rank.get(finding.saving_basis, 9)
-        return set_aside, basis, -(finding.est_seconds_saved_per_it or 0)
-
-    best: dict[str, Finding] = {}
-    for group in groups:
-        for finding in group:
-            current = best.get(finding.id)
-            if current is None or key(finding) < key(current):
-                best[finding.id] = finding
-    return list(best.values())
-
-
 def _analyze_own_trace(trace_path: Path, record: RunRecord) -> ProbeResult | None:
     """Apply the passive trace rules to the trace this run captured."""
     import time
@@ -189,24 +153,6 @@ def _analyze_own_trace(trace_path: Path, record: RunRecord) -> ProbeResult | Non
         result.findings = traced.findings
     result.duration_seconds = time.perf_counter() - start
     return result
-
-
-def redact_own_trace(trace_path: Path, record: RunRecord) -> Path | None:
-    """--redact-paths covers the trace this run wrote too (Kineto stores the host name in it).
-    A trace that cannot be rewritten is removed rather than left unredacted."""
-    from diagnose.redact import redact_trace_file, redactor_for
-
-    try:
-        redact_trace_file(trace_path, redactor_for(True))
-    except Exception as exc:
-        trace_path.unlink(missing_ok=True)
-        record.trace_path = ""
-        record.notes.append(
-            f"The profiler trace was removed: --redact-paths could not rewrite it "
-            f"({type(exc).__name__}: {exc})."
-        )
-        return None
-    return trace_path
 
 
 def _fit_threads_to_load(load: HostLoad, record: RunRecord) -> None:
@@ -382,30 +328,3 @@ def execute_run(
     if redact_paths and saved_trace is not None:
         saved_trace = redact_own_trace(saved_trace, record)
     return finish_run(record, out_dir, saved_trace, redact_paths=redact_paths, say=say)
-
-
-def finish_run(
-    record: RunRecord, out_dir: Path, saved_trace: Path | None, *, redact_paths: bool, say: Progress
-) -> RunOutputs:
-    """Hand the probes' findings to the record, redact it, write the record and the report."""
-    from diagnose.reports import save_record_and_report
-    from diagnose.roofline.utilisation import settle_utilisation
-
-    # The record keeps one ranked list: probe results hand their findings over to it.
-    record.findings = _merge_findings([p.findings for p in record.probes])
-    settle(record, specs())
-    settle_utilisation(record)
-    for result in record.probes:
-        result.findings = []
-    # Records and reports get attached to public tickets: no secret leaves this process.
-    record = redact_record(record, redact_paths=redact_paths)
-    record_path = out_dir / RECORD_NAME
-    report_path = out_dir / REPORT_NAME
-    say("writing the record and the report")
-    record = save_record_and_report(record, record_path, report_path)
-    return RunOutputs(
-        record=record,
-        record_path=record_path,
-        report_path=report_path,
-        trace_path=saved_trace,
-    )

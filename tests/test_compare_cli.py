@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from diagnose.commands import ArgumentParser, all_commands
+from diagnose.cli import all_commands
+from diagnose.commands import ArgumentParser
 from diagnose.commands.compare import (
     CompareCommand,
     add_gate_options,

@@ -439,6 +439,6 @@ FED: dict[str, str] = {
 
 
 def test_every_command_is_in_the_corpus() -> None:
-    from diagnose.commands import all_commands
+    from diagnose.cli import all_commands
 
     assert {c.name for c in all_commands()} == set(FED)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diagnose.cli import main
-from diagnose.commands import ArgumentParser, all_commands
+from diagnose.cli import all_commands, main
+from diagnose.commands import ArgumentParser
 from diagnose.commands.triton import CHECKS_FAILED, TritonCommand
 from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError, ExitCode

@@ -1,4 +1,5 @@
-"""The subcommands: one module per command behind the :class:`Command` protocol.
+"""The subcommands: one module per command behind the :class:`Command` protocol, and what their
+parsers share (:mod:`diagnose.cli` lists them).
 
 This module stays light (no torch import) so `diagnose --help` and `diagnose report` start fast;
 each command imports what it needs when it runs.
@@ -52,27 +53,3 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also replace your home folder and user name in the outputs (secrets always are)",
     )
-
-
-def all_commands() -> list[Command]:
-    from diagnose.commands.compare import CompareCommand
-    from diagnose.commands.env import EnvCommand
-    from diagnose.commands.presets import PresetsCommand
-    from diagnose.commands.profile import ProfileCommand
-    from diagnose.commands.report import ReportCommand
-    from diagnose.commands.run import RunCommand
-    from diagnose.commands.sweep import SweepCommand
-    from diagnose.commands.trace import TraceCommand
-    from diagnose.commands.triton import TritonCommand
-
-    return [
-        RunCommand(),
-        ProfileCommand(),
-        SweepCommand(),
-        TraceCommand(),
-        ReportCommand(),
-        CompareCommand(),
-        TritonCommand(),
-        EnvCommand(),
-        PresetsCommand(),
-    ]

@@ -79,6 +79,12 @@ class Communication:
         return float(np.median(values)) if values else 0.0
 
 
+def communication_of(ctx: TraceContext) -> Communication:
+    """The collectives of each step and their exposed part, read once per context: the
+    communication rule judges them, the analysis keeps them for the ranks' comparison."""
+    return ctx.read_once("communication", communication)
+
+
 def communication(ctx: TraceContext) -> Communication:
     """Per-step collective time of a trace (empty ``where`` when it has no collectives)."""
     spans = _device_collectives(ctx)

@@ -3,7 +3,7 @@
 The ranks run in their own processes (:mod:`diagnose.distributed.launch`); this module reads
 their traces together (:mod:`diagnose.distributed.ranks`), picks the rank the job runs at the
 pace of, runs the probes in this process on a single-process workload, and writes the outputs
-the way a single-process run does (:func:`diagnose.run.finish_run`).
+the way a single-process run does (:func:`diagnose.finish.finish_run`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import torch
 from diagnose.catalogs.distributed_catalog import steps_to_name_a_straggler
 from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.finish import Progress, RunOutputs, finish_run, redact_own_trace
 from diagnose.inventory import collect_inventory
 from diagnose.output import note_created
 from diagnose.probes import Probe, ProbeContext, run_probes
 from diagnose.record import DeviceInfo, ProbeResult, RankStat, RunRecord, new_record
-from diagnose.run import Progress, RunOutputs, finish_run, redact_own_trace
 
 if TYPE_CHECKING:
     from diagnose.distributed.launch import RankResult

@@ -21,7 +21,7 @@ from diagnose.record import RunRecord
 if TYPE_CHECKING:
     import torch
 
-    from diagnose.run import RunOutputs
+    from diagnose.finish import RunOutputs
 
 #: Where the rank traces of a multi-process command go inside the output folder.
 RANK_TRACES_FOLDER = "traces"
@@ -164,8 +164,8 @@ def finish_profile(
 ) -> RunOutputs:
     """Write record.json, report.html and the traces of a capture into ``out_dir``; ``amend``
     adds what was gathered beside the capture (strict mode's logs) to the record."""
+    from diagnose.finish import finish_run, redact_own_trace
     from diagnose.profile.record import profile_record
-    from diagnose.run import finish_run, redact_own_trace
 
     result, traces = _keep_traces(_keep_separate_traces(result, out_dir), out_dir)
     record = profile_record(result)

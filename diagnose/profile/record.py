@@ -57,7 +57,7 @@ def profile_record(result: LaunchResult, *, jobs: int | None = None) -> RunRecor
     _timing_from(record, pacing)
     record.timing.host_load = result.host_load
     # As in `diagnose run`, findings travel with the result that raised them until the record
-    # merges them (diagnose.run.finish_run): the trace's with the "trace" result.
+    # merges them (diagnose.finish.finish_run): the trace's with the "trace" result.
     trace_probe = next((p for p in record.probes if p.name == "trace"), None)
     _scale_to_unprofiled(record)
     if trace_probe is not None:

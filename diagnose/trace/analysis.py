@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from diagnose.distributed.collectives import Communication
+from diagnose.distributed.collectives import Communication, communication_of
 from diagnose.record import (
     Breakdown,
     Check,
@@ -188,7 +188,7 @@ def analyze_parsed(
         unprofiled_step_seconds=unprofiled_step_seconds,
     )
     results = run_rules(ctx)
-    comm = ctx.communication()
+    comm = communication_of(ctx)
 
     buckets, bucket_notes = step_buckets(trace, structure, steps, ctx.modules())
     notes = list(steps.notes)

@@ -40,6 +40,19 @@ from diagnose.units import ms
 if TYPE_CHECKING:
     from diagnose.trace.breakdown import PhaseModel
 
+#: Phases a launch can carry (same names as diagnose.record.PHASES).
+LAUNCH_PHASES: tuple[str, ...] = (
+    "data_wait",
+    "h2d",
+    "encode",
+    "forward",
+    "backward",
+    "optimizer",
+    "communication",
+    "sync",
+    "device_work",
+    "other",
+)
 #: Share of the step above which time the breakdown could not place gets a note of its own.
 UNPLACED_NOTE_SHARE = 0.02
 
@@ -167,8 +180,6 @@ def placement_notes(
     launched: npt.NDArray[np.bool_],
 ) -> list[str]:
     """What the breakdown placed without seeing the launch, and what it could not place at all."""
-    from diagnose.trace.breakdown import LAUNCH_PHASES
-
     notes: list[str] = []
     n_steps = max(len(steps.steps), 1)
     step = statistics.median(w.wall_seconds for w in steps.steps) if steps.steps else 0.0

@@ -37,6 +37,7 @@ import numpy.typing as npt
 
 from diagnose.record import Breakdown, OpStat
 from diagnose.trace.attribution import (
+    LAUNCH_PHASES,
     allocator_ranges,
     collective_ranges,
     fill_between,
@@ -59,19 +60,6 @@ from diagnose.trace.steps import OPTIMIZER_STEP_RANGE, StepSet, cut_by_stop
 from diagnose.trace.structure import Structure
 from diagnose.trace.syncs import SyncPoints, find_syncs
 
-#: Phases a launch can carry (same names as diagnose.record.PHASES).
-LAUNCH_PHASES: tuple[str, ...] = (
-    "data_wait",
-    "h2d",
-    "encode",
-    "forward",
-    "backward",
-    "optimizer",
-    "communication",
-    "sync",
-    "device_work",
-    "other",
-)
 _DEVICE_ORDER = (
     "backward",
     "forward",

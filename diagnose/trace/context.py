@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -19,13 +20,12 @@ from diagnose.trace.reader import ParsedTrace
 from diagnose.trace.steps import StepSet
 from diagnose.trace.structure import Structure
 
-if TYPE_CHECKING:
-    from diagnose.distributed.collectives import Communication
-    from diagnose.trace.sync_reading import SyncReading
-
 #: Evidence key of a finding whose saving a rule already put on the unprofiled steps (it knew the
 #: unprofiled step): the record's scaling of trace savings to that step leaves it as it is.
 SAVING_ON_UNPROFILED_STEPS = "saving_on_unprofiled_steps"
+
+
+_Reading = TypeVar("_Reading")
 
 
 @dataclass
@@ -47,9 +47,9 @@ class TraceContext:
     unprofiled_step_seconds: float | None = None
     _inclusive: npt.NDArray[np.float64] | None = field(default=None, repr=False)
     _modules: ModuleScopes | None = field(default=None, repr=False)
-    _syncs: SyncReading | None = field(default=None, repr=False)
     _launches: npt.NDArray[np.float64] | None = field(default=None, repr=False)
-    _communication: Communication | None = field(default=None, repr=False)
+    #: Readings several rules share, each made once (:meth:`read_once`).
+    _readings: dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
     def n_steps(self) -> int:
@@ -116,23 +116,13 @@ class TraceContext:
             return 0.0
         return statistics.median(s.wall_seconds for s in self.steps.steps)
 
-    def sync_reading(self) -> SyncReading:
-        """The syncs of the whole step, placed and costed (diagnose.trace.sync_reading), read
-        once: the sync rule reports them, the launch rule leaves their time out."""
-        if self._syncs is None:
-            from diagnose.trace.sync_reading import read_syncs
-
-            self._syncs = read_syncs(self)
-        return self._syncs
-
-    def communication(self) -> Communication:
-        """The collectives of each step and their exposed part, read once: the communication
-        rule judges them, the analysis keeps them for the ranks' comparison."""
-        if self._communication is None:
-            from diagnose.distributed.collectives import communication
-
-            self._communication = communication(self)
-        return self._communication
+    def read_once(self, key: str, read: Callable[[TraceContext], _Reading]) -> _Reading:
+        """``read(self)``, made once per context: a reading several rules share (the syncs of
+        :func:`diagnose.trace.sync_reading.syncs_of`, the collectives of
+        :func:`diagnose.distributed.collectives.communication_of`)."""
+        if key not in self._readings:
+            self._readings[key] = read(self)
+        return cast(_Reading, self._readings[key])
 
     def inclusive_device_time(self) -> npt.NDArray[np.float64]:
         """Per host range: microseconds of device work launched by it or by its descendants."""

@@ -137,6 +137,12 @@ class SyncReading:
         }
 
 
+def syncs_of(ctx: TraceContext) -> SyncReading:
+    """The syncs of the whole step, placed and costed, read once per context: the sync rule reports
+    them, the launch rule leaves their time out."""
+    return ctx.read_once("syncs", read_syncs)
+
+
 def read_syncs(ctx: TraceContext) -> SyncReading:
     """The syncs of the analysed steps (see the module's docstring)."""
     syncs = ctx.phases.syncs
@@ -398,4 +404,4 @@ def _what(call: str, ops: list[str]) -> str:
     return "blocking copies"
 
 
-__all__ = ["SyncPlace", "SyncReading", "read_syncs"]
+__all__ = ["SyncPlace", "SyncReading", "read_syncs", "syncs_of"]

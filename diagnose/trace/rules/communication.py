@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 
 from diagnose.catalogs import distributed_catalog as catalog
+from diagnose.distributed.collectives import communication_of
 from diagnose.record import ProbeResult
 from diagnose.stats import at_line
 from diagnose.trace.context import TraceContext
@@ -23,7 +24,7 @@ RULE = "communication"
 
 def check(ctx: TraceContext) -> ProbeResult:
     result = ProbeResult(name=RULE)
-    comm = ctx.communication()
+    comm = communication_of(ctx)
     steps = [s for s in comm.steps if s.wall_seconds > 0]
     if not comm.found or not steps:
         return result  # no collectives: not a distributed step, nothing to ask

@@ -33,6 +33,7 @@ from diagnose.trace.columns import KERNEL
 from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS, TraceContext
 from diagnose.trace.intervals import EMPTY, Intervals, subtract, union_of
 from diagnose.trace.modules import ModuleShare
+from diagnose.trace.sync_reading import syncs_of
 from diagnose.units import pct
 
 RULE = "launch"
@@ -46,7 +47,7 @@ def check(ctx: TraceContext) -> ProbeResult:
         return result
     n = ctx.n_steps
     host_gaps = _host_bound_gaps(ctx)
-    syncs = ctx.sync_reading()
+    syncs = syncs_of(ctx)
     # Idle the device owes to something named elsewhere: the next batch, a sync (the call and the
     # drained queue after it), the allocator, a collective.
     explained = union_of(

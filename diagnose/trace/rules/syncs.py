@@ -22,7 +22,7 @@ from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.record import ProbeResult
 from diagnose.trace.context import SAVING_ON_UNPROFILED_STEPS, TraceContext
 from diagnose.trace.steps import OPTIMIZER_STEP_RANGE
-from diagnose.trace.sync_reading import SyncPlace, SyncReading
+from diagnose.trace.sync_reading import SyncPlace, SyncReading, syncs_of
 from diagnose.units import ms
 
 RULE = "syncs"
@@ -34,7 +34,7 @@ _STEP_CLASS = re.compile(r"^Optimizer\.step#(\w+)\.step$")
 
 def check(ctx: TraceContext) -> ProbeResult:
     result = ProbeResult(name=RULE)
-    reading = ctx.sync_reading()
+    reading = syncs_of(ctx)
     if not reading.judged:
         for check_id in (OPTIMIZER_ID, ELSEWHERE_ID):
             result.add_not_judged(check_id, f"syncs: {reading.reason}")
