@@ -24,12 +24,13 @@ from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.contention import LoadWindow, threads_for_load
 from diagnose.device import describe_device, select_device
 from diagnose.entry import seconds_since_entry
-from diagnose.environment_facts import FullSizeMemory
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.finish import Progress, RunOutputs, finish_run, redact_own_trace
 from diagnose.inventory import collect_inventory
 from diagnose.output import TRACE_NAME
-from diagnose.probes import REGISTRY, Probe, ProbeContext, run_probes
+from diagnose.probes.base import Probe, ProbeContext, run_probes
+from diagnose.probes.environment.facts import FullSizeMemory
+from diagnose.probes.registry import REGISTRY
 from diagnose.record import HostLoad, ProbeResult, RunRecord, new_record
 from diagnose.strict import StrictOptions, StrictViolation
 from diagnose.strict.mode import strict_watch
@@ -60,7 +61,7 @@ def fit_before_running(config: RunConfig, device_kind: str, memory_bytes: int | 
         return ""
     if config.preset is None or config.model_dir is not None:
         return ""
-    from diagnose.probes.environment import preset_memory, with_activations
+    from diagnose.probes.environment.probe import preset_memory, with_activations
 
     full = preset_memory(config, config.preset)
     if full is None:

@@ -1,46 +1,4 @@
-"""Probes: active experiments that measure what one suspected slow-down costs.
-
-``REGISTRY`` lists the probes in the order they run; one module per probe. ``diagnose run --skip
-NAME`` turns one off. The contract (Probe, ProbeContext, the isolating runner) is in ``base``.
+"""Probes: active experiments that measure what one suspected slow-down costs, one package per
+concern. The registry of probes is :mod:`diagnose.probes.registry`; the contract is
+:mod:`diagnose.probes.base`. Empty on purpose: importing one module imports no probe.
 """
-
-from __future__ import annotations
-
-from diagnose.probes.attention import AttentionProbe
-from diagnose.probes.base import Probe, ProbeContext, ProbeSkipped, run_probe, run_probes
-from diagnose.probes.dataloader import DataLoaderProbe
-from diagnose.probes.environment import EnvironmentProbe
-from diagnose.probes.optimizer import OptimizerProbe
-from diagnose.probes.precision import PrecisionProbe
-from diagnose.probes.quantization import QuantizationProbe
-from diagnose.probes.roofline import RooflineProbe
-from diagnose.probes.triton_probe import TritonProbe
-
-#: Probes in run order. Each entry is an instance of a class that satisfies ``Probe``.
-REGISTRY: tuple[Probe, ...] = (
-    EnvironmentProbe(),
-    PrecisionProbe(),
-    AttentionProbe(),
-    DataLoaderProbe(),
-    OptimizerProbe(),
-    QuantizationProbe(),
-    RooflineProbe(),
-    # In a run, only on a GPU: a CPU training step runs no Triton kernel, so the interpreter's
-    # verdict would not explain the measured s/it (`diagnose triton` runs it on demand).
-    TritonProbe(device_kinds=("cuda", "rocm")),
-)
-
-
-def probe_names() -> list[str]:
-    return [p.name for p in REGISTRY]
-
-
-__all__ = [
-    "REGISTRY",
-    "Probe",
-    "ProbeContext",
-    "ProbeSkipped",
-    "probe_names",
-    "run_probe",
-    "run_probes",
-]

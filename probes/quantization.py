@@ -23,8 +23,8 @@ import torch
 from diagnose import quantized_base as qb
 from diagnose.capture import input_shape
 from diagnose.catalogs import quantization_catalog as catalog
-from diagnose.environment_facts import GIB
 from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.probes.environment.facts import GIB
 from diagnose.record import Finding, ProbeResult, RunRecord, step_seconds
 from diagnose.stats import ab_verdict, sure_saving
 from diagnose.timing import PhaseTimer, device_synchronizer
@@ -412,7 +412,7 @@ class QuantizationProbe:
     def _predicted_memory(ctx: ProbeContext, twin_config: Any) -> dict[str, Any]:
         """Static bytes (weights, LoRA, gradients, optimizer state) of this run's model and of
         the real one, with the base stored and unquantized, from their parameter counts."""
-        from diagnose.probes.environment import preset_memory
+        from diagnose.probes.environment.probe import preset_memory
 
         config = ctx.config
         memory: dict[str, Any] = {}

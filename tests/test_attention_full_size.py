@@ -20,33 +20,33 @@ from diagnose import attention_paths as ap
 from diagnose import stats
 from diagnose.catalogs import attention_catalog as ac
 from diagnose.config import RunConfig
-from diagnose.probes.attention import AttentionProbe
-from diagnose.probes.attention_bench import (
+from diagnose.probes.attention.bench import (
     SignatureTrials,
     Trial,
     attention_call,
     interleaved_samples,
     make_inputs,
 )
-from diagnose.probes.attention_calls import AttentionCall, Signature
-from diagnose.probes.attention_findings import (
+from diagnose.probes.attention.calls import AttentionCall, Signature
+from diagnose.probes.attention.findings import (
     answer_checks,
     slower_backend_at_full_size,
     slower_backend_rule,
 )
-from diagnose.probes.attention_full_size import (
+from diagnose.probes.attention.full_size import (
     FULL_SIZE_BUDGET_S,
     FullSizeJudgement,
     RealShapes,
     judge_at_full_size,
     real_attention_shapes,
 )
-from diagnose.probes.attention_judging import (
+from diagnose.probes.attention.judging import (
     Judged,
     PathGroup,
     comparisons_decided,
     group_saving,
 )
+from diagnose.probes.attention.probe import AttentionProbe
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.record import DeviceInfo, ProbeResult, new_record
 from diagnose.workload import build_workload

@@ -23,7 +23,22 @@ from diagnose import attention_paths as ap
 from diagnose.catalogs import attention_catalog as ac
 from diagnose.catalogs import specs
 from diagnose.config import RunConfig
-from diagnose.probes.attention import (
+from diagnose.probes.attention.attribution import (
+    attribute,
+    events_from_profiler,
+)
+from diagnose.probes.attention.bench import (
+    SignatureTrials,
+    Trial,
+    benchmark_signature,
+    clean_reason,
+    estimated_peak_bytes,
+    try_backend,
+)
+from diagnose.probes.attention.calls import AttentionCall, Signature
+from diagnose.probes.attention.capture import AttentionRecorder
+from diagnose.probes.attention.findings import answer_checks
+from diagnose.probes.attention.probe import (
     AttentionProbe,
     Judged,
     PackageStatus,
@@ -35,21 +50,6 @@ from diagnose.probes.attention import (
     torch_requirement,
     xformers_rule,
 )
-from diagnose.probes.attention_attribution import (
-    attribute,
-    events_from_profiler,
-)
-from diagnose.probes.attention_bench import (
-    SignatureTrials,
-    Trial,
-    benchmark_signature,
-    clean_reason,
-    estimated_peak_bytes,
-    try_backend,
-)
-from diagnose.probes.attention_calls import AttentionCall, Signature
-from diagnose.probes.attention_capture import AttentionRecorder
-from diagnose.probes.attention_findings import answer_checks
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.record import DeviceInfo, Finding, ProbeResult, StepSample, new_record
 from diagnose.reports.view import build_checks

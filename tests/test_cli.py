@@ -19,7 +19,7 @@ from diagnose.cli import main
 from diagnose.config import RunConfig
 from diagnose.errors import ExitCode
 from diagnose.output import prepare_out_dir
-from diagnose.probes import ProbeContext
+from diagnose.probes.base import ProbeContext
 from diagnose.record import ProbeResult
 from diagnose.record_io import load_record
 from diagnose.run import execute_run

@@ -18,7 +18,7 @@ import diagnose.trace.rules as rules
 from diagnose.catalogs import specs
 from diagnose.catalogs.dataloader_catalog import GPU_STARVED, BarWait, gpu_starved
 from diagnose.config import RunConfig
-from diagnose.probes.dataloader import DataLoaderProbe
+from diagnose.probes.dataloader.probe import DataLoaderProbe
 from diagnose.record import (
     Breakdown,
     ProbeResult,

@@ -34,7 +34,8 @@ from diagnose.catalogs.dataloader_catalog import (
 from diagnose.cli import main
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
-from diagnose.probes.dataloader import (
+from diagnose.probes.dataloader.ab import MIN_TIMED_STEPS, split_reachable, time_steps
+from diagnose.probes.dataloader.probe import (
     DataLoaderProbe,
     HotFrames,
     LoaderConfig,
@@ -52,7 +53,6 @@ from diagnose.probes.dataloader import (
     usable_cores,
     wait_summary,
 )
-from diagnose.probes.dataloader_ab import MIN_TIMED_STEPS, split_reachable, time_steps
 from diagnose.record import (
     Breakdown,
     DeviceInfo,

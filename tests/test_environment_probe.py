@@ -20,7 +20,7 @@ from diagnose.config import RunConfig
 from diagnose.device import cpu_info
 from diagnose.inventory import collect_inventory
 from diagnose.probes.base import ProbeContext, run_probe
-from diagnose.probes.environment import (
+from diagnose.probes.environment.probe import (
     RULES,
     EnvironmentFacts,
     EnvironmentProbe,
@@ -345,7 +345,7 @@ def test_memory_advice_of_a_tiny_run_is_judged_on_the_full_size_model() -> None:
     trains give their measured answers (the clean twin of each case is its full-size self)."""
     import dataclasses
 
-    from diagnose.probes.environment import full_size_memory
+    from diagnose.probes.environment.probe import full_size_memory
 
     full = full_size_memory(RunConfig(preset="sd15", size="tiny", precision="bf16-mixed"))
     assert full is not None and full.preset == "sd15"

@@ -70,7 +70,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "diagnose.profile",
             "diagnose.sweep",
             "diagnose.bf16_hardware",
-            "diagnose.environment_facts",
+            "diagnose.probes.environment.facts",
             "diagnose.precision_policy",
             "diagnose.quantized_base",
             "diagnose.torch_compat",
@@ -255,3 +255,23 @@ def test_the_reading_sees_a_loop_and_a_function_local_import(tmp_path: Path) -> 
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert layer_of("diagnose.reports.view") > layer_of("diagnose.units")  # type: ignore[operator]
+
+
+def test_one_pure_probe_module_imports_no_probe_and_no_torch() -> None:
+    """A concern package's ``__init__`` is empty, and so is the probes package's: the report and
+    the gate can read a probe's pure facts without importing every probe and torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, diagnose.probes.environment.facts\n"
+        "probes = sorted(m for m in sys.modules if m.startswith('diagnose.probes'))\n"
+        "print('torch' in sys.modules, probes)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT
+    ).stdout
+    assert out.strip() == (
+        "False ['diagnose.probes', 'diagnose.probes.environment', "
+        "'diagnose.probes.environment.facts']"
+    ), out

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from diagnose.catalogs import specs
 from diagnose.catalogs.dataloader_catalog import ADVICE_SETTING, BarWait
-from diagnose.environment_facts import EnvironmentFacts
-from diagnose.probes.dataloader_ab import VariantRow
-from diagnose.probes.dataloader_facts import LoaderConfig, WaitSummary
-from diagnose.probes.dataloader_verdict import judge
-from diagnose.probes.environment_cpu import rule_cpu_threads
+from diagnose.probes.dataloader.ab import VariantRow
+from diagnose.probes.dataloader.facts import LoaderConfig, WaitSummary
+from diagnose.probes.dataloader.verdict import judge
+from diagnose.probes.environment.cpu import rule_cpu_threads
+from diagnose.probes.environment.facts import EnvironmentFacts
 from diagnose.record import Check, DeviceInfo, Finding, ProbeResult, RunRecord, StepSample, Timing
 from diagnose.verdicts import NO_FASTER_KEY, contradictions, settle
 

@@ -20,7 +20,15 @@ import torch
 
 from diagnose.catalogs import specs
 from diagnose.probes.base import ProbeContext, run_probe
-from diagnose.probes.optimizer import (
+from diagnose.probes.optimizer.numerics import (
+    BNB_BLOCKSIZE,
+    AdamHyper,
+    compare_updates,
+    moment_rounding_bound,
+    numerics_rule,
+    run_numerics,
+)
+from diagnose.probes.optimizer.probe import (
     CANDIDATES,
     ABRow,
     Candidate,
@@ -37,15 +45,7 @@ from diagnose.probes.optimizer import (
     state_bytes_by_dtype,
     sync_in_step_finding,
 )
-from diagnose.probes.optimizer_numerics import (
-    BNB_BLOCKSIZE,
-    AdamHyper,
-    compare_updates,
-    moment_rounding_bound,
-    numerics_rule,
-    run_numerics,
-)
-from diagnose.probes.optimizer_syncs import MeasuredCost, sync_question
+from diagnose.probes.optimizer.syncs import MeasuredCost, sync_question
 from diagnose.record import DeviceInfo, Finding, RunRecord, StepSample, new_record
 from diagnose.verdicts import WARN_SHARE, settle_findings
 from diagnose.workload.step import Workload, build_optimizer
@@ -634,7 +634,7 @@ def test_optimizer_keys_name_what_trainers_configure() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_sync_debug_mode_is_restored_on_a_gpu() -> None:  # pragma: no cover - GPU only
-    from diagnose.probes.optimizer import sync_debug_warnings
+    from diagnose.probes.optimizer.probe import sync_debug_warnings
 
     value = torch.ones(4, device="cuda")
     before = torch.cuda.get_sync_debug_mode()

@@ -21,7 +21,9 @@ import torch
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.catalogs import specs
 from diagnose.probes.base import ProbeContext, run_probe
-from diagnose.probes.optimizer import (
+from diagnose.probes.optimizer.ab import ABRow
+from diagnose.probes.optimizer.numerics import compare_updates, numerics_rule
+from diagnose.probes.optimizer.probe import (
     CANDIDATES,
     Candidate,
     OptimizerProbe,
@@ -30,8 +32,6 @@ from diagnose.probes.optimizer import (
     slower_than_alternative_rule,
     sync_in_step_finding,
 )
-from diagnose.probes.optimizer_ab import ABRow
-from diagnose.probes.optimizer_numerics import compare_updates, numerics_rule
 from diagnose.record import DeviceInfo, RunRecord
 from diagnose.units import format_seconds
 from diagnose.verdicts import contradictions, settle
@@ -255,7 +255,7 @@ def test_the_8bit_threshold_is_judged_on_the_full_size_lora_tensors() -> None:
     """bitsandbytes keeps fp32 state for tensors below min_8bit_size. The tiny SD1.5's LoRA
     tensors are all below the default threshold (the finding would fire); the full-size preset's,
     built on the meta device, are all above it (no advice for the real model)."""
-    from diagnose.probes.optimizer_inventory import fp32_state_share
+    from diagnose.probes.optimizer.inventory import fp32_state_share
     from diagnose.workload.models import lora_tensor_sizes
 
     tiny = lora_tensor_sizes("sd15", "tiny", 16)

@@ -30,7 +30,7 @@ from diagnose.catalogs.precision_catalog import (
 from diagnose.config import RunConfig
 from diagnose.device import bf16_native, cpu_info
 from diagnose.probes.base import ProbeContext, run_probe
-from diagnose.probes.precision import PrecisionProbe
+from diagnose.probes.precision.probe import PrecisionProbe
 from diagnose.record import DeviceInfo, RunRecord, StepSample, new_record
 from diagnose.timing import PhaseTimer
 from diagnose.verdicts import contradictions, settle

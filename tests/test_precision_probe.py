@@ -40,16 +40,16 @@ from diagnose.precision_policy import (
     requested_low_dtype,
 )
 from diagnose.probes.base import Probe, ProbeContext, run_probe
-from diagnose.probes.precision import PrecisionProbe
-from diagnose.probes.precision_audit import AuditLog, OpGroup, Site, audit_step
-from diagnose.probes.precision_findings import (
+from diagnose.probes.precision.audit import AuditLog, OpGroup, Site, audit_step
+from diagnose.probes.precision.findings import (
     bf16_not_native_rule,
     bf16_slower_rule,
     fp32_training_rule,
     upcast_rule,
 )
-from diagnose.probes.precision_replay import MIN_CALLS, BenchResult, bench_pair, replay_arguments
-from diagnose.probes.precision_speed import HeadlineScale, SignatureBench, SpeedComparison
+from diagnose.probes.precision.probe import PrecisionProbe
+from diagnose.probes.precision.replay import MIN_CALLS, BenchResult, bench_pair, replay_arguments
+from diagnose.probes.precision.speed import HeadlineScale, SignatureBench, SpeedComparison
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, StepSample, new_record
 from diagnose.record_io import record_from_dict
 from diagnose.timing import PhaseTimer

@@ -17,10 +17,10 @@ import torch
 from diagnose.catalogs import specs
 from diagnose.catalogs.precision_catalog import BF16_SLOWER_ID, COMPUTE_PHASES
 from diagnose.probes.base import ProbeContext, run_probe
-from diagnose.probes.precision import PrecisionProbe
-from diagnose.probes.precision_audit import audit_step
-from diagnose.probes.precision_replay import BenchResult
-from diagnose.probes.precision_speed import Bencher
+from diagnose.probes.precision.audit import audit_step
+from diagnose.probes.precision.probe import PrecisionProbe
+from diagnose.probes.precision.replay import BenchResult
+from diagnose.probes.precision.speed import Bencher
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, StepSample, new_record, phase_bound
 from diagnose.verdicts import contradictions, settle
 from tests.conftest import ok_lines

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from diagnose.config import RunConfig
-from diagnose.probes import REGISTRY, Probe, ProbeContext, ProbeSkipped, run_probes
+from diagnose.probes.base import Probe, ProbeContext, ProbeSkipped, run_probes
+from diagnose.probes.registry import REGISTRY
 from diagnose.record import DeviceInfo, Finding, ProbeResult, new_record
 
 

@@ -22,7 +22,7 @@ from diagnose.catalogs.quantization_catalog import DEQUANT_COST, NUMERICS
 from diagnose.catalogs.quantization_catalog import MIN_SHARE as DEQUANT_COST_MIN_SHARE
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
-from diagnose.probes.environment import preset_memory
+from diagnose.probes.environment.probe import preset_memory
 from diagnose.probes.quantization import QuantizationProbe, compare_outputs, held_bytes
 from diagnose.quantized_base import KINDS
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, new_record

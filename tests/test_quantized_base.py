@@ -258,7 +258,7 @@ def test_the_predicted_footprint_of_a_stored_base_matches_the_built_one(kind: st
 
 
 def test_the_real_models_memory_counts_the_stored_base() -> None:
-    from diagnose.probes.environment import full_size_memory
+    from diagnose.probes.environment.probe import full_size_memory
 
     def frozen(**base: str) -> int:
         config = RunConfig(preset="sd15", size="tiny", **base)  # type: ignore[arg-type]

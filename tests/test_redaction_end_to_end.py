@@ -23,7 +23,7 @@ import pytest
 from diagnose.cli import main
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext
-from diagnose.probes.environment import EnvironmentProbe
+from diagnose.probes.environment.probe import EnvironmentProbe
 from diagnose.record import ProbeResult, RunRecord
 from diagnose.record_io import load_record
 from diagnose.redact import MASK, redact_record

@@ -90,7 +90,7 @@ def test_a_step_that_fits_only_with_checkpointing_is_told_so_before_running() ->
     config = RunConfig(preset="sd15", size="full", precision="bf16-mixed", batch=1)
     counted = step_memory(config, "sd15", "full")
     assert counted.peak_bytes and counted.checkpointed_peak_bytes
-    from diagnose.probes.environment import preset_memory
+    from diagnose.probes.environment.probe import preset_memory
 
     static = preset_memory(config, "sd15")
     assert static is not None
@@ -140,7 +140,7 @@ def test_a_model_whose_text_encoder_reads_its_mask_is_counted_at_full_size() -> 
     lacks; the count takes the captions' token counts from the host instead. The first report
     this project was built from (Z-Image on an NF4 base, 1024 px, a 16 GB card) is then told
     before running that one step's activations need gradient checkpointing to fit."""
-    from diagnose.probes.environment import preset_memory
+    from diagnose.probes.environment.probe import preset_memory
 
     config = RunConfig(
         preset="zimage",
@@ -196,7 +196,7 @@ def test_a_quantized_bases_whole_peak_is_predicted_within_a_fifth(tmp_path: Path
     step's activations) against what a real step of the tiny model holds at its peak: its
     tensors between steps plus the allocator's peak over a step, each measured in its own
     fresh process (both at once)."""
-    from diagnose.probes.environment import preset_memory
+    from diagnose.probes.environment.probe import preset_memory
 
     generate_images(tmp_path / "images", count=3, seed=1, size=(160, 160))
     root = Path(__file__).resolve().parents[1]

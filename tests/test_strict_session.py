@@ -239,7 +239,7 @@ spec = importlib.util.spec_from_file_location("capture_under_test", {capture.__f
 module = sys.modules["capture_under_test"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 assert module._start_strict({str(tmp_path)!r}) is not None
-import diagnose.probes.attention_calls
+import diagnose.probes.attention.calls
 print("loaded from", diagnose.__file__)
 """
     env = dict(os.environ)

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from diagnose import torch_compat
-from diagnose.probes.attention_attribution import attribute, events_from_profiler
-from diagnose.probes.attention_capture import AttentionRecorder
+from diagnose.probes.attention.attribution import attribute, events_from_profiler
+from diagnose.probes.attention.capture import AttentionRecorder
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord
 
@@ -330,7 +330,7 @@ def test_a_diffusers_that_does_not_import_is_one_line(monkeypatch: pytest.Monkey
 def test_optimizer_sync_count_reads_torchs_events_when_the_raw_results_are_gone() -> None:
     # The optimizer probe counts scalar reads from the raw results; a torch without readable raw
     # results gives the same count from its FunctionEvents.
-    from diagnose.probes.optimizer_syncs import PROBE_STEP_SPAN, _events_of, count_step_syncs
+    from diagnose.probes.optimizer.syncs import PROBE_STEP_SPAN, _events_of, count_step_syncs
 
     weights = [torch.randn(4) for _ in range(3)]
     with torch.profiler.profile() as prof:

@@ -14,9 +14,9 @@ import pytest
 from diagnose.capture import phase_breakdown
 from diagnose.catalogs import specs
 from diagnose.catalogs.dataloader_catalog import GPU_STARVED, STARVED_SHARE
-from diagnose.probes.dataloader_ab import VariantRow
-from diagnose.probes.dataloader_facts import LoaderConfig, wait_summary
-from diagnose.probes.dataloader_verdict import judge
+from diagnose.probes.dataloader.ab import VariantRow
+from diagnose.probes.dataloader.facts import LoaderConfig, wait_summary
+from diagnose.probes.dataloader.verdict import judge
 from diagnose.record import Check, Finding, ProbeResult, RunRecord, StepSample, Timing, new_record
 from diagnose.stats import FEW_SAMPLES_SIGNIFICANCE, at_line, location_interval, t_quantile
 from diagnose.verdicts import CRITICAL_SHARE, WARN_SHARE, contradictions, graded, settle

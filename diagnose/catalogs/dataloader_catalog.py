@@ -1,7 +1,7 @@
 """What the project knows about data loading: finding ids, thresholds, wording, fixes, and the one
 way the wait is measured.
 
-The dataloader probe (``diagnose.probes.dataloader``) and the trace rule
+The dataloader probe (``diagnose.probes.dataloader.probe``) and the trace rule
 (``diagnose.trace.rules.dataloader``) both ask "does the loop wait for data?" under one check id,
 ``dataloader.gpu_starved``, and both answer it with :func:`bar_wait`: the ``data_wait`` phase as
 the report's phase bar shows it, over the headline step. A record therefore never quotes one share

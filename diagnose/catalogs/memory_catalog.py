@@ -1,7 +1,7 @@
 """What the project knows about device memory and the caching allocator: finding ids,
 thresholds, wording, fixes.
 
-The environment probe's memory rules (``probes/environment_memory.py``) decide whether a finding
+The environment probe's memory rules (``probes/environment/memory.py``) decide whether a finding
 is raised. No saving is measured for these (the step is not re-run with more headroom), so the
 severity is the kind of fault's, declared here, variants included.
 """

@@ -205,7 +205,7 @@ class RunCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from diagnose.output import default_out_dir, prepare_out_dir
-        from diagnose.probes import probe_names
+        from diagnose.probes.registry import probe_names
         from diagnose.progress import ProgressLine
         from diagnose.reports import terminal_summary
 

@@ -146,7 +146,7 @@ class SweepCommand:
         output.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     def run(self, args: argparse.Namespace) -> int:
-        from diagnose.probes import probe_names
+        from diagnose.probes.registry import probe_names
         from diagnose.sweep import plan, point_argv, run_sweep
 
         if args.timeout is not None and args.timeout <= 0:

@@ -24,7 +24,7 @@ from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.finish import Progress, RunOutputs, finish_run, redact_own_trace
 from diagnose.inventory import collect_inventory
 from diagnose.output import note_created
-from diagnose.probes import Probe, ProbeContext, run_probes
+from diagnose.probes.base import Probe, ProbeContext, run_probes
 from diagnose.record import DeviceInfo, ProbeResult, RankStat, RunRecord, new_record
 
 if TYPE_CHECKING:

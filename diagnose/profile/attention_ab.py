@@ -21,10 +21,10 @@ import torch
 from diagnose import stats
 from diagnose.attention_paths import classify_op
 from diagnose.catalogs import attention_catalog as ac
-from diagnose.probes.attention_attribution import ProfEvent, signature_from_op
-from diagnose.probes.attention_bench import SDPA_BACKENDS, SignatureTrials
-from diagnose.probes.attention_calls import Signature
-from diagnose.probes.attention_full_size import RealShapes, judge_at_full_size
+from diagnose.probes.attention.attribution import ProfEvent, signature_from_op
+from diagnose.probes.attention.bench import SDPA_BACKENDS, SignatureTrials
+from diagnose.probes.attention.calls import Signature
+from diagnose.probes.attention.full_size import RealShapes, judge_at_full_size
 from diagnose.record import Finding, RunRecord
 from diagnose.units import ms
 

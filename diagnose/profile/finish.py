@@ -109,7 +109,8 @@ def _device_probes(record: RunRecord) -> tuple[torch.device, str]:
     from diagnose.config import RunConfig
     from diagnose.device import describe_device, select_device
     from diagnose.inventory import collect_inventory
-    from diagnose.probes import REGISTRY, ProbeContext, run_probes
+    from diagnose.probes.base import ProbeContext, run_probes
+    from diagnose.probes.registry import REGISTRY
     from diagnose.profile.record import claimed_precision_of
 
     device = select_device("auto")

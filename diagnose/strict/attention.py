@@ -10,8 +10,8 @@ here, and why it did not (the attention probe's own reasons).
   it) seen in the dispatched ops. SDPA's math path, called around the wrapper, is the same chain
   with ``_safe_softmax`` (torch 2.5+).
 - **Whether a fused kernel runs here**: each fused SDPA backend is tried once at the call's exact
-  signature (:func:`diagnose.probes.attention_bench.try_backend`), with the random generators put
-  back afterwards; the reasons are :func:`diagnose.probes.attention_judging.why_not_fused`'s. On
+  signature (:func:`diagnose.probes.attention.bench.try_backend`), with the random generators put
+  back afterwards; the reasons are :func:`diagnose.probes.attention.judging.why_not_fused`'s. On
   a CPU without a fused kernel for the case (dropout, unequal head dims) nothing fires and the
   record says so.
 """
@@ -95,9 +95,9 @@ class FusedPaths:
 def _try_fused(
     signature: Any, device: torch.device, switches: dict[str, bool], call: SdpaCall | None
 ) -> FusedVerdict:
-    from diagnose.probes.attention_bench import SignatureTrials, can_use_reasons, try_backend
-    from diagnose.probes.attention_environment import rocm_experimental_missing, rocm_facts
-    from diagnose.probes.attention_judging import PathGroup, why_not_fused
+    from diagnose.probes.attention.bench import SignatureTrials, can_use_reasons, try_backend
+    from diagnose.probes.attention.environment import rocm_experimental_missing, rocm_facts
+    from diagnose.probes.attention.judging import PathGroup, why_not_fused
 
     kind = device_kind(device)
     arch = _arch(device)
@@ -152,7 +152,7 @@ class SdpaCall:
 
     @classmethod
     def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SdpaCall:
-        from diagnose.probes.attention_calls import bind_sdpa_args
+        from diagnose.probes.attention.calls import bind_sdpa_args
 
         return cls(bind_sdpa_args(args, kwargs))
 
@@ -172,8 +172,8 @@ class SdpaCall:
 
     def trial_inputs(self, signature: Any) -> Any:
         """Random inputs laid out as this call's own, in the signature's dtype, for a trial."""
-        from diagnose.probes.attention_bench import Inputs
-        from diagnose.probes.attention_calls import tensor_or_none
+        from diagnose.probes.attention.bench import Inputs
+        from diagnose.probes.attention.calls import tensor_or_none
 
         found = self.tensors()
         assert found is not None
@@ -192,7 +192,7 @@ class SdpaCall:
 
     def signature(self, dtype: torch.dtype) -> Any:
         """The attention probe's signature of this call, at the dtype it computed in."""
-        from diagnose.probes.attention_calls import dtype_name, sdpa_signature, tensor_or_none
+        from diagnose.probes.attention.calls import dtype_name, sdpa_signature, tensor_or_none
 
         found = self.tensors()
         assert found is not None
@@ -297,7 +297,7 @@ class ManualChain:
             return None
         if right.shape[-2] != shape[-1]:
             return None
-        from diagnose.probes.attention_capture import (
+        from diagnose.probes.attention.capture import (
             _MatmulSeen,
             _SoftmaxSeen,
             manual_signature,

@@ -418,7 +418,7 @@ class StrictSession:
         runs the same inputs here (``tried``: the signature to try them at, default
         ``signature``; ``call``: an SDPA call, whose own layout is tried); otherwise noted as not
         judged, with why."""
-        from diagnose.probes.attention_calls import sdpa_switches
+        from diagnose.probes.attention.calls import sdpa_switches
 
         op = MANUAL_OP if manual else SDPA_OP
         self.busy = True

@@ -1,7 +1,7 @@
 """What each group of attention calls costs and why it did not run fused (pure).
 
 The probe groups the calls of its profiled step by (signature, path), benchmarks every backend at
-each signature (:mod:`diagnose.probes.attention_bench`) and reads here: the measured saving of
+each signature (:mod:`diagnose.probes.attention.bench`) and reads here: the measured saving of
 moving a group to the best backend that runs, whether the A/B is sure of it, and torch's own
 reasons a fused kernel refused the inputs.
 """
@@ -16,9 +16,9 @@ from typing import Any
 from diagnose import attention_paths as ap
 from diagnose import contention, stats
 from diagnose.catalogs.attention_catalog import BACKEND_LABELS, MIN_RELATIVE_GAIN
-from diagnose.probes.attention_bench import GPU_ONLY, SignatureTrials, Trial
-from diagnose.probes.attention_calls import AttentionCall, Signature
-from diagnose.probes.attention_environment import rocm_experimental_missing
+from diagnose.probes.attention.bench import GPU_ONLY, SignatureTrials, Trial
+from diagnose.probes.attention.calls import AttentionCall, Signature
+from diagnose.probes.attention.environment import rocm_experimental_missing
 
 _SWITCH_LABEL = {
     "flash_sdp_enabled": "flash",

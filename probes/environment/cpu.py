@@ -4,7 +4,7 @@ machine has."""
 from __future__ import annotations
 
 from diagnose.catalogs import environment_catalog as cat
-from diagnose.environment_facts import EnvironmentFacts, judged, unknown
+from diagnose.probes.environment.facts import EnvironmentFacts, judged, unknown
 from diagnose.record import ProbeResult
 from diagnose.stats import at_line
 

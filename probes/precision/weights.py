@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from diagnose.probes.precision_audit_log import Site
+from diagnose.probes.precision.audit_log import Site
 
 
 def workload_components(workload: Any) -> dict[str, torch.nn.Module]:

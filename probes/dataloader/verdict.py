@@ -3,7 +3,7 @@
 Two questions, each under its catalog id with one answer:
 
 - ``dataloader.gpu_starved``: does the loop wait for data? Judged on the share the phase bar shows
-  (:class:`~diagnose.probes.dataloader_facts.WaitSummary`), the same one the trace rule judges;
+  (:class:`~diagnose.probes.dataloader.facts.WaitSummary`), the same one the trace rule judges;
 - ``dataloader.slow_loader``: when it hardly waits, was a loader change still measured clearly
   faster (the image work is paid inside the step, typically the per-step VAE encode)?
 
@@ -38,9 +38,9 @@ from diagnose.catalogs.dataloader_catalog import (
     wait_at_line,
     workers_advice,
 )
-from diagnose.probes.dataloader_ab import MAX_WORKERS, WARMUP_STEPS, VariantRow
-from diagnose.probes.dataloader_facts import LoaderConfig, WaitSummary
-from diagnose.probes.dataloader_frames import HotFrames
+from diagnose.probes.dataloader.ab import MAX_WORKERS, WARMUP_STEPS, VariantRow
+from diagnose.probes.dataloader.facts import LoaderConfig, WaitSummary
+from diagnose.probes.dataloader.frames import HotFrames
 from diagnose.record import Finding, Outcome
 from diagnose.stats import at_line, clearly_faster, saving_interval
 from diagnose.units import ms, pct

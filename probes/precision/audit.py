@@ -21,11 +21,11 @@ and attributed to the torch function and module that raised them.
 
 The audit costs tens of microseconds per op, so it runs one extra step, never a timed one, under
 :func:`diagnose.workload.untouched.steps_without_update`: the run is unchanged afterwards; only
-the data iterator moves on by one batch. The records: :mod:`diagnose.probes.precision_audit_log`.
+the data iterator moves on by one batch. The records: :mod:`diagnose.probes.precision.audit_log`.
 
 Each distinct matmul/conv/attention call signature is kept as a :class:`ReplaySpec` (op, shapes,
 strides, dtypes, non-tensor arguments) so that it can be re-run on random data in another dtype:
-the microbenchmark of :mod:`diagnose.probes.precision_replay`.
+the microbenchmark of :mod:`diagnose.probes.precision.replay`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from diagnose.precision_policy import (
     op_base_name,
     op_kind,
 )
-from diagnose.probes.precision_audit_log import (
+from diagnose.probes.precision.audit_log import (
     AuditLog,
     CapturedWarning,
     OpGroup,
@@ -60,7 +60,7 @@ from diagnose.probes.precision_audit_log import (
     TensorSpec,
     dtype_name,
 )
-from diagnose.probes.precision_weights import workload_components
+from diagnose.probes.precision.weights import workload_components
 from diagnose.timing import PhaseTimer
 from diagnose.torch_compat import (
     TorchDispatchMode,

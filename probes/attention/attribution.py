@@ -1,7 +1,7 @@
 """Profiler events → the path, ops, kernels and forward/backward time of each attention call.
 
 Pure: :func:`attribute` works on :class:`ProfEvent`, a plain copy of the profiler's events, so it
-is tested without a profiler. The recorder (:mod:`diagnose.probes.attention_capture`) puts a named
+is tested without a profiler. The recorder (:mod:`diagnose.probes.attention.capture`) puts a named
 range around every call it sees; the events under each range say which op really ran
 (:func:`diagnose.attention_paths.classify_op`), and backward nodes are matched to the forward op
 that created them by autograd sequence number.
@@ -16,7 +16,7 @@ from typing import Any
 
 from diagnose import torch_compat
 from diagnose.attention_paths import classify_op
-from diagnose.probes.attention_calls import (
+from diagnose.probes.attention.calls import (
     CALL_RANGE,
     MODULE_RANGE,
     OP_RANGE,

@@ -1,6 +1,6 @@
 """Can each attention backend run at the model's exact inputs, why not, and what does each cost?
 
-For one :class:`~diagnose.probes.attention_calls.Signature` (B, heads, Lq, Lk, D, dtype, mask,
+For one :class:`~diagnose.probes.attention.calls.Signature` (B, heads, Lq, Lk, D, dtype, mask,
 dropout, causal, training or not) every backend gets a :class:`Trial`:
 
 1. **Can it run, and if not why** — one forced call (``sdpa_kernel([backend])``) with torch's
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diagnose.attention_paths import ROCM_EXPERIMENTAL_ENV
-from diagnose.probes.attention_calls import Signature
+from diagnose.probes.attention.calls import Signature
 from diagnose.quiet import capture_output
 from diagnose.record import Stats
 from diagnose.units import ms_value

@@ -19,11 +19,11 @@ plain AdamW to isolate it"; this probe runs that experiment and shows the result
 4. **Is 8-bit really 8-bit?** bitsandbytes keeps fp32 state for tensors below ``min_8bit_size``
    (4096 elements by default), which covers most small-rank LoRA matrices.
 5. **Numerics**: one 8-bit update against fp32 AdamW within the quantisation bound
-   (:mod:`diagnose.probes.optimizer_numerics`).
+   (:mod:`diagnose.probes.optimizer.numerics`).
 
-Each step is a module of its own: :mod:`~diagnose.probes.optimizer_syncs` (what the step waits
-for), :mod:`~diagnose.probes.optimizer_ab` (the A/B and its rule),
-:mod:`~diagnose.probes.optimizer_inventory` (what the optimizer is and holds); this one runs them
+Each step is a module of its own: :mod:`~diagnose.probes.optimizer.syncs` (what the step waits
+for), :mod:`~diagnose.probes.optimizer.ab` (the A/B and its rule),
+:mod:`~diagnose.probes.optimizer.inventory` (what the optimizer is and holds); this one runs them
 on the workload. Findings are built by :mod:`diagnose.catalogs.optimizer_catalog`, which words
 them in the trainers' vocabulary and never proposes the optimizer the run already uses. A
 finding that quotes the optimizer's time quotes the record's optimizer phase (the phase bar).
@@ -46,7 +46,7 @@ import torch
 
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.probes.base import ProbeContext, ProbeSkipped
-from diagnose.probes.optimizer_ab import (
+from diagnose.probes.optimizer.ab import (
     CANDIDATES,
     MAX_CALLS,
     MIN_CALLS,
@@ -61,7 +61,7 @@ from diagnose.probes.optimizer_ab import (
     time_steps,
     warning_texts,
 )
-from diagnose.probes.optimizer_inventory import (
+from diagnose.probes.optimizer.inventory import (
     EightBitSplit,
     bitsandbytes_inventory,
     describe_optimizer,
@@ -74,14 +74,14 @@ from diagnose.probes.optimizer_inventory import (
     optimizer_label,
     state_bytes_by_dtype,
 )
-from diagnose.probes.optimizer_numerics import (
+from diagnose.probes.optimizer.numerics import (
     MAX_NUMERICS_TENSORS,
     AdamHyper,
     NumericsReport,
     numerics_rule,
     run_numerics,
 )
-from diagnose.probes.optimizer_syncs import (
+from diagnose.probes.optimizer.syncs import (
     MeasuredCost,
     ProfiledEvent,
     StepSyncs,

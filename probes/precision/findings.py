@@ -2,7 +2,7 @@
 and op table of an audited step, the unexpected fp32 compute collected per module, and one rule
 per finding id. Every finding is built by :mod:`diagnose.catalogs.precision_catalog`, the wording
 the trace rule shares; every saving is per iteration of the headline run (see
-:class:`~diagnose.probes.precision_speed.HeadlineScale`), and severity is left to
+:class:`~diagnose.probes.precision.speed.HeadlineScale`), and severity is left to
 :mod:`diagnose.verdicts`.
 """
 
@@ -26,9 +26,9 @@ from diagnose.catalogs.precision_catalog import (
     upcast_finding,
 )
 from diagnose.precision_policy import claimed_vs_actual, is_dtype_warning, requested_low_dtype
-from diagnose.probes.precision_audit_log import AuditLog, CapturedWarning, OpGroup
-from diagnose.probes.precision_speed import HeadlineScale, SpeedComparison, round_or_none
-from diagnose.probes.precision_weights import Fp32Weights
+from diagnose.probes.precision.audit_log import AuditLog, CapturedWarning, OpGroup
+from diagnose.probes.precision.speed import HeadlineScale, SpeedComparison, round_or_none
+from diagnose.probes.precision.weights import Fp32Weights
 from diagnose.record import DeviceInfo, Finding
 from diagnose.stats import at_line
 from diagnose.units import ms

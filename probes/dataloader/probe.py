@@ -7,11 +7,11 @@ workers and without cached latents, starves the GPU: users report 13 s/it with 0
 
 1. **reads the wait** the run measured: the ``data_wait`` phase (the time spent in
    ``next(dataloader)``) as the report's phase bar shows it, over the headline step
-   (:mod:`diagnose.probes.dataloader_facts`), with the first-batch latency, the DataLoader's
+   (:mod:`diagnose.probes.dataloader.facts`), with the first-batch latency, the DataLoader's
    configuration, the usable cores and the dataset;
-2. **names the hot frames** with py-spy (:mod:`diagnose.probes.dataloader_frames`);
-3. **runs the fixes** as an A/B of the real step (:mod:`diagnose.probes.dataloader_ab`);
-4. **judges** (:mod:`diagnose.probes.dataloader_verdict`) and reports the data folder's skipped
+2. **names the hot frames** with py-spy (:mod:`diagnose.probes.dataloader.frames`);
+3. **runs the fixes** as an A/B of the real step (:mod:`diagnose.probes.dataloader.ab`);
+4. **judges** (:mod:`diagnose.probes.dataloader.verdict`) and reports the data folder's skipped
    and corrupt files.
 
 The trace rule (:mod:`diagnose.trace.rules.dataloader`) asks "does the loop wait for data?" too,
@@ -37,7 +37,7 @@ from diagnose.catalogs.dataloader_catalog import (
     ab_check,
 )
 from diagnose.probes.base import ProbeContext, ProbeSkipped
-from diagnose.probes.dataloader_ab import (
+from diagnose.probes.dataloader.ab import (
     INPUT_PHASES,
     LOADER_PHASES,
     VARIANT_KEYS,
@@ -53,7 +53,7 @@ from diagnose.probes.dataloader_ab import (
     run_ab,
     split_reachable,
 )
-from diagnose.probes.dataloader_facts import (
+from diagnose.probes.dataloader.facts import (
     LoaderConfig,
     WaitSummary,
     corrupt_images_finding,
@@ -64,13 +64,13 @@ from diagnose.probes.dataloader_facts import (
     usable_cores,
     wait_summary,
 )
-from diagnose.probes.dataloader_frames import (
+from diagnose.probes.dataloader.frames import (
     SAMPLE_RATE,
     SAMPLE_SECONDS,
     HotFrames,
     sample_hot_frames,
 )
-from diagnose.probes.dataloader_verdict import Verdict, judge, measured_saving
+from diagnose.probes.dataloader.verdict import Verdict, judge, measured_saving
 from diagnose.record import ProbeResult, phase_bound
 from diagnose.timing import device_synchronizer
 from diagnose.workload.data import DatasetInfo

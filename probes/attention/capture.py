@@ -11,7 +11,7 @@ One extra training step (the workload left untouched: diagnose.workload.untouche
   q/k/v/mask, dropout and the SDPA switches as they were at that moment, and wraps it in a
   ``diagnose::attention_call#N`` range; inside attention modules it also records
   matmul/softmax calls, so a hand-written ``softmax(QKᵀ)V`` is found with its shapes;
-- afterwards :func:`diagnose.probes.attention_attribution.attribute` reads the profiler's events
+- afterwards :func:`diagnose.probes.attention.attribution.attribute` reads the profiler's events
   under each range: which op really ran, its kernels, its forward and backward time.
 """
 
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from diagnose import attention_paths
-from diagnose.probes.attention_attribution import ProfEvent, attribute, events_from_profiler
-from diagnose.probes.attention_calls import (
+from diagnose.probes.attention.attribution import ProfEvent, attribute, events_from_profiler
+from diagnose.probes.attention.calls import (
     CALL_RANGE,
     MODULE_RANGE,
     OP_RANGE,

@@ -8,7 +8,7 @@ from typing import Any
 
 from diagnose.catalogs import environment_catalog as cat
 from diagnose.device import is_integrated_gpu
-from diagnose.environment_facts import (
+from diagnose.probes.environment.facts import (
     EnvironmentFacts,
     device_label,
     fine,

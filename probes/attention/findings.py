@@ -17,14 +17,14 @@ import torch
 
 from diagnose import attention_paths as ap
 from diagnose.catalogs import attention_catalog as ac
-from diagnose.probes.attention_calls import AttentionCall
-from diagnose.probes.attention_environment import (
+from diagnose.probes.attention.calls import AttentionCall
+from diagnose.probes.attention.environment import (
     PackageStatus,
     rocm_experimental_missing,
     torch_base_version,
 )
-from diagnose.probes.attention_full_size import FullSizeJudgement
-from diagnose.probes.attention_judging import (
+from diagnose.probes.attention.full_size import FullSizeJudgement
+from diagnose.probes.attention.judging import (
     Judged,
     best_backend,
     best_label,

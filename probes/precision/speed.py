@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from diagnose.catalogs.precision_catalog import COMPUTE_PHASES
-from diagnose.probes.precision_audit_log import AuditLog, ReplaySpec
-from diagnose.probes.precision_replay import BenchResult
+from diagnose.probes.precision.audit_log import AuditLog, ReplaySpec
+from diagnose.probes.precision.replay import BenchResult
 from diagnose.record import RunRecord, phase_bound, step_seconds
 from diagnose.stats import SAVING_SIGNIFICANCE, clearly_faster, ratio_interval, sure_saving
 

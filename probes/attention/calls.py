@@ -1,9 +1,9 @@
 """What one attention call looks like: its signature (the inputs that decide which kernel can run
 and what it costs) and what the profiled step says about it.
 
-Shared by the recorder (:mod:`diagnose.probes.attention_capture`), the profiler attribution
-(:mod:`diagnose.probes.attention_attribution`) and the benchmark
-(:mod:`diagnose.probes.attention_bench`).
+Shared by the recorder (:mod:`diagnose.probes.attention.capture`), the profiler attribution
+(:mod:`diagnose.probes.attention.attribution`) and the benchmark
+(:mod:`diagnose.probes.attention.bench`).
 """
 
 from __future__ import annotations

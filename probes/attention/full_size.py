@@ -32,15 +32,15 @@ from torch.overrides import TorchFunctionMode
 
 from diagnose import stats
 from diagnose.catalogs.attention_catalog import BACKEND_LABELS
-from diagnose.probes.attention_bench import (
+from diagnose.probes.attention.bench import (
     SignatureTrials,
     attention_call,
     benchmark_signature,
     make_inputs,
     try_backend,
 )
-from diagnose.probes.attention_calls import Signature, sdpa_signature
-from diagnose.probes.attention_judging import comparisons_decided, faster_verdict
+from diagnose.probes.attention.calls import Signature, sdpa_signature
+from diagnose.probes.attention.judging import comparisons_decided, faster_verdict
 
 #: Seconds the full-size measurement may take, pilot included. A comparison whose estimated
 #: MIN_ROUNDS rounds do not fit is not measured. A GPU does a full-size round in milliseconds;

@@ -17,7 +17,7 @@ from typing import Any
 
 import diagnose
 from diagnose import sampling
-from diagnose.probes.dataloader_facts import LoaderConfig
+from diagnose.probes.dataloader.facts import LoaderConfig
 from diagnose.units import pct
 from diagnose.workload.data import PreparedData
 

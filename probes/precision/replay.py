@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from diagnose.probes.precision_audit_log import ReplaySpec, TensorSpec, dtype_name
+from diagnose.probes.precision.audit_log import ReplaySpec, TensorSpec, dtype_name
 from diagnose.record import Stats
 from diagnose.stats import SAVING_SIGNIFICANCE, minimum_samples
 from diagnose.torch_compat import tree_map

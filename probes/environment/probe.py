@@ -22,10 +22,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diagnose.carry_over import shrunk_preset
-from diagnose.environment_facts import EnvironmentFacts, FullSizeMemory, Rule
 from diagnose.probes.base import ProbeContext
-from diagnose.probes.environment_cpu import rule_cpu_threads
-from diagnose.probes.environment_device import (
+from diagnose.probes.environment.cpu import rule_cpu_threads
+from diagnose.probes.environment.device import (
     rule_cpu_with_gpu_present,
     rule_driver,
     rule_integrated_gpu,
@@ -33,12 +32,13 @@ from diagnose.probes.environment_device import (
     rule_pcie_link,
     rule_throttling,
 )
-from diagnose.probes.environment_memory import (
+from diagnose.probes.environment.facts import EnvironmentFacts, FullSizeMemory, Rule
+from diagnose.probes.environment.memory import (
     rule_allocator_retries,
     rule_allocator_settings,
     rule_vram_spill,
 )
-from diagnose.probes.environment_rocm import (
+from diagnose.probes.environment.rocm import (
     hipblaslt_supported,
     hsa_override_target,
     rule_hipblaslt,

@@ -6,7 +6,7 @@ that disables autocast around a block, a layer cast back to fp32, weights left i
 mismatch that blocks a fused kernel, or a device with no native bf16 at all. This probe turns that
 into evidence:
 
-1. **Dtype audit of one extra step** (:mod:`diagnose.probes.precision_audit`): every operator's
+1. **Dtype audit of one extra step** (:mod:`diagnose.probes.precision.audit`): every operator's
    real compute dtype, the module that issued it (backward ops through their autograd node), and
    its device-synchronised time; warnings raised meanwhile, with the call that raised them.
 2. **Classification** (:mod:`diagnose.precision_policy`, shared with the trace rule): fp32
@@ -15,16 +15,16 @@ into evidence:
    are *deliberate*.
 3. **Cost**: the unexpected ops' time, and the saving estimated by re-running the same op
    signatures (shapes, strides) in the requested dtype and in fp32 on this device
-   (:mod:`diagnose.probes.precision_speed`), both per iteration of the headline run.
+   (:mod:`diagnose.probes.precision.speed`), both per iteration of the headline run.
 4. **More facts**: fp32 weights in a bf16-full run, dtype-mismatch warnings, bf16 without native
    support, bf16 measured slower than fp32 at the model's shapes, fp32 training on a device that
    is faster in bf16.
 5. **Claimed vs actual**: "requested bf16-mixed → actual: 93% of GEMM/conv/attention time in
    bf16, 7% in fp32 (...)".
 
-The judgements are in :mod:`diagnose.probes.precision_findings`, the wording in
+The judgements are in :mod:`diagnose.probes.precision.findings`, the wording in
 :mod:`diagnose.catalogs.precision_catalog`. The workload is left as found (see
-:func:`~diagnose.probes.precision_audit.audit_step`).
+:func:`~diagnose.probes.precision.audit.audit_step`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from diagnose.precision_policy import (
     requested_low_dtype,
 )
 from diagnose.probes.base import ProbeContext, ProbeSkipped
-from diagnose.probes.precision_audit import AuditLog, OpGroup, ReplaySpec, audit_step
-from diagnose.probes.precision_findings import (
+from diagnose.probes.precision.audit import AuditLog, OpGroup, ReplaySpec, audit_step
+from diagnose.probes.precision.findings import (
     Bf16Hardware,
     UpcastSite,
     bf16_hardware,
@@ -70,8 +70,8 @@ from diagnose.probes.precision_findings import (
     upcast_sites,
     verdict_totals,
 )
-from diagnose.probes.precision_replay import BenchResult, bench_pair
-from diagnose.probes.precision_speed import (
+from diagnose.probes.precision.replay import BenchResult, bench_pair
+from diagnose.probes.precision.speed import (
     TORCH_DTYPES,
     Bencher,
     HeadlineScale,
@@ -82,7 +82,7 @@ from diagnose.probes.precision_speed import (
     round_or_none,
     speed_summary,
 )
-from diagnose.probes.precision_weights import (
+from diagnose.probes.precision.weights import (
     Fp32Weights,
     component_reasons,
     fp32_parameters,

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from diagnose.catalogs import environment_catalog as cat
-from diagnose.environment_facts import (
+from diagnose.probes.environment.facts import (
     EnvironmentFacts,
     fine,
     found,

@@ -7,25 +7,25 @@ after a torch upgrade and the trainer quietly uses something slower; kohya witho
 ``--xformers`` computes attention by hand; a custom processor does softmax(QKᵀ)V itself. The probe:
 
 1. **What ran** — one extra training step (the workload left untouched) under the profiler with
-   module hooks and a TorchFunctionMode (:mod:`diagnose.probes.attention_capture`): every
+   module hooks and a TorchFunctionMode (:mod:`diagnose.probes.attention.capture`): every
    attention call with its module, processor class, q/k/v shapes, dtype, mask, dropout, the op and
    kernels that executed (classified by :mod:`diagnose.attention_paths`, shared with the trace
    rule) and its forward and backward time.
 2. **Why** — per distinct input signature, whether each fused backend can run and torch's
-   reasons when not (:mod:`diagnose.probes.attention_bench`); the SDPA switches at the moment of
+   reasons when not (:mod:`diagnose.probes.attention.bench`); the SDPA switches at the moment of
    each call; the ROCm architecture against the experimental switch; diffusers' attention
    backend; whether xFormers and flash-attn are installed, import, and match this torch
-   (:mod:`diagnose.probes.attention_environment`).
+   (:mod:`diagnose.probes.attention.environment`).
 3. **What it costs** — every backend that runs here is microbenchmarked at the exact
    signatures, forward+backward, with memory, the backends sampled in turn until
    :func:`diagnose.stats.ab_verdict` is sure or the time budget is spent (then inconclusive);
    the saving is (time of the path that ran − best available) per call × calls per step
-   (:mod:`diagnose.probes.attention_judging`).
+   (:mod:`diagnose.probes.attention.judging`).
 4. **At full size** — on a run that trained a preset's tiny stand-in, which kernel is fastest
    is judged again at the real model's attention shapes, or withheld with the reason
-   (:mod:`diagnose.probes.attention_full_size`): the tiny shapes' winner is no advice.
+   (:mod:`diagnose.probes.attention.full_size`): the tiny shapes' winner is no advice.
 
-Its answers (:mod:`diagnose.probes.attention_findings`) use the ids of
+Its answers (:mod:`diagnose.probes.attention.findings`) use the ids of
 :mod:`diagnose.catalogs.attention_catalog`, the same as the trace rule's.
 """
 
@@ -41,10 +41,10 @@ import torch
 from diagnose import attention_paths as ap
 from diagnose.carry_over import shrunk_preset
 from diagnose.catalogs import attention_catalog as ac
-from diagnose.probes.attention_bench import GPU_ONLY, SignatureTrials, benchmark_signature
-from diagnose.probes.attention_calls import AttentionCall, Signature, sdpa_switches
-from diagnose.probes.attention_capture import capture_step
-from diagnose.probes.attention_environment import (
+from diagnose.probes.attention.bench import GPU_ONLY, SignatureTrials, benchmark_signature
+from diagnose.probes.attention.calls import AttentionCall, Signature, sdpa_switches
+from diagnose.probes.attention.capture import capture_step
+from diagnose.probes.attention.environment import (
     PackageStatus,
     diffusers_backend,
     package_status,
@@ -52,7 +52,7 @@ from diagnose.probes.attention_environment import (
     rocm_facts,
     torch_requirement,
 )
-from diagnose.probes.attention_findings import (
+from diagnose.probes.attention.findings import (
     answer_checks,
     fused_with_alternative,
     manual_rule,
@@ -61,14 +61,14 @@ from diagnose.probes.attention_findings import (
     slower_backend_rule,
     xformers_rule,
 )
-from diagnose.probes.attention_full_size import (
+from diagnose.probes.attention.full_size import (
     FULL_SIZE_BUDGET_S,
     FullSizeJudgement,
     RealShapes,
     judge_at_full_size,
     real_attention_shapes,
 )
-from diagnose.probes.attention_judging import (
+from diagnose.probes.attention.judging import (
     Judged,
     PathGroup,
     Saving,

@@ -1,6 +1,6 @@
 """What the precision audit of one step records: op groups by site, the warnings raised, and the
 call signatures kept for replay in another dtype. Plain data, filled by
-:mod:`diagnose.probes.precision_audit` and read by the probe's findings and benchmarks.
+:mod:`diagnose.probes.precision.audit` and read by the probe's findings and benchmarks.
 """
 
 from __future__ import annotations
