@@ -23,8 +23,9 @@ plain AdamW to isolate it"; this probe runs that experiment and shows the result
 
 Each step is a module of its own: :mod:`~diagnose.probes.optimizer.syncs` (what the step waits
 for), :mod:`~diagnose.probes.optimizer.ab` (the A/B and its rule),
-:mod:`~diagnose.probes.optimizer.inventory` (what the optimizer is and holds); this one runs them
-on the workload. Findings are built by :mod:`diagnose.catalogs.optimizer_catalog`, which words
+:mod:`~diagnose.probes.optimizer.inventory` (what the optimizer is and holds),
+:mod:`~diagnose.probes.optimizer.verdict` (what the measurements mean); this one runs them on the
+workload. Findings are built by :mod:`diagnose.catalogs.optimizer_catalog`, which words
 them in the trainers' vocabulary and never proposes the optimizer the run already uses. A
 finding that quotes the optimizer's time quotes the record's optimizer phase (the phase bar).
 
@@ -53,7 +54,6 @@ from diagnose.probes.optimizer.ab import (
     TIME_BUDGET_S,
     ABRow,
     Candidate,
-    ab_saving,
     clearly_faster_alternative,
     implied_s_per_it,
     leaf_copies,
@@ -68,7 +68,6 @@ from diagnose.probes.optimizer.inventory import (
     eight_bit_rule,
     eight_bit_split,
     first_line,
-    fp32_state_share,
     is_bnb_8bit,
     optimizer_key,
     optimizer_label,
@@ -78,22 +77,29 @@ from diagnose.probes.optimizer.numerics import (
     MAX_NUMERICS_TENSORS,
     AdamHyper,
     NumericsReport,
-    numerics_rule,
     run_numerics,
 )
 from diagnose.probes.optimizer.syncs import (
-    MeasuredCost,
     ProfiledEvent,
     StepSyncs,
     count_step_syncs,
     profile_steps,
     sync_debug_warnings,
     sync_in_step_finding,
-    sync_question,
+)
+from diagnose.probes.optimizer.verdict import (
+    NUMERICS,
+    STATE_FP32,
+    SYNC,
+    judge_ab,
+    judge_numerics,
+    judge_syncs,
+    numerics_failed,
+    shrunk_model_artefact,
+    trace_finding,
 )
 from diagnose.quiet import capture_output
-from diagnose.record import Finding, ProbeResult
-from diagnose.stats import at_line
+from diagnose.record import ProbeResult
 from diagnose.timing import PhaseTimer, device_synchronizer
 from diagnose.units import ms_value
 from diagnose.workload.untouched import GradientCatcher, steps_without_update
@@ -104,13 +110,6 @@ PROFILED_CALLS = 3
 SYNC_DEBUG_CALLS = 2
 #: Tries at a finite gradient (an fp16 GradScaler may skip a step on inf/nan).
 GRADIENT_TRIES = 3
-
-SYNC = catalog.SYNC_IN_STEP.id
-SLOWER = catalog.SLOWER_THAN_ALTERNATIVE.id
-STATE_FP32 = catalog.STATE_MOSTLY_FP32.id
-NUMERICS = catalog.NUMERICS_8BIT.id
-#: Questions that cannot end in a finding: was each A/B candidate measured here?
-AB_CANDIDATE = "optimizer.ab_candidate"
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,18 +427,19 @@ class OptimizerProbe:
         }
         bnb_warnings = [w for r in rows if "8bit" in r.key for w in r.warnings]
         bnb["construction_warnings"] = list(dict.fromkeys(bnb_warnings))
-        synchronising = self._judge_syncs(
+        synchronising = judge_syncs(
             result,
             syncs,
-            measured,
+            _positive(measured.row.stats.median),
+            len(measured.debug_warnings),
             device_kind,
             running,
             running_label,
             phase,
             rows,
-            _trace_finding(ctx, SYNC),
+            trace_finding(ctx, SYNC),
         )
-        self._judge_ab(result, rows, running_label, s_per_it, phase, synchronising)
+        judge_ab(result, rows, running_label, s_per_it, phase, synchronising)
 
         # 4. Is 8-bit really 8-bit?
         if split is None and eight_bit_candidate is not None:
@@ -451,7 +451,7 @@ class OptimizerProbe:
         elif split is not None:
             data["eight_bit"] = {"of": "the configured optimizer", **split.to_dict()}
             finding = eight_bit_rule(split)
-            artefact = self._shrunk_model_artefact(ctx, split, data) if finding else None
+            artefact = shrunk_model_artefact(ctx, split, data) if finding else None
             if artefact is not None:
                 result.add_ok(STATE_FP32, artefact)
             elif finding is not None:
@@ -469,139 +469,6 @@ class OptimizerProbe:
         # 5. Numerics of this build's 8-bit update.
         self._judge_numerics(result, params, grads, optimizer, device, running, available, say)
         return result
-
-    # ---------------------------------------------------------------- the verdicts
-
-    def _judge_syncs(
-        self,
-        result: ProbeResult,
-        syncs: StepSyncs,
-        measured: _Measured,
-        device_kind: str,
-        running: str,
-        running_label: str,
-        phase: float | None,
-        rows: Sequence[ABRow],
-        traced: Finding | None,
-    ) -> bool:
-        """The sync question, its cost the A/B's against torch AdamW (fused) when both stepped,
-        else the trace rule's estimate (``traced``, which this answer sets aside). True when the
-        step synchronises (the A/B's saving is then this finding's)."""
-        cost = _cost_against_fused(rows)
-        finding = sync_in_step_finding(
-            syncs,
-            device_kind=device_kind,
-            running=running,
-            running_label=running_label,
-            alone_seconds=_positive(measured.row.stats.median),
-            phase_seconds=phase,
-            debug_warnings=len(measured.debug_warnings),
-            measured=cost,
-        )
-        if finding is not None:
-            if cost is None and traced is not None and traced.est_seconds_saved_per_it:
-                finding.est_seconds_saved_per_it = traced.est_seconds_saved_per_it
-                finding.saving_basis = traced.saving_basis
-                finding.title = f"{finding.title}: {traced.title.split(': ', 1)[-1]}"
-                finding.evidence["saving_from"] = (
-                    "the trace's estimate of the profiled steps (no A/B against torch AdamW "
-                    "(fused) here)"
-                )
-            result.add_finding(finding)
-            return True
-        unjudged = sync_question(syncs, device_kind, running_label)
-        if unjudged is not None and device_kind == "cpu":
-            result.add_ok(SYNC, unjudged)
-        elif unjudged is not None:
-            result.add_not_judged(SYNC, unjudged)
-        else:
-            result.add_ok(
-                SYNC, f"{running_label}: no host-device synchronisation inside optimizer.step()"
-            )
-        return False
-
-    @staticmethod
-    def _shrunk_model_artefact(
-        ctx: ProbeContext, split: EightBitSplit, data: dict[str, Any]
-    ) -> str | None:
-        """Whether state held in fp32 is only the tiny model's: bitsandbytes' size threshold is
-        judged on the preset's real LoRA tensors (built on the meta device), and a tiny run's
-        small tensors are no advice for the real model. The explanation, or None when the
-        finding holds (or the real sizes cannot be had)."""
-        config = ctx.config
-        if config.size != "tiny" or config.preset is None or config.model_dir is not None:
-            return None
-        from diagnose.workload.models import lora_tensor_sizes
-
-        try:
-            sizes = lora_tensor_sizes(config.preset, "full", config.rank, config.target_modules)
-        except Exception as exc:  # the shapes only refine the verdict; without them it stands
-            data["eight_bit"]["full_size"] = {
-                "error": f"{type(exc).__name__}: {first_line(str(exc))}"
-            }
-            return None
-        minimum = split.min_8bit_size or catalog.BNB_DEFAULT_MIN_8BIT_SIZE
-        share = fp32_state_share(sizes, minimum)
-        below = sum(n < minimum for n in sizes)
-        data["eight_bit"]["full_size"] = {
-            "preset": config.preset,
-            "lora_tensors": len(sizes),
-            "below_min_8bit_size": below,
-            "smallest_tensor": min(sizes, default=0),
-            "fp32_state_share": share,
-            "basis": "computed from the full-size preset built on the meta device",
-        }
-        if not sizes or at_line(share, catalog.FP32_SHARE_RAISED).above:
-            return None
-        return (
-            f"{split.optimizer}: on this tiny model {split.tensors_fp32} of "
-            f"{split.tensors_fp32 + split.tensors_8bit} LoRA tensors are below "
-            f"min_8bit_size={minimum} and keep fp32 state, but at {config.preset}'s full size "
-            f"{below} of its {len(sizes)} are (smallest {min(sizes):,} elements): "
-            f"{1 - share:.0%} of the real model's state is 8-bit. An artefact of the shrunk "
-            "model, not advice for the real one"
-        )
-
-    def _judge_ab(
-        self,
-        result: ProbeResult,
-        rows: Sequence[ABRow],
-        running_label: str,
-        s_per_it: float | None,
-        phase: float | None,
-        synchronising: bool = False,
-    ) -> None:
-        for row in rows:
-            if row.error:
-                result.add_not_judged(
-                    f"{AB_CANDIDATE}.{row.key}", f"A/B of {row.optimizer}: {row.error}"
-                )
-        measured = [r for r in rows if r.step_seconds and not r.error]
-        slower = slower_than_alternative_rule(rows, s_per_it, phase_seconds=phase)
-        faster = clearly_faster_alternative(rows)
-        configured = rows[0]
-        if slower is not None and synchronising:
-            # The same switch, the same time: said once, by the finding that names the cause.
-            result.add_ok(
-                SLOWER,
-                f"{running_label}: {slower.title}; the saving is {SYNC}'s (the step synchronises)",
-            )
-        elif slower is not None:
-            result.add_finding(slower)
-        elif faster is not None:
-            saving, _ = ab_saving(configured, faster, phase)
-            result.add_ok(
-                SLOWER,
-                f"{running_label}: {faster.optimizer} would save {saving * 1e3:.2f} ms per "
-                f"step here, under {catalog.MIN_SHARE_OF_S_PER_IT:.0%} of s/it: not worth a "
-                "switch",
-            )
-        elif len(measured) > 1:
-            result.add_ok(
-                SLOWER, f"{running_label}: no other optimizer's step was clearly faster here"
-            )
-        else:
-            result.add_not_judged(SLOWER, "no other optimizer could be stepped here to compare")
 
     def _judge_numerics(
         self,
@@ -634,60 +501,10 @@ class OptimizerProbe:
             )
         except Exception as exc:  # a broken native library raises at call time
             data["numerics"] = {"error": f"{type(exc).__name__}: {first_line(str(exc))}"}
-            result.add_finding(_numerics_failed(exc, running=running))
+            result.add_finding(numerics_failed(exc, running=running))
             return
         data["numerics"] = report.to_dict()
-        finding = numerics_rule(report.stats, running=running)
-        if finding is not None:
-            result.add_finding(finding)
-        elif report.stats.elements:
-            result.add_ok(
-                NUMERICS,
-                f"AdamW8bit numerics: {report.stats.elements} elements of one update within the "
-                "8-bit quantisation bound of fp32 AdamW (mean relative error "
-                f"{report.stats.rel_error_mean:.2%})",
-            )
-        else:
-            result.add_not_judged(NUMERICS, "AdamW8bit numerics: no element to compare")
-
-
-def _trace_finding(ctx: ProbeContext, finding_id: str) -> Finding | None:
-    """The trace rules' finding of ``finding_id`` in this run, when they raised one."""
-    return next(
-        (
-            f
-            for p in ctx.record.probes
-            if p.name == "trace"
-            for f in p.findings
-            if f.id == finding_id
-        ),
-        None,
-    )
-
-
-def _cost_against_fused(rows: Sequence[ABRow]) -> MeasuredCost | None:
-    """The configured step timed alone less torch AdamW (fused)'s on the same tensors, when both
-    stepped and the configured one is not fused AdamW itself."""
-    configured = next((r for r in rows if r.configured and r.step_seconds), None)
-    fused = next(
-        (r for r in rows if r.key == "adamw-fused" and r.step_seconds and not r.error), None
-    )
-    if configured is None or fused is None or configured.key == "adamw-fused":
-        return None
-    saving, sure = ab_saving(configured, fused, None)
-    if saving <= 0:
-        return None
-    return MeasuredCost(saving, sure, catalog.LABELS["adamw-fused"])
-
-
-def _numerics_failed(exc: BaseException, *, running: str) -> Finding:
-    """AdamW8bit raised instead of stepping: fatal for a run that uses it, a warning otherwise."""
-    return catalog.numerics_8bit(
-        what=f"it raises {type(exc).__name__} instead of stepping",
-        running=running,
-        evidence={"error": first_line(str(exc))},
-        detail="Two AdamW8bit steps on copies of the LoRA tensors raised instead of updating.",
-    )
+        judge_numerics(result, report, running)
 
 
 __all__ = [
