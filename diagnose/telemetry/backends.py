@@ -83,17 +83,51 @@ def _amdsmi_pids(smi: Any, handle: Any) -> list[int]:
     return sorted(pids)
 
 
-class NvmlBackend:
-    """NVML through pynvml (package nvidia-ml-py)."""
+class _LibraryBackend:
+    """What both vendor backends share: the library, the device's handle and how it was matched,
+    a reader that turns a failing call into "unreadable", and the vendor's parsers of a reading."""
 
-    name = "nvml"
+    name = ""
 
-    def __init__(self, pynvml: Any, handle: Any, matched_by: str) -> None:
-        self.nvml = pynvml
+    def __init__(self, library: Any, handle: Any, matched_by: str) -> None:
+        self.library = library
         self.handle = handle
         self.matched_by = matched_by
         self.reader = _Reader()
         self.unreadable = self.reader.unreadable
+
+    def read_static(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def read_raw(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def shut_down(self) -> None:
+        raise NotImplementedError
+
+    def limits_from(self, static: dict[str, Any]) -> DeviceLimits:
+        """The vendor's parser of :meth:`read_static`."""
+        raise NotImplementedError
+
+    def sample_from(self, raw: dict[str, Any], t: float) -> TelemetrySample:
+        """The vendor's parser of :meth:`read_raw`."""
+        raise NotImplementedError
+
+    def limits(self) -> DeviceLimits:
+        return self.limits_from(self.read_static())
+
+    def sample(self, t: float) -> TelemetrySample:
+        return self.sample_from(self.read_raw(), t)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shut_down()
+
+
+class NvmlBackend(_LibraryBackend):
+    """NVML through pynvml (package nvidia-ml-py)."""
+
+    name = "nvml"
 
     @classmethod
     def open(cls, info: DeviceInfo) -> NvmlBackend:
@@ -115,7 +149,7 @@ class NvmlBackend:
         return cls(pynvml, handle, matched_by)
 
     def read_static(self) -> dict[str, Any]:
-        n, h, get = self.nvml, self.handle, self.reader.get
+        n, h, get = self.library, self.handle, self.reader.get
         memory = get("memory", lambda: n.nvmlDeviceGetMemoryInfo(h))
         return {
             "name": get("name", lambda: n.nvmlDeviceGetName(h)),
@@ -137,7 +171,7 @@ class NvmlBackend:
         }
 
     def read_raw(self) -> dict[str, Any]:
-        n, h, get = self.nvml, self.handle, self.reader.get
+        n, h, get = self.library, self.handle, self.reader.get
         memory = get("memory", lambda: n.nvmlDeviceGetMemoryInfo(h))
         utilization = get("utilization", lambda: n.nvmlDeviceGetUtilizationRates(h))
 
@@ -175,28 +209,20 @@ class NvmlBackend:
             "own_pids": job_pids(),
         }
 
-    def limits(self) -> DeviceLimits:
-        return nvml_limits(self.read_static())
+    def limits_from(self, static: dict[str, Any]) -> DeviceLimits:
+        return nvml_limits(static)
 
-    def sample(self, t: float) -> TelemetrySample:
-        return nvml_sample(self.read_raw(), t)
+    def sample_from(self, raw: dict[str, Any], t: float) -> TelemetrySample:
+        return nvml_sample(raw, t)
 
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.nvml.nvmlShutdown()
+    def shut_down(self) -> None:
+        self.library.nvmlShutdown()
 
 
-class AmdSmiBackend:
+class AmdSmiBackend(_LibraryBackend):
     """amdsmi (ROCm's AMD SMI Python bindings)."""
 
     name = "amdsmi"
-
-    def __init__(self, amdsmi: Any, handle: Any, matched_by: str) -> None:
-        self.smi = amdsmi
-        self.handle = handle
-        self.matched_by = matched_by
-        self.reader = _Reader()
-        self.unreadable = self.reader.unreadable
 
     @classmethod
     def open(cls, info: DeviceInfo) -> AmdSmiBackend:
@@ -231,10 +257,10 @@ class AmdSmiBackend:
         return cls(amdsmi, handle, matched_by)
 
     def _clock_type(self, name: str) -> Any:
-        return getattr(self.smi.AmdSmiClkType, name)
+        return getattr(self.library.AmdSmiClkType, name)
 
     def read_static(self) -> dict[str, Any]:
-        s, h, get = self.smi, self.handle, self.reader.get
+        s, h, get = self.library, self.handle, self.reader.get
         return {
             "asic": get("asic", lambda: s.amdsmi_get_gpu_asic_info(h)),
             "driver": get("driver", lambda: s.amdsmi_get_gpu_driver_info(h)),
@@ -252,7 +278,7 @@ class AmdSmiBackend:
         }
 
     def read_raw(self) -> dict[str, Any]:
-        s, h, get = self.smi, self.handle, self.reader.get
+        s, h, get = self.library, self.handle, self.reader.get
 
         def temperature(sensor: str) -> Any:
             kind = getattr(s.AmdSmiTemperatureType, sensor)
@@ -282,15 +308,14 @@ class AmdSmiBackend:
             "own_pids": job_pids(),
         }
 
-    def limits(self) -> DeviceLimits:
-        return amdsmi_limits(self.read_static())
+    def limits_from(self, static: dict[str, Any]) -> DeviceLimits:
+        return amdsmi_limits(static)
 
-    def sample(self, t: float) -> TelemetrySample:
-        return amdsmi_sample(self.read_raw(), t)
+    def sample_from(self, raw: dict[str, Any], t: float) -> TelemetrySample:
+        return amdsmi_sample(raw, t)
 
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.smi.amdsmi_shut_down()
+    def shut_down(self) -> None:
+        self.library.amdsmi_shut_down()
 
 
 BackendOpener = Callable[[DeviceInfo], TelemetryBackend]
