@@ -1,17 +1,28 @@
-"""A progress line on stderr during long work; silent when stderr is not a terminal (CI, pipes)."""
+"""Progress on stderr during long work (a status line, or a bar of points done); silent when
+stderr is not a terminal (CI, pipes). The one tqdm wrapper: every command's progress is this."""
 
 from __future__ import annotations
 
 import os
 import sys
 from types import TracebackType
-from typing import TextIO
+from typing import TextIO, TypeVar
+
+_Progress = TypeVar("_Progress", bound="ProgressLine")
 
 
 class ProgressLine:
-    """Shows the current stage and the elapsed time, rewritten in place (tqdm's status bar)."""
+    """Shows the current stage and the elapsed time, rewritten in place (tqdm's status bar); with
+    ``total``, a bar of that many items in ``bar_format`` (none when ``total`` is 0)."""
 
-    def __init__(self, enabled: bool | None = None, stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        enabled: bool | None = None,
+        stream: TextIO | None = None,
+        *,
+        total: int | None = None,
+        bar_format: str = "{desc} [{elapsed}]",
+    ) -> None:
         self._own_stream: TextIO | None = None
         if stream is None:
             stream = sys.stderr
@@ -21,15 +32,15 @@ class ProgressLine:
                 self._own_stream = os.fdopen(os.dup(stream.fileno()), "w", buffering=1)
                 stream = self._own_stream
         self._stream = stream
-        self.enabled = self._stream.isatty() if enabled is None else enabled
+        self.enabled = (self._stream.isatty() if enabled is None else enabled) and total != 0
         self._bar = None
         if self.enabled:
             from tqdm import tqdm
 
             self._bar = tqdm(
-                total=None,
+                total=total,
                 file=self._stream,
-                bar_format="{desc} [{elapsed}]",
+                bar_format=bar_format,
                 leave=False,
                 dynamic_ncols=True,
             )
@@ -47,7 +58,7 @@ class ProgressLine:
             self._own_stream.close()
             self._own_stream = None
 
-    def __enter__(self) -> ProgressLine:
+    def __enter__(self: _Progress) -> _Progress:
         return self
 
     def __exit__(

@@ -20,8 +20,9 @@ import pytest
 from diagnose import contention, stats
 from diagnose.contention import CpuReading, LoadWindow, summarize
 from diagnose.gate import compare_records
-from diagnose.record import HostLoad, RunRecord, StepSample, Timing
+from diagnose.record import HostLoad, RunRecord
 from diagnose.reports.headline import build_headline
+from tests.factories import timed_record
 
 BURN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
 
@@ -163,13 +164,7 @@ def test_a_gap_the_load_could_explain_is_set_aside_and_counted() -> None:
 
 
 def _record(step: float, load: HostLoad | None, seed: int) -> RunRecord:
-    record = RunRecord(mode="run")
-    record.timing = Timing(
-        samples=[StepSample(index=i, seconds=s) for i, s in enumerate(_samples(step, 12, seed))],
-        host_load=load,
-    )
-    record.timing.summarize()
-    return record
+    return timed_record(_samples(step, 12, seed), host_load=load)
 
 
 BUSY = HostLoad(

@@ -20,12 +20,8 @@ from diagnose.catalogs.dataloader_catalog import GPU_STARVED, BarWait, gpu_starv
 from diagnose.config import RunConfig
 from diagnose.probes.dataloader.probe import DataLoaderProbe
 from diagnose.record import (
-    Breakdown,
     ProbeResult,
     RunRecord,
-    StepSample,
-    Timing,
-    new_record,
     step_seconds,
 )
 from diagnose.run import execute_run
@@ -35,14 +31,11 @@ from diagnose.units import pct
 from diagnose.verdicts import contradictions, settle
 from diagnose.workload.data import generate_image, generate_images
 from tests.conftest import one_torch_thread
+from tests.factories import timed_record
 
 
 def _record(step: float, wait: float) -> RunRecord:
-    record = new_record("run")
-    record.timing = Timing(samples=[StepSample(i, step, phases={}) for i in range(3)])
-    record.timing.summarize()
-    record.breakdown = Breakdown(seconds={"data_wait": wait, "forward": step - wait})
-    return record
+    return timed_record([step] * 3, phases={"data_wait": wait, "forward": step - wait})
 
 
 def test_the_probes_answer_replaces_the_trace_rules_whichever_is_stronger() -> None:

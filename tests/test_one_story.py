@@ -11,8 +11,9 @@ from diagnose.probes.dataloader.facts import LoaderConfig, WaitSummary
 from diagnose.probes.dataloader.verdict import judge
 from diagnose.probes.environment.cpu import rule_cpu_threads
 from diagnose.probes.environment.facts import EnvironmentFacts
-from diagnose.record import Check, DeviceInfo, Finding, ProbeResult, RunRecord, StepSample, Timing
+from diagnose.record import Check, DeviceInfo, Finding, ProbeResult, RunRecord
 from diagnose.verdicts import NO_FASTER_KEY, contradictions, settle
+from tests.factories import timed_record
 
 LOADER = LoaderConfig(0, False, False, None, 2, False, "ImageFolderDataset")
 
@@ -45,10 +46,7 @@ def _wait(share: float, step: float = 0.137) -> WaitSummary:
 
 
 def _record(findings: list[Finding]) -> RunRecord:
-    record = RunRecord(mode="run")
-    record.timing = Timing(samples=[StepSample(index=i, seconds=0.137) for i in range(10)])
-    record.timing.summarize()
-    record.breakdown.seconds = {"data_wait": 0.03, "forward": 0.107}
+    record = timed_record([0.137] * 10, phases={"data_wait": 0.03, "forward": 0.107})
     probe = ProbeResult(name="dataloader", findings=list(findings))
     probe.settle_checks("dataloader")
     record.findings, probe.findings = probe.findings, []

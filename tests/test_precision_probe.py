@@ -50,7 +50,7 @@ from diagnose.probes.precision.findings import (
 from diagnose.probes.precision.probe import PrecisionProbe
 from diagnose.probes.precision.replay import MIN_CALLS, BenchResult, bench_pair, replay_arguments
 from diagnose.probes.precision.speed import HeadlineScale, SignatureBench, SpeedComparison
-from diagnose.record import DeviceInfo, ProbeResult, RunRecord, StepSample, new_record
+from diagnose.record import DeviceInfo, ProbeResult, RunRecord
 from diagnose.record_io import record_from_dict
 from diagnose.timing import PhaseTimer
 from diagnose.trace.analysis import analyze_trace
@@ -58,6 +58,7 @@ from diagnose.workload import build_workload
 from diagnose.workload.data import generate_images
 from diagnose.workload.step import Workload
 from tests.conftest import ok_lines
+from tests.factories import timed_record
 
 CPU = torch.device("cpu")
 #: The attention projection the planted-fault tests wrap.
@@ -72,10 +73,7 @@ def _fast_probe() -> PrecisionProbe:
 
 
 def _record(seconds: float = 0.1) -> RunRecord:
-    record = new_record("run")
-    record.timing.samples = [StepSample(index=i, seconds=seconds) for i in range(3)]
-    record.timing.summarize()
-    return record
+    return timed_record([seconds] * 3)
 
 
 def _cpu_info(isa: list[str] | None = None) -> DeviceInfo:

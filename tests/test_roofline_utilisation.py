@@ -16,6 +16,7 @@ from diagnose.reports.utilisation import build_utilisation, format_flops
 from diagnose.roofline.measure import MIN_SQUARE_EDGE, gemm_rate, measure_peaks, square_edge
 from diagnose.roofline.model import Peak
 from diagnose.roofline.utilisation import spec_peak_for, utilisation_of
+from tests.factories import timed_record
 
 WORK: dict[str, Any] = {
     "basis": "trace shapes",
@@ -185,11 +186,9 @@ def test_square_edge_shrinks_a_shape_too_slow_for_its_budget() -> None:
 
 
 def _record(mfu_scale: float, *, tiny: bool = False) -> RunRecord:
-    record = RunRecord(mode="run")
+    record = timed_record([2.0 / mfu_scale] * 10)
     record.device = DeviceInfo(kind="cpu", name="cpu")
     record.config = {"preset": "sd15", "size": "tiny" if tiny else "full", "model_dir": None}
-    record.timing.samples = [StepSample(index=i, seconds=2.0 / mfu_scale) for i in range(10)]
-    record.timing.summarize()
     record.utilisation = utilisation_of(
         WORK,
         step_seconds=2.0 / mfu_scale,

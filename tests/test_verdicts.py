@@ -8,14 +8,11 @@ import pytest
 from diagnose.catalogs import specs
 from diagnose.record import Check, Finding, ProbeResult, RunRecord, StepSample
 from diagnose.verdicts import contradictions, grade, ranked, settle
+from tests.factories import timed_record
 
 
 def _record(step: float, phases: dict[str, float] | None = None) -> RunRecord:
-    record = RunRecord()
-    record.timing.samples = [StepSample(index=i, seconds=step) for i in range(5)]
-    record.timing.summarize()
-    record.breakdown.seconds = dict(phases or {})
-    return record
+    return timed_record([step] * 5, phases=phases or {})
 
 
 def _with(record: RunRecord, *findings: Finding, checks: list[Check] | None = None) -> RunRecord:

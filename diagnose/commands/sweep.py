@@ -7,12 +7,12 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from diagnose.commands import comma_ints
 from diagnose.config import ATTENTIONS, OPTIMIZERS, PRECISIONS, PRESETS, SIZES
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.progress import ProgressLine
 from diagnose.sweep import (
     DEFAULT_PROFILED_STEPS,
     DEFAULT_STEPS,
@@ -369,24 +369,17 @@ def _print_summary(sweep: Sweep, out: Path) -> None:
     print(f"\nreport: {out / SWEEP_REPORT}\ntable:  {out / SWEEP_JSON}, {out / SWEEP_CSV}")
 
 
-class SweepProgress:
+class SweepProgress(ProgressLine):
     """A progress bar on stderr: points done of those to run, the ETA, the running point and the
     last point's s/it. Off when stderr is not a terminal, or with ``enabled=False``."""
 
     def __init__(self, total: int, enabled: bool | None = None) -> None:
-        on = sys.stderr.isatty() if enabled is None else enabled
-        self._bar: Any = None
-        if on and total:
-            from tqdm import tqdm
-
-            self._bar = tqdm(
-                total=total,
-                file=sys.stderr,
-                bar_format="diagnose sweep {n_fmt}/{total_fmt} |{bar:10}| "
-                "[{elapsed}<{remaining}] {desc}{postfix}",
-                leave=False,
-                dynamic_ncols=True,
-            )
+        super().__init__(
+            enabled,
+            total=total,
+            bar_format="diagnose sweep {n_fmt}/{total_fmt} |{bar:10}| "
+            "[{elapsed}<{remaining}] {desc}{postfix}",
+        )
 
     def start(self, index: int, count: int, result: PointResult) -> None:
         if self._bar is not None:
@@ -417,22 +410,6 @@ class SweepProgress:
             tqdm.write(line, file=sys.stdout)
         else:
             print(line, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-    def __enter__(self) -> SweepProgress:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _refuse_impossible_points(grid: Grid, fixed: Fixed) -> None:

@@ -91,6 +91,20 @@ def _clip_outputs(
     return out.last_hidden_state, out.hidden_states[-2], pooled
 
 
+def _clip_pair(
+    components: Components, captions: Sequence[str], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SDXL's and SD3's two CLIP encoders (CLIP-L, then CLIP-G): their penultimate hidden states
+    side by side, and each one's pooled output (L's, G's)."""
+    _, hidden_l, pooled_l = _clip_outputs(
+        components.text_encoders[0], components.tokenizers[0](captions), device
+    )
+    _, hidden_g, pooled_g = _clip_outputs(
+        components.text_encoders[1], components.tokenizers[1](captions), device
+    )
+    return torch.cat([hidden_l, hidden_g], dim=-1), pooled_l, pooled_g
+
+
 def _t5_outputs(encoder: torch.nn.Module, tokens: TokenBatch, device: torch.device) -> torch.Tensor:
     # The Flux and SD3 pipelines call T5 without an attention mask: padding is attended.
     out = encoder(tokens.input_ids.to(device))
@@ -202,13 +216,8 @@ class SDXLFamily(_EpsilonUNet):
         self, components: Components, captions: Sequence[str], device: torch.device
     ) -> Conditioning:
         # Both encoders' penultimate layers, concatenated; pooled from the projected bigG.
-        _, hidden_l, _ = _clip_outputs(
-            components.text_encoders[0], components.tokenizers[0](captions), device
-        )
-        _, hidden_g, pooled = _clip_outputs(
-            components.text_encoders[1], components.tokenizers[1](captions), device
-        )
-        return {"prompt_embeds": torch.cat([hidden_l, hidden_g], dim=-1), "pooled": pooled}
+        hidden, _, pooled_g = _clip_pair(components, captions, device)
+        return {"prompt_embeds": hidden, "pooled": pooled_g}
 
     def predict(
         self,
@@ -348,14 +357,8 @@ class SD3Family(_RectifiedFlow):
     ) -> Conditioning:
         # As StableDiffusion3Pipeline.encode_prompt: CLIP-L and CLIP-G penultimate states
         # side by side, zero-padded to T5's width, then T5's tokens appended along the sequence.
-        _, hidden_l, pooled_l = _clip_outputs(
-            components.text_encoders[0], components.tokenizers[0](captions), device
-        )
-        _, hidden_g, pooled_g = _clip_outputs(
-            components.text_encoders[1], components.tokenizers[1](captions), device
-        )
+        clip, pooled_l, pooled_g = _clip_pair(components, captions, device)
         t5 = _t5_outputs(components.text_encoders[2], components.tokenizers[2](captions), device)
-        clip = torch.cat([hidden_l, hidden_g], dim=-1)
         clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return {
             "prompt_embeds": torch.cat([clip, t5], dim=-2),
