@@ -56,3 +56,13 @@ class DiagnoseError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+def first_line(text: str | BaseException, limit: int | None = 300) -> str:
+    """The first line of ``text`` (a message, a warning; an exception's message, else its type's
+    name), stripped, at most ``limit`` characters: what a one-line error, a probe's reason or a
+    report row shows of it."""
+    if isinstance(text, BaseException):
+        text = str(text).strip() or type(text).__name__
+    line = (text.strip().splitlines() or [""])[0].strip()
+    return line if limit is None else line[:limit]

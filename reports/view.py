@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diagnose.carry_over import carry_over
+from diagnose.errors import first_line
 from diagnose.record import (
     PHASE_LABELS,
     Breakdown,
@@ -480,7 +481,7 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
         NotChecked(
             probe=p.name,
             status=p.status,
-            reason=_first_line(p.reason)
+            reason=first_line(p.reason, limit=None)
             or (
                 "no reason recorded"
                 if p.status == "skipped"
@@ -491,7 +492,9 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
         for p in probes
         if p.status != "ok"
     ) + tuple(
-        NotChecked(probe=p.name, status=NOT_JUDGED, reason=_first_line(c.text), traceback="")
+        NotChecked(
+            probe=p.name, status=NOT_JUDGED, reason=first_line(c.text, limit=None), traceback=""
+        )
         for p in probes
         for c in p.checks_with("not_judged")
     )
@@ -500,7 +503,7 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
             name=p.name,
             status=p.status,
             duration=format_seconds(p.duration_seconds),
-            reason=_first_line(p.reason),
+            reason=first_line(p.reason, limit=None),
             findings=len(p.findings) + by_source.get(p.name, 0),
             traceback=p.traceback,
             data=kv_rows(p.data) if p.data else (),
@@ -519,10 +522,6 @@ def build_checks(probes: Sequence[ProbeResult], findings: Sequence[Finding] = ()
         ran=tuple(p.name for p in probes if p.status == "ok"),
         status_counts=status_counts or "no probe ran",
     )
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0].strip() if text.strip() else ""
 
 
 def _last_line(text: str) -> str:

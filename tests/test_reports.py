@@ -508,7 +508,7 @@ def test_rendering_does_not_import_torch(tmp_path: Path) -> None:
         import sys
         from pathlib import Path
         import diagnose.reports
-        from diagnose.record import RunRecord
+        from diagnose.record_io import load_record
         record = load_record(Path({str(tmp_path)!r}))
         assert "1.82 s/it" in diagnose.reports.render_html(record)
         assert "1.82 s/it" in diagnose.reports.terminal_summary(record)

@@ -19,7 +19,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.errors import DiagnoseError, ExitCode, first_line
 from diagnose.record import ModelInfo
 from diagnose.workload.presets import Preset, TextEncoderSpec, load_preset
 
@@ -463,7 +463,7 @@ def apply_lora(
         names = sorted(_linear_suffixes(denoiser))
         raise DiagnoseError(
             f"LoRA target modules {', '.join(target_modules)} match nothing in "
-            f"{type(denoiser).__name__} ({_first_line(exc)}); its linear layers end in: "
+            f"{type(denoiser).__name__} ({first_line(exc)}); its linear layers end in: "
             f"{', '.join(names[:24])}",
             ExitCode.USAGE,
         ) from None
@@ -608,11 +608,6 @@ def lora_tensor_sizes(
 # A local diffusers model folder
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
-
-
 def _bad(model_dir: Path, message: str) -> DiagnoseError:
     return DiagnoseError(f"--model {model_dir}: {message}", ExitCode.BAD_INPUT)
 
@@ -626,7 +621,7 @@ def _read_index(root: Path) -> dict[str, Any]:
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(root, f"model_index.json is unreadable: {_first_line(exc)}") from None
+        raise _bad(root, f"model_index.json is unreadable: {first_line(exc)}") from None
     if not isinstance(index, dict):
         raise _bad(root, "model_index.json is not a JSON object")
     return index
@@ -659,7 +654,7 @@ def _load_or_fail(root: Path, what: str, load: Any) -> Any:
     except DiagnoseError:
         raise
     except Exception as exc:  # any loader failure is a problem with the folder: say which part
-        raise _bad(root, f"cannot load {what}: {_first_line(exc)}") from None
+        raise _bad(root, f"cannot load {what}: {first_line(exc)}") from None
 
 
 def _component_config(root: Path, folder: str) -> dict[str, Any]:
@@ -670,7 +665,10 @@ def _component_config(root: Path, folder: str) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(root, f"{folder}/config.json is unreadable: {_first_line(exc)}") from None
+        raise _bad(
+            root,
+            f"{folder}/config.json is unreadable: {first_line(exc)}",
+        ) from None
     if not isinstance(config, dict):
         raise _bad(root, f"{folder}/config.json is not a JSON object")
     return config
@@ -794,7 +792,7 @@ def _scheduler_config(root: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(root, f"scheduler/scheduler_config.json: {_first_line(exc)}") from None
+        raise _bad(root, f"scheduler/scheduler_config.json: {first_line(exc)}") from None
     if not isinstance(config, dict):
         raise _bad(root, "scheduler/scheduler_config.json is not a JSON object")
     return config

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from diagnose.catalogs import optimizer_catalog as catalog
-from diagnose.probes.optimizer.inventory import first_line
+from diagnose.errors import first_line
 from diagnose.record import Finding, Stats
 from diagnose.stats import (
     SAVING_SIGNIFICANCE,

@@ -19,6 +19,7 @@ import torch
 
 from diagnose import torch_compat
 from diagnose.catalogs import optimizer_catalog as catalog
+from diagnose.errors import first_line
 from diagnose.quiet import capture_output
 from diagnose.record import Finding
 from diagnose.stats import at_line
@@ -265,10 +266,6 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -
 # bitsandbytes inventory
 
 
-def first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:300]
-
-
 def bitsandbytes_inventory(printed_at_import: str | None = None) -> dict[str, Any]:
     """Version, backend, native library and import messages of bitsandbytes.
 
@@ -355,7 +352,6 @@ __all__ = [
     "describe_optimizer",
     "eight_bit_rule",
     "eight_bit_split",
-    "first_line",
     "fp32_state_share",
     "is_bnb_8bit",
     "optimizer_key",

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from diagnose.catalogs import optimizer_catalog as catalog
+from diagnose.errors import first_line
 from diagnose.probes.base import ProbeContext, ProbeSkipped
 from diagnose.probes.optimizer.ab import (
     CANDIDATES,
@@ -67,7 +68,6 @@ from diagnose.probes.optimizer.inventory import (
     describe_optimizer,
     eight_bit_rule,
     eight_bit_split,
-    first_line,
     is_bnb_8bit,
     optimizer_key,
     optimizer_label,

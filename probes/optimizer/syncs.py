@@ -23,6 +23,7 @@ import torch
 from diagnose import torch_compat
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.catalogs.compute_catalog import is_blocking_call
+from diagnose.errors import first_line
 from diagnose.quiet import native_stderr_filtered
 from diagnose.record import Finding
 from diagnose.units import ms
@@ -263,10 +264,6 @@ def _events_of(prof: Any) -> list[ProfiledEvent]:
     ]
 
 
-def _first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:300]
-
-
 def sync_debug_warnings(step: Callable[[], object], calls: int) -> list[dict[str, Any]]:
     """Warnings of ``torch.cuda.set_sync_debug_mode("warn")`` over ``calls`` steps, with stacks.
 
@@ -284,7 +281,7 @@ def sync_debug_warnings(step: Callable[[], object], calls: int) -> list[dict[str
     ) -> None:
         caught.append(
             {
-                "message": _first_line(str(message)),
+                "message": first_line(str(message)),
                 "where": f"{filename}:{lineno}",
                 "stack": traceback.format_stack(limit=10)[:-1],
             }

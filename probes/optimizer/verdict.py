@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from diagnose.catalogs import optimizer_catalog as catalog
+from diagnose.errors import first_line
 from diagnose.probes.base import ProbeContext
 from diagnose.probes.optimizer.ab import (
     ABRow,
@@ -18,7 +19,7 @@ from diagnose.probes.optimizer.ab import (
     clearly_faster_alternative,
     slower_than_alternative_rule,
 )
-from diagnose.probes.optimizer.inventory import EightBitSplit, first_line, fp32_state_share
+from diagnose.probes.optimizer.inventory import EightBitSplit, fp32_state_share
 from diagnose.probes.optimizer.numerics import NumericsReport, numerics_rule
 from diagnose.probes.optimizer.syncs import (
     MeasuredCost,
