@@ -28,7 +28,7 @@ from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.finish import Progress, RunOutputs, finish_run, redact_own_trace
 from diagnose.inventory import collect_inventory
 from diagnose.output import TRACE_NAME
-from diagnose.probes.base import Probe, ProbeContext, run_probes
+from diagnose.probes.base import Probe, run_workload_probes
 from diagnose.probes.environment.facts import FullSizeMemory
 from diagnose.probes.registry import REGISTRY
 from diagnose.record import HostLoad, ProbeResult, RunRecord, new_record
@@ -298,20 +298,15 @@ def execute_run(
                 f"only {record.timing.unprofiled.n} timed steps: the spread is a rough guide; "
                 "use --steps 10 or more for a firmer number"
             )
-        ctx = ProbeContext(
+        results = run_workload_probes(
+            REGISTRY if probes is None else probes,
             config=config,
             device=device,
             device_info=device_info,
             record=record,
             workload=workload,
             scratch_dir=scratch,
-            progress=say,
-        )
-        results = run_probes(
-            REGISTRY if probes is None else probes,
-            ctx,
-            skip=config.skip_probes,
-            on_start=lambda probe: say(f"probe {probe.name}"),
+            say=say,
         )
         record.probes.extend(results)
         for result in results:

@@ -208,3 +208,30 @@ def run_probes(
             on_start(probe)
         results.append(run_probe(probe, ctx))
     return results
+
+
+def run_workload_probes(
+    probes: Sequence[Probe],
+    *,
+    config: RunConfig,
+    device: torch.device,
+    device_info: DeviceInfo,
+    record: RunRecord,
+    workload: Any,
+    scratch_dir: Path,
+    say: Callable[[str], None],
+) -> list[ProbeResult]:
+    """The probes of a run on its own workload (``diagnose run``, each rank of ``run --nproc``):
+    ``--skip`` honoured, each announced through ``say``."""
+    ctx = ProbeContext(
+        config=config,
+        device=device,
+        device_info=device_info,
+        record=record,
+        workload=workload,
+        scratch_dir=scratch_dir,
+        progress=say,
+    )
+    return run_probes(
+        probes, ctx, skip=config.skip_probes, on_start=lambda probe: say(f"probe {probe.name}")
+    )

@@ -24,7 +24,7 @@ from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.finish import Progress, RunOutputs, finish_run, redact_own_trace
 from diagnose.inventory import collect_inventory
 from diagnose.output import note_created
-from diagnose.probes.base import Probe, ProbeContext, run_probes
+from diagnose.probes.base import Probe, run_workload_probes
 from diagnose.record import DeviceInfo, ProbeResult, RankStat, RunRecord, new_record
 
 if TYPE_CHECKING:
@@ -230,21 +230,16 @@ def execute_distributed(
             torch.manual_seed(config.seed)
             workload = build_workload(config, device)
         try:
-            ctx = ProbeContext(
-                config=config,
-                device=device,
-                device_info=device_info,
-                record=record,
-                workload=workload,
-                scratch_dir=scratch,
-                progress=say,
-            )
             record.probes.extend(
-                run_probes(
+                run_workload_probes(
                     probes,
-                    ctx,
-                    skip=config.skip_probes,
-                    on_start=lambda probe: say(f"probe {probe.name}"),
+                    config=config,
+                    device=device,
+                    device_info=device_info,
+                    record=record,
+                    workload=workload,
+                    scratch_dir=scratch,
+                    say=say,
                 )
             )
         finally:
