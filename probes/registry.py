@@ -11,8 +11,8 @@ from diagnose.probes.dataloader.probe import DataLoaderProbe
 from diagnose.probes.environment.probe import EnvironmentProbe
 from diagnose.probes.optimizer.probe import OptimizerProbe
 from diagnose.probes.precision.probe import PrecisionProbe
-from diagnose.probes.quantization import QuantizationProbe
-from diagnose.probes.roofline import RooflineProbe
+from diagnose.probes.quantization.probe import QuantizationProbe
+from diagnose.probes.roofline.probe import RooflineProbe
 from diagnose.probes.triton_probe import TritonProbe
 
 #: Probes in run order. Each entry is an instance of a class that satisfies ``Probe``.

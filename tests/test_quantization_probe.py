@@ -23,7 +23,7 @@ from diagnose.catalogs.quantization_catalog import MIN_SHARE as DEQUANT_COST_MIN
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.probes.environment.probe import preset_memory
-from diagnose.probes.quantization import QuantizationProbe, compare_outputs, held_bytes
+from diagnose.probes.quantization.probe import QuantizationProbe, compare_outputs, held_bytes
 from diagnose.quantized_base import KINDS
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, new_record
 from diagnose.units import per_it
@@ -94,7 +94,7 @@ def probed(nf4: Workload) -> tuple[ProbeResult, bool]:
 def _slow_record() -> RunRecord:
     """A record whose s/it is so slow that rounds of both bases would outlast the A/B's budget,
     as at a real model's size."""
-    from diagnose.probes.quantization import BUDGET_S, MIN_ROUNDS
+    from diagnose.probes.quantization.probe import BUDGET_S, MIN_ROUNDS
     from diagnose.record import Stats
 
     record = new_record("run")
@@ -224,7 +224,7 @@ def test_a_step_that_is_mostly_the_vaes_encode_is_still_timed_and_judged_whole(
     Planted: an encode that also sleeps, and an A/B budget that rounds of the whole step would
     overrun but rounds past the encode fit, by half an encode's sleep whatever the machine's
     load (an encode the probe measures takes at least the sleep)."""
-    from diagnose.probes import quantization
+    from diagnose.probes.quantization import probe as quantization
     from diagnose.record import Stats
     from diagnose.timing import PhaseTimer
 
@@ -282,7 +282,7 @@ def test_a_step_that_is_mostly_the_vaes_encode_is_still_timed_and_judged_whole(
 def test_the_a_b_steps_on_batches_of_one_bucket(images: Path) -> None:
     """With two resolution buckets, a round of a small batch and a large one would mix two
     step times in one sample: the A/B's batches are all of the first batch's bucket."""
-    from diagnose.probes.quantization import shared_latents
+    from diagnose.probes.quantization.probe import shared_latents
 
     workload = build_workload(_config(images, base="nf4", resolution=[64, 128]), CPU)
     try:
@@ -301,7 +301,7 @@ def test_the_a_b_steps_on_batches_of_one_bucket(images: Path) -> None:
 def test_the_budget_is_judged_on_the_a_b_buckets_own_step() -> None:
     """With a small and a large bucket, the run's mixed s/it is not what a round of the A/B's
     bucket costs: the budget is judged on that bucket's own s/it."""
-    from diagnose.probes.quantization import _bucket_seconds
+    from diagnose.probes.quantization.probe import _bucket_seconds
     from diagnose.record import StepSample
     from diagnose.workload.data import ImageBatch
 
@@ -322,7 +322,7 @@ def test_the_budget_is_judged_on_the_a_b_buckets_own_step() -> None:
 
 def test_the_advice_follows_what_fits_the_gpu() -> None:
     """bf16 when it fits, fp8 when only it fits, the quantized base when nothing else does."""
-    from diagnose.probes.quantization import _memory_text
+    from diagnose.probes.quantization.probe import _memory_text
 
     gib = 2**30
     memory = {

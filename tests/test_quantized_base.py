@@ -128,7 +128,7 @@ def test_the_probe_reads_the_share_the_trace_rule_gave(
 ) -> None:
     """The probe quotes the rule's share beside its A/B, from a finding or, when the matmuls
     dwarf the expansion, from an ok check's data alike."""
-    from diagnose.probes.quantization import _trace_share
+    from diagnose.probes.quantization.probe import _trace_share
     from diagnose.units import pct
 
     path = _lora_trace(tmp_path, "nf4", other_work)

@@ -269,7 +269,7 @@ def _ctx_with_work(work: dict[str, Any]) -> Any:
 
 def test_probe_measures_the_step_dtypes_and_feeds_the_record() -> None:
     from diagnose.probes.base import run_probe
-    from diagnose.probes.roofline import RooflineProbe, dtypes_to_measure
+    from diagnose.probes.roofline.probe import RooflineProbe, dtypes_to_measure
     from diagnose.roofline.utilisation import settle_utilisation
 
     # float64 carries 1% of the FLOPs: not worth a microbenchmark; "unknown" cannot be timed.
@@ -306,7 +306,7 @@ def test_probe_measures_the_step_dtypes_and_feeds_the_record() -> None:
 
 def test_probe_skips_without_counted_flops() -> None:
     from diagnose.probes.base import run_probe
-    from diagnose.probes.roofline import RooflineProbe
+    from diagnose.probes.roofline.probe import RooflineProbe
 
     result = run_probe(RooflineProbe(), _ctx_with_work({}))
     assert result.status == "skipped" and "no FLOPs" in result.reason
