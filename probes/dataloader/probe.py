@@ -2,8 +2,8 @@
 
 LoRA datasets are small but their images are big (phone photos of 1224x1800 trained at 512 or
 1024 px). Decoding, resizing and augmenting them on the CPU every step, with few or no DataLoader
-workers and without cached latents, starves the GPU: users report 13 s/it with 0 workers against
-2 s/it with workers. This probe
+workers and without cached latents, starves the GPU (docs/probes.md quotes what users report).
+This probe
 
 1. **reads the wait** the run measured: the ``data_wait`` phase (the time spent in
    ``next(dataloader)``) as the report's phase bar shows it, over the headline step
