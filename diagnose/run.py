@@ -14,6 +14,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from diagnose.output import TRACE_NAME
 from diagnose.probes.base import Probe, run_workload_probes
 from diagnose.probes.environment.facts import FullSizeMemory
 from diagnose.probes.registry import REGISTRY
-from diagnose.record import HostLoad, ProbeResult, RunRecord, new_record
+from diagnose.record import DeviceInfo, HostLoad, ProbeResult, RunRecord, new_record
 from diagnose.strict import StrictOptions, StrictViolation
 from diagnose.strict.mode import strict_watch
 from diagnose.strict.result import add_strict
@@ -182,6 +183,31 @@ def _stage(into: dict[str, float], name: str) -> Iterator[None]:
         into[name] = into.get(name, 0.0) + time.perf_counter() - start
 
 
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run's configuration resolved against the device it will train on."""
+
+    config: RunConfig
+    device: torch.device
+    device_info: DeviceInfo
+    #: One line when a full-size model will not fit the GPU, else "".
+    will_not_fit: str
+
+
+def prepare_run(config: RunConfig, *, force: bool = False) -> PreparedRun:
+    """Check ``config``, choose the device, fill in what the device decides, refuse what this
+    machine cannot run, and say (stderr) when the model will not fit."""
+    config.validate()
+    device = select_device(config.device)
+    device_info = describe_device(device)
+    config = resolve_config(config, device_info.kind, device_info.memory_bytes)
+    refuse_full_size_on_cpu(config, device_info.kind, force)
+    will_not_fit = fit_before_running(config, device_info.kind, device_info.memory_bytes)
+    if will_not_fit:
+        print(f"diagnose: {will_not_fit}", file=sys.stderr, flush=True)
+    return PreparedRun(config, device, device_info, will_not_fit)
+
+
 def execute_run(
     config: RunConfig,
     out_dir: Path,
@@ -191,32 +217,19 @@ def execute_run(
     probes: Sequence[Probe] | None = None,
     progress: Progress | None = None,
     strict: StrictOptions | None = None,
+    prepared: PreparedRun | None = None,
 ) -> RunOutputs:
-    """Measure, analyse and record one run into ``out_dir`` (which must already exist);
-    ``strict``: the steps measured are watched by strict mode (``--strict``)."""
+    """Measure, analyse and record one process's run into ``out_dir`` (which must already exist);
+    ``strict``: the steps measured are watched by strict mode (``--strict``). ``--nproc`` runs
+    are :func:`diagnose.commands.run.measure_run`'s to dispatch."""
     from diagnose.workload import build_workload
 
     say = progress or (lambda message: None)
-    config.validate()
-    device = select_device(config.device)
-    device_info = describe_device(device)
-    config = resolve_config(config, device_info.kind, device_info.memory_bytes)
-    refuse_full_size_on_cpu(config, device_info.kind, force)
-    will_not_fit = fit_before_running(config, device_info.kind, device_info.memory_bytes)
-    if will_not_fit:
-        print(f"diagnose: {will_not_fit}", file=sys.stderr, flush=True)
+    prepared = prepared or prepare_run(config, force=force)
+    config, device, device_info = prepared.config, prepared.device, prepared.device_info
+    will_not_fit = prepared.will_not_fit
     if config.nproc > 1:
-        from diagnose.distributed.run_ranks import execute_distributed
-
-        return execute_distributed(
-            config,
-            out_dir,
-            device=device,
-            device_info=device_info,
-            redact_paths=redact_paths,
-            probes=REGISTRY if probes is None else probes,
-            say=say,
-        )
+        raise ValueError("execute_run measures one process; measure_run dispatches --nproc runs")
 
     record = new_record("run")
     if will_not_fit:

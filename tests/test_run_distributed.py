@@ -12,13 +12,14 @@ import pytest
 
 from diagnose.catalogs.distributed_catalog import DATA_WAIT_IMBALANCE_ID, STRAGGLER_ID
 from diagnose.cli import main
+from diagnose.commands.run import measure_run
 from diagnose.config import RunConfig
 from diagnose.distributed.launch import RankJob, cpu_threads_per_rank, free_port
 from diagnose.distributed.run_ranks import RANKS_DIR
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import RunRecord
 from diagnose.record_io import load_record
-from diagnose.run import execute_run, resolve_config
+from diagnose.run import resolve_config
 from tests.conftest import ok_lines, unjudged_lines
 
 PROBES = (
@@ -105,7 +106,7 @@ def test_fsdp_two_ranks(tmp_path: Path) -> None:
         skip_probes=list(PROBES),
     )
     said: list[str] = []
-    outputs = execute_run(config, out, progress=said.append)
+    outputs = measure_run(config, out, progress=said.append)
     record = outputs.record
     _check_ranks_record(record, out, "fsdp", "FSDP2 fully_shard")
     # FSDP gathers the sharded parameters before using them.

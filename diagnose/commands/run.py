@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diagnose.commands import comma_ints
 from diagnose.config import (
@@ -23,6 +24,10 @@ from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.quantized_base import BASE_KINDS
 from diagnose.record_io import load_record
 from diagnose.strict.options import add_strict_options, strict_options_of
+
+if TYPE_CHECKING:
+    from diagnose.finish import Progress, RunOutputs
+    from diagnose.strict.options import StrictOptions
 
 
 def _str_list(text: str) -> list[str]:
@@ -249,7 +254,6 @@ class RunCommand:
         out_dir = args.out if args.out is not None else default_out_dir("run")
         from diagnose.output import created_files
         from diagnose.quiet import library_output
-        from diagnose.run import execute_run
 
         with created_files() as written:
             prepare_out_dir(out_dir, force=args.force)
@@ -262,7 +266,7 @@ class RunCommand:
                     ProgressLine(enabled=False if args.no_progress else None) as progress,
                     library_output() as printed,
                 ):
-                    outputs = execute_run(
+                    outputs = measure_run(
                         config,
                         out_dir,
                         force=args.force,
@@ -319,3 +323,40 @@ class RunCommand:
         print()
         print_gate(outcome, args)
         return int(outcome.exit_code)
+
+
+def measure_run(
+    config: RunConfig,
+    out_dir: Path,
+    *,
+    force: bool = False,
+    redact_paths: bool = False,
+    progress: Progress | None = None,
+    strict: StrictOptions | None = None,
+) -> RunOutputs:
+    """``diagnose run``'s measurement into ``out_dir``: one process, or ``--nproc N`` ranks (one
+    record for the run either way)."""
+    from diagnose.run import execute_run, prepare_run
+
+    prepared = prepare_run(config, force=force)
+    if prepared.config.nproc == 1:
+        return execute_run(
+            config,
+            out_dir,
+            redact_paths=redact_paths,
+            progress=progress,
+            strict=strict,
+            prepared=prepared,
+        )
+    from diagnose.distributed.run_ranks import execute_distributed
+    from diagnose.probes.registry import REGISTRY
+
+    return execute_distributed(
+        prepared.config,
+        out_dir,
+        device=prepared.device,
+        device_info=prepared.device_info,
+        redact_paths=redact_paths,
+        probes=REGISTRY,
+        say=progress or (lambda message: None),
+    )
