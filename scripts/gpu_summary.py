@@ -88,7 +88,9 @@ def summarise(args: argparse.Namespace) -> str:
     triton = _json(out / "triton.json")
     if isinstance(triton, dict):
         counts = triton.get("counts", {})
-        text = ", ".join(f"{v} {k}" for k, v in counts.items())
+        text = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+        text += f"; {len(triton.get('seeds') or [])} of {args.triton_seeds} seeds"
+        text += "".join(f"; {note}" for note in triton.get("notes") or [])
         held.append(("diagnose triton: no mismatch", not counts.get("mismatch"), text))
     else:
         held.append(("diagnose triton wrote triton.json", False, ""))
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--size-full", action="store_true", help="the runs were full size")
     parser.add_argument("--elapsed", type=float, default=0.0)
+    parser.add_argument("--triton-seeds", type=int, default=1, help="the seeds asked for")
     args = parser.parse_args(argv)
     (args.out / "summary.md").write_text(summarise(args), encoding="utf-8")
     return 0

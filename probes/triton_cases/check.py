@@ -533,9 +533,11 @@ def run_checks(
     start: int = 0,
     on_start: Callable[[PlannedCheck], None] | None = None,
     on_result: Callable[[PlannedCheck, CheckResult], None] | None = None,
+    state: RunState | None = None,
 ) -> list[CheckResult]:
-    """Run the planned checks from index ``start`` on, in order."""
-    state = RunState()
+    """Run the planned checks from index ``start`` on, in order; ``state`` carries over from an
+    earlier call (the checks it compiled)."""
+    state = state if state is not None else RunState()
     results = []
     for check in plan_checks(cases, env.mode, seeds)[start:]:
         if on_start is not None:
