@@ -102,6 +102,13 @@ def summarise(args: argparse.Namespace) -> str:
         probes = record.get("probes", [])
         errors = [p["name"] for p in probes if p.get("status") == "error"]
         held.append((f"{name}: no probe in error", not errors, ", ".join(errors)))
+        over = [
+            check["text"]
+            for probe in probes
+            for check in probe.get("checks", [])
+            if check.get("id", "").endswith(".time_budget")
+        ]
+        held.append((f"{name}: every probe within its time budget", not over, "; ".join(over)))
         stages = record.get("wall_seconds") or {}
         total = sum(stages.values())
         probe_total = sum(v for k, v in stages.items() if k.startswith("probe "))
