@@ -42,12 +42,12 @@ from diagnose.probes.triton_cases.numerics import Bounded, Numerics
 from diagnose.user_cache import cache_root
 
 #: A reference computed faster than this is not worth a file (the interpreter's small shapes).
-MIN_SECONDS = 0.25
-#: The folder's size cap; the least recently used entries go first.
-MAX_BYTES = 4 << 30
+MIN_SECONDS = 0.05
+#: The folder's size cap; the least recently used entries go first. One seed of the corpus at its
+#: GPU shapes keeps about 1 GiB.
+MAX_BYTES = 8 << 30
 #: Bumped when an entry's layout changes.
-LAYOUT = 1
-_ERROR_PARTS = ("worst", "fresh", "mixed", "var")
+LAYOUT = 2
 _FORMATS = {f.name: f for f in vars(formats).values() if isinstance(f, formats.Format)}
 
 
@@ -107,15 +107,15 @@ def _load(path: Path, key: str, num: Numerics) -> tuple[dict[str, Bounded], str]
             return None
         outputs = {}
         for name, part in entry["outputs"].items():
-            tensors = [part[p] for p in ("value", *_ERROR_PARTS)]
-            if not all(isinstance(t, torch.Tensor) for t in tensors):
+            value, err = part["value"], part["err"]
+            if not (isinstance(value, torch.Tensor) and isinstance(err, torch.Tensor)):
                 return None
-            value, *error = tensors
+            if (value + err).shape != value.shape:  # a cut tensor raises or grows
+                return None
             fmt = _FORMATS[part["fmt"]] if part["fmt"] else None
-            bounded = Bounded(value, Error(*error), fmt, num)
-            if (value + bounded.err).shape != value.shape:  # a cut tensor raises or grows
-                return None
-            outputs[str(name)] = bounded
+            zero = torch.zeros((), dtype=torch.float64)
+            # The judge reads a value and its bound: the bound kept as the whole worst case.
+            outputs[str(name)] = Bounded(value, Error(err, zero, zero, zero), fmt, num)
         precision = entry["precision"]
         if not outputs or not isinstance(precision, str):
             return None
@@ -130,8 +130,9 @@ def _store(path: Path, key: str, outputs: Mapping[str, Bounded], precision: str)
         if bounded.fmt is not None and _FORMATS.get(bounded.fmt.name) is not bounded.fmt:
             return  # a format made on the fly: it could not be read back as itself
         parts[name] = {
-            "value": bounded.value,
-            **{p: getattr(bounded.error, p) for p in _ERROR_PARTS},
+            # Copies: a view would carry its whole storage into the file.
+            "value": bounded.value.clone(),
+            "err": bounded.err.clone(),
             "fmt": bounded.fmt.name if bounded.fmt is not None else "",
         }
     path.parent.mkdir(parents=True, exist_ok=True)
