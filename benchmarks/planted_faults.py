@@ -16,8 +16,10 @@ With ``--out`` each loop runs ``--steps`` steps timed without the profiler (the 
 at the end of each), then 3 profiled ones into ``DIR/traces/FAULT.json``, which ``diagnose trace``
 reads into ``DIR/diagnosis/FAULT/``. Written: ``DIR/faults.md`` (one table: fault, found?,
 severity, estimated saving, measured saving, ratio, whether the clean twin stayed quiet) and
-``DIR/faults.json`` (the same rows, each loop's step times). A loop that would start after
-``--budget`` seconds is not run and its row says so. Exit status 0; 2 on misuse.
+``DIR/faults.json`` (the same rows, each loop's step times). ``--profile FAULT,...``: those
+faults are also trained under ``diagnose profile`` (the loop unmodified, in its own process), its
+verdict in the table's last column. A loop that would start after ``--budget`` seconds is not run
+and its row says so. Exit status 0; 2 on misuse.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import io
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -283,6 +286,9 @@ class FaultRow:
     measured_saving_s: float | None = None
     #: The clean loop's diagnosis names none of this fault's findings (None: not diagnosed).
     twin_quiet: bool | None = None
+    #: ``diagnose profile`` of the loop names it (None: not profiled), and its estimate.
+    profile_found: bool | None = None
+    profile_saving_s: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -304,6 +310,20 @@ def _findings(trace: Path, out: Path) -> list[dict[str, Any]]:
     return list(record.get("findings", []))
 
 
+def _profiled(fault: str, size: str, device: str, out: Path, timeout_s: float) -> list[Any]:
+    """``diagnose profile`` of the loop with ``fault``, unmodified, as a user runs it."""
+    command = [
+        *(sys.executable, "-m", "diagnose", "profile", "--stop-after", "--skip-steps", "2"),
+        *("--steps", "5", "--out", str(out), "--force", "--no-stacks", "--"),
+        *(sys.executable, __file__, "--train", fault, "--device", device, "--size", size),
+        *("--steps", "100000"),
+    ]
+    with (out.parent / f"{out.name}.log").open("w", encoding="utf-8") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    record = json.loads((out / "record.json").read_text(encoding="utf-8"))
+    return list(record.get("findings", []))
+
+
 def _named(findings: list[dict[str, Any]], fault: PlantedFault) -> dict[str, Any] | None:
     named = [f for f in findings if f.get("id") in fault.finding_ids]
     return max(named, key=lambda f: f.get("est_seconds_saved_per_it") or 0.0, default=None)
@@ -318,8 +338,10 @@ def run_suite(
     warmup: int = WARMUP,
     out: Path,
     budget: float,
+    profiled: tuple[str, ...] = (),
 ) -> list[FaultRow]:
-    """Run the clean loop and each fault in ``faults``, diagnose each trace; one row per fault."""
+    """Run the clean loop and each fault in ``faults``, diagnose each trace; one row per fault.
+    The faults in ``profiled`` are also run under ``diagnose profile``, each in its own process."""
     import torch
 
     started = time.perf_counter()
@@ -347,6 +369,15 @@ def run_suite(
     # that slowed or sped up while the suite ran does not fall on the faults alone.
     if "none" in measured and time.perf_counter() - started <= budget:
         measured["none"] += train("none", size, device, steps, None, warmup=warmup)
+    by_profile: dict[str, list[Any]] = {}
+    (out / "profile").mkdir(exist_ok=True)
+    for name in profiled:
+        left = budget - (time.perf_counter() - started)
+        if name in faults and left > 10:
+            try:
+                by_profile[name] = _profiled(name, size, device, out / "profile" / name, left)
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+                notes[name] = f"diagnose profile failed: {type(exc).__name__}: {str(exc)[:200]}"
     clean = measured.get("none")
     rows = []
     for name in faults:
@@ -365,6 +396,10 @@ def run_suite(
             row.measured_saving_s = statistics.median(row.step_seconds) - statistics.median(clean)
         if "none" in diagnosed:
             row.twin_quiet = _named(diagnosed["none"], fault) is None
+        if name in by_profile:
+            named = _named(by_profile[name], fault)
+            row.profile_found = named is not None
+            row.profile_saving_s = None if named is None else named.get("est_seconds_saved_per_it")
         if "none" in notes and not row.note:
             row.note = f"clean twin {notes['none']}"
         rows.append(row)
@@ -375,12 +410,18 @@ def _ms(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1e3:.2f} ms"
 
 
+def _profile_cell(row: FaultRow) -> str:
+    if row.profile_found is None:
+        return "–"
+    return f"found, {_ms(row.profile_saving_s)}" if row.profile_found else "not found"
+
+
 def table(rows: list[FaultRow]) -> str:
     """The suite's one table, in Markdown."""
     lines = [
         "| fault | what | found? | severity | estimated saving | measured saving | ratio "
-        "| clean twin quiet? |",
-        "|---|---|---|---|---|---|---|---|",
+        "| clean twin quiet? | diagnose profile |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         found = ("yes: " + row.finding_id) if row.found else ("no" if row.ran else row.note)
@@ -389,7 +430,7 @@ def table(rows: list[FaultRow]) -> str:
         lines.append(
             f"| {row.fault} | {row.what} | {found} | {row.severity or '–'} "
             f"| {_ms(row.estimated_saving_s)} | {_ms(row.measured_saving_s)} | {ratio} "
-            f"| {quiet} |"
+            f"| {quiet} | {_profile_cell(row)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -405,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="run the suite into this folder")
     parser.add_argument("--budget", type=float, default=240.0, help="seconds for the suite")
     parser.add_argument("--train", choices=sorted(FAULTS), help="train the loop alone")
+    parser.add_argument("--profile", default="", help="faults also run under diagnose profile")
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f and f != "none"]
     if args.threads:
@@ -432,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps,
             out=out,
             budget=args.budget,
+            profiled=tuple(f for f in args.profile.split(",") if f),
         )
     text = table(rows)
     (out / "faults.md").write_text(text, encoding="utf-8")
