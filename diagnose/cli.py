@@ -85,10 +85,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"diagnose: error: {exc.message}", file=sys.stderr)
         return int(exc.code)
     except KeyboardInterrupt as exc:
-        code = interrupts.exit_code(exc)
-        what = "terminated (SIGTERM)" if code == ExitCode.TERMINATED else "interrupted"
-        print(f"diagnose: {what}; nothing half-written was left behind", file=sys.stderr)
-        return int(code)
+        return _interrupted(exc)
     except BrokenPipeError:
         # The reader of our output went away (`diagnose compare ... | head`). Commands write
         # their files before printing, so nothing is lost; stdout is pointed at /dev/null so
@@ -96,6 +93,9 @@ def _main(argv: Sequence[str] | None) -> int:
         _to_devnull(sys.stdout)
         return int(ExitCode.BROKEN_PIPE)
     except Exception as exc:
+        signal_first = interrupts.arrived()
+        if signal_first is not None:
+            return _interrupted(signal_first)
         if os.environ.get("DIAGNOSE_DEBUG"):
             raise
         first = (str(exc).strip().splitlines() or [""])[0]
@@ -105,6 +105,13 @@ def _main(argv: Sequence[str] | None) -> int:
             file=sys.stderr,
         )
         return int(ExitCode.INTERNAL_ERROR)
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    code = interrupts.exit_code(exc)
+    what = "terminated (SIGTERM)" if code == ExitCode.TERMINATED else "interrupted"
+    print(f"diagnose: {what}; nothing half-written was left behind", file=sys.stderr)
+    return int(code)
 
 
 def main_exit() -> None:

@@ -59,9 +59,18 @@ def check() -> None:
         _raise_for(_pending)
 
 
+def arrived() -> KeyboardInterrupt | None:
+    """The interrupt a signal delivered, if one did. A KeyboardInterrupt raised inside an import
+    that a library swallows leaves that module half-initialised, and a later line then fails
+    with an error that is only the signal's consequence: the signal is the cause to report."""
+    if _pending is None:
+        return None
+    return Terminated() if _pending == signal.SIGTERM else KeyboardInterrupt()
+
+
 def exit_code(exc: KeyboardInterrupt) -> ExitCode:
     """130 for Ctrl-C, 143 for SIGTERM: what a shell reports for a process ended by them."""
     return ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED
 
 
-__all__ = ["Terminated", "check", "exit_code", "ignore", "install"]
+__all__ = ["Terminated", "arrived", "check", "exit_code", "ignore", "install"]

@@ -57,11 +57,20 @@ def resolve_config(config: RunConfig, device_kind: str, memory_bytes: int | None
 def fit_before_running(config: RunConfig, device_kind: str, memory_bytes: int | None) -> str:
     """One line when a full-size model cannot fit the GPU before any activation (its weights as
     ``--base`` stores them, LoRA, gradients, optimizer state), else ''. Said before the model is
-    built: building it would only end in an out-of-memory error or a spill."""
+    built: building it would only end in an out-of-memory error or a spill. The same
+    configuration on the same memory gives the same line: it is counted once and kept."""
     if device_kind not in ("cuda", "rocm") or not memory_bytes or config.size != "full":
         return ""
     if config.preset is None or config.model_dir is not None:
         return ""
+    from diagnose.user_cache import remembered_text
+
+    key = {"config": config.to_dict(), "device_kind": device_kind, "memory_bytes": memory_bytes}
+    return remembered_text("memory-fit", key, lambda: _fit_line(config, memory_bytes))
+
+
+def _fit_line(config: RunConfig, memory_bytes: int) -> str:
+    assert config.preset is not None
     from diagnose.probes.environment.probe import preset_memory, with_activations
 
     full = preset_memory(config, config.preset)

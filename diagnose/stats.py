@@ -460,6 +460,11 @@ class AtLine:
     def borderline(self) -> bool:
         return self.side == "borderline"
 
+    def share_interval(self) -> list[float]:
+        """The interval of a share (a part of a whole) as a record keeps it: the statistical
+        interval of a few samples may reach past 0 or 1, which no share can."""
+        return [min(max(self.low, 0.0), 1.0), min(max(self.high, 0.0), 1.0)]
+
     def words(self, what: str, fmt: Callable[[float], str], of: str = "") -> str:
         """``data wait 9%–12% of the step, at the 10% line``: what was judged, its interval
         (or its value, for a single number), and the line."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from diagnose import interrupts
 from diagnose.contention import LoadWindow, describe
+from diagnose.probes.budgets import budget_s, over_budget_text
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord
 
 if TYPE_CHECKING:
@@ -46,6 +47,13 @@ class ProbeContext:
     scratch_dir: Path | None = None
     #: Report progress of a long probe ("3/5 backends").
     progress: Callable[[str], None] = field(default=lambda message: None)
+    #: When the running probe's time budget ends (``time.perf_counter()``), None without one: a
+    #: probe with rounds to spare stops starting new ones after it (:mod:`diagnose.probes.budgets`).
+    deadline: float | None = None
+
+    def seconds_left(self) -> float | None:
+        """Seconds left of the running probe's budget (negative once spent); None without one."""
+        return None if self.deadline is None else self.deadline - time.perf_counter()
 
 
 @runtime_checkable
@@ -109,14 +117,30 @@ def _torch_state_restored() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def run_probe(probe: Probe, ctx: ProbeContext) -> ProbeResult:
+def run_probe(
+    probe: Probe, ctx: ProbeContext, *, budgets: Mapping[str, float] | None = None
+) -> ProbeResult:
     """Run one probe in isolation; whatever happens, return a ProbeResult.
 
     The probe runs inside a load window: its comparisons are judged against how busy the
-    machine was meanwhile, and a comparison the load could explain is said to be set aside."""
+    machine was meanwhile, and a comparison the load could explain is said to be set aside. It
+    runs within its time budget (``budgets``, default :func:`budgets.budget_s` for the device):
+    a result that ended past it says so."""
     interrupts.check()
-    with LoadWindow() as window:
-        result = _run_alone(probe, ctx)
+    kind = ctx.device_info.kind
+    budget = budgets.get(probe.name) if budgets is not None else budget_s(probe.name, kind)
+    ctx.deadline = None if budget is None else time.perf_counter() + budget
+    try:
+        with LoadWindow() as window:
+            result = _run_alone(probe, ctx)
+    finally:
+        ctx.deadline = None
+    if budget is not None and result.status != "skipped" and result.duration_seconds > budget:
+        result.add_not_judged(
+            f"{probe.name}.time_budget",
+            over_budget_text(probe.name, result.duration_seconds, budget, kind),
+            probe.name,
+        )
     load = window.load
     if load is not None and result.status == "ok":
         result.host_load = load
@@ -195,8 +219,10 @@ def run_probes(
     *,
     skip: Sequence[str] = (),
     on_start: Callable[[Probe], None] | None = None,
+    budgets: Mapping[str, float] | None = None,
 ) -> list[ProbeResult]:
-    """Run the probes in order; a probe named in ``skip`` is recorded as skipped by the user."""
+    """Run the probes in order; a probe named in ``skip`` is recorded as skipped by the user.
+    ``budgets``: seconds per probe name in place of the device's (:mod:`.budgets`)."""
     results = []
     for probe in probes:
         if probe.name in skip:
@@ -206,7 +232,7 @@ def run_probes(
             continue
         if on_start is not None:
             on_start(probe)
-        results.append(run_probe(probe, ctx))
+        results.append(run_probe(probe, ctx, budgets=budgets))
     return results
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ def percentages(text: str) -> list[float]:
     found = re.findall(r"([−-]?[0-9][0-9,]*(?:\.[0-9]+)?)\s?%", text)
     return [float(p.replace(",", "").replace("−", "-")) for p in found]
 
+
+#: What diagnose keeps between runs (diagnose.user_cache) goes to the suite's own folder, never
+#: the user's, and every suite run starts cold.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="diagnose-tests-cache-")
 
 #: Variables that pytest or torch itself set (torch.profiler sets the inductor cache folder).
 _ENV_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}

@@ -144,6 +144,7 @@ def _probe(workload: Workload, probe: DataLoaderProbe, scratch: Path) -> Probed:
     record.breakdown = measured.breakdown
     before = _state(workload)
     children = _children()
+    scratch.mkdir(parents=True, exist_ok=True)  # as diagnose run's own scratch folder exists
     ctx = ProbeContext(
         config=workload.config,
         device=CPU,

@@ -192,14 +192,14 @@ def _run(
     if command == "compare":
         allowed = set(expect.gate) if expect.gate is not None else allowed
         if ExitCode.OK in allowed:
-            allowed.add(ExitCode.REGRESSION)
+            allowed |= {ExitCode.REGRESSION, ExitCode.INCONCLUSIVE}
     if code not in allowed and not problems:
         problems.append(f"exit {code}, expected {expect.name} {sorted(allowed)}")
     if "Traceback" in err or "Traceback" in out:
         problems.append("a traceback")
     if len(lines) > 1:
         problems.append(f"{len(lines)} lines on stderr")
-    if code not in (0, -1, ExitCode.REGRESSION):
+    if code not in (0, -1, ExitCode.REGRESSION, ExitCode.INCONCLUSIVE):
         if not err.startswith("diagnose: error: "):
             problems.append("no 'diagnose: error:' line")
         elif command != "compare" and target.name not in err:

@@ -6,6 +6,7 @@ import torch
 
 from diagnose.config import RunConfig
 from diagnose.probes.base import Probe, ProbeContext, ProbeSkipped, run_probes
+from diagnose.probes.budgets import GPU_BUDGET_S, GPU_RUN_S
 from diagnose.probes.registry import REGISTRY
 from diagnose.record import DeviceInfo, Finding, ProbeResult, new_record
 
@@ -104,3 +105,38 @@ def test_registered_probes_satisfy_the_protocol() -> None:
     for probe in REGISTRY:
         assert isinstance(probe, Probe)
         assert probe.description
+
+
+def test_a_probe_past_its_time_budget_says_so_and_its_twin_within_does_not() -> None:
+    environment = next(p for p in REGISTRY if p.name == "environment")
+    ctx = _ctx()
+    over = run_probes([environment], ctx, budgets={"environment": 0.0})[0]
+    within = run_probes([environment], ctx, budgets={"environment": 3600.0})[0]
+    assert over.status == within.status == "ok"
+    [check] = [c for c in over.checks if c.id == "environment.time_budget"]
+    assert check.outcome == "not_judged"
+    assert "ran out of its time budget" in check.text and "of 0 s" in check.text
+    assert not [c for c in within.checks if c.id.endswith(".time_budget")]
+    # What the probe measured stands: the same checks apart from the budget's.
+    assert {c.id for c in over.checks} - {check.id} == {c.id for c in within.checks}
+
+
+def test_the_probe_sees_its_budget_and_the_context_forgets_it_after() -> None:
+    seen: list[float | None] = []
+
+    class Watch(_Probe):
+        def run(self, ctx: ProbeContext) -> ProbeResult:
+            seen.append(ctx.seconds_left())
+            return ProbeResult()
+
+    ctx = _ctx("cuda")
+    run_probes([Watch("environment", "ok"), Watch("own", "ok")], ctx)
+    assert seen[0] is not None and 0 < seen[0] <= GPU_BUDGET_S["environment"]
+    assert seen[1] is None  # a probe without a budget (a user's own) runs without one
+    assert ctx.deadline is None
+
+
+def test_the_default_gpu_run_probes_fit_the_run_budget() -> None:
+    default_run = [p.name for p in REGISTRY if p.name != "quantization"]
+    assert set(default_run) <= set(GPU_BUDGET_S)
+    assert sum(GPU_BUDGET_S[name] for name in default_run) <= GPU_RUN_S

@@ -135,7 +135,7 @@ def test_an_impossible_number_is_left_out_with_a_note_naming_its_field(
         assert re.search(shown, text) is None, re.search(shown, text)
     # The gate reads the same record: the number is gone there too.
     code, printed = _run(["compare", str(BASELINE), str(path)])
-    assert code in (0, 6), printed
+    assert code in (0, 6, 9), printed  # a verdict: pass, regression or inconclusive
     assert re.search(shown, printed) is None
 
 

@@ -152,7 +152,7 @@ def test_compare_outputs_hold_no_secret_of_either_record_or_its_path(tmp_path: P
             *("--junit", str(outputs["gate.xml"])),
         ]
     )
-    assert code in (0, 6), printed
+    assert code in (0, 6, 9), printed  # a verdict: pass, regression or inconclusive
     assert not _leaks(printed), printed
     for name, path in outputs.items():
         text = path.read_text()

@@ -109,3 +109,33 @@ def test_clean_up_removes_what_the_run_wrote_and_nothing_it_found(tmp_path: Path
     (new / "report.html").unlink()
     written.remove()
     assert not new.exists() and not new.parent.exists()
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_error_that_follows_a_swallowed_signal_is_reported_as_the_signal(
+    sig: signal.Signals, code: int
+) -> None:
+    """A library that swallows the KeyboardInterrupt of an import leaves a module half-built; the
+    error a later line then raises is the signal's doing, and the exit says the signal. Planted:
+    `diagnose presets` whose listing swallows the signal, then fails as a broken import would."""
+    script = (
+        "import os, signal, sys\n"
+        "import diagnose.commands.presets as presets\n"
+        "from diagnose import cli, interrupts\n"
+        "def listing(*args, **kwargs):\n"
+        "    try:\n"
+        f"        os.kill(os.getpid(), {int(sig)})\n"
+        "        signal.pause()\n"
+        "    except BaseException:\n"
+        "        pass  # what a library's broad except does to the interrupt\n"
+        "    raise AttributeError(\"module 'numpy' has no attribute 'matrix'\")\n"
+        "presets.PresetsCommand.run = listing\n"
+        "interrupts.install()\n"
+        "sys.exit(cli.main(['presets']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == code, done.stderr
+    assert "internal error" not in done.stderr
+    assert done.stderr.startswith("diagnose: ") and len(done.stderr.splitlines()) == 1

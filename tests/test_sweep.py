@@ -82,14 +82,19 @@ class Invocation:
     seconds: float
 
 
-def _sweep_cli(out: Path, *extra: str) -> Invocation:
-    """`python -m diagnose sweep` as a user runs it (stderr is not a terminal: no bar)."""
+def _sweep_cli(out: Path, *extra: str, pythonpath: Path | None = None) -> Invocation:
+    """`python -m diagnose sweep` as a user runs it (stderr is not a terminal: no bar);
+    ``pythonpath`` goes first on the children's PYTHONPATH."""
     start = time.monotonic()
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-m", "diagnose", "sweep", *extra, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
+        env=env,
     )
     return Invocation(out, done.returncode, done.stdout, done.stderr, time.monotonic() - start)
 
@@ -180,11 +185,23 @@ def test_rerun_skips_measured_points_and_a_failing_point_does_not_stop_it(
     assert len(records) == 2
     before = {path: path.stat().st_mtime_ns for path in records}
 
-    # Resolution 7 is refused by every `diagnose run` (fast): 2 new points that fail, placed
-    # before the measured ones in grid order; the 2 measured points are skipped.
-    tiny = [*TINY]
-    tiny[tiny.index("64")] = "7,64"
-    again = _sweep_cli(out, *tiny, *GRID)
+    # Rank 8's `diagnose run` fails as it starts (a sitecustomize the children inherit plants a
+    # failure; a bad value would be refused before any point runs): 2 new points that fail,
+    # placed before the measured ones in grid order; the 2 measured points are skipped.
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "sitecustomize.py").write_text(
+        "import sys\n"
+        "argv = sys.argv\n"
+        "if 'run' in argv and '--rank' in argv and argv[argv.index('--rank') + 1] == '8':\n"
+        "    print('diagnose: error: planted failure of rank 8', file=sys.stderr, flush=True)\n"
+        "    import os\n"
+        "    os._exit(3)\n",  # site would catch a SystemExit raised here
+        encoding="utf-8",
+    )
+    grid = [*GRID]
+    grid[grid.index("4")] = "8,4"
+    again = _sweep_cli(out, *TINY, *grid, pythonpath=planted)
 
     assert again.returncode == ExitCode.UNSUPPORTED, again.stderr  # some points failed
     assert again.stdout.count("skipped (measured before)") == 2
@@ -198,13 +215,13 @@ def test_rerun_skips_measured_points_and_a_failing_point_does_not_stop_it(
     assert all(p["resumed"] for p in by_status["measured"])
     assert len(by_status["failed"]) == 2
     for point in by_status["failed"]:
-        assert point["exit_code"] == ExitCode.USAGE
-        assert "resolution 7" in str(point["reason"])
+        assert point["exit_code"] == ExitCode.BAD_INPUT
+        assert "planted failure of rank 8" in str(point["reason"])
         assert (out / str(point["log"])).is_file()
     # The failures come first in grid order and every later point was still handled.
     assert [p["status"] for p in points][:2] == ["failed", "failed"]
     page = (out / "report.html").read_text(encoding="utf-8")
-    assert "resolution 7 must be a multiple of 8" in page
+    assert "planted failure of rank 8" in page
     assert "2 failed" in page
 
 

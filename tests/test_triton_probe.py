@@ -208,7 +208,10 @@ def test_device_mode_times_the_compile_and_stops_after_a_fault(tmp_path: Path) -
 
     module = tmp_path / "eager_cases.py"
     module.write_text(_EAGER_CASES)
-    checks = _run_in_process([str(module)], torch.device("cpu"), "cuda", "sm_90", [1], None)
+    checks, ran = _run_in_process(
+        [str(module)], torch.device("cpu"), "cuda", "sm_90", [1], None, 900.0
+    )
+    assert ran == [1]
     assert [(c.case, c.shape["n"], c.verdict) for c in checks] == [
         ("fine", 5, "pass"),
         ("fine", 7, "pass"),  # gpu_shapes run in device mode
@@ -220,6 +223,28 @@ def test_device_mode_times_the_compile_and_stops_after_a_fault(tmp_path: Path) -
     assert checks[0].compile_seconds is not None and checks[0].mode == "device"
     assert "illegal memory access" in checks[2].message
     assert checks[3].message.startswith("not run: the GPU faulted in faults")
+
+
+_TWO_FINE_CASES = _EAGER_CASES.replace(
+    'CASES = [case("fine", fill), case("faults", fault), case("after", fill)]',
+    'CASES = [case("fine", fill), case("also", fill)]',
+)
+
+
+def test_device_mode_starts_no_seed_past_its_time_budget(tmp_path: Path) -> None:
+    """Seed by seed: whole passes, the first seed always, none started once the budget is spent;
+    a check compiled under an earlier seed is not timed as compiling again."""
+    from diagnose.probes.triton_cases.runner import _run_in_process
+
+    module = tmp_path / "eager_cases.py"
+    module.write_text(_TWO_FINE_CASES)
+    args = ([str(module)], torch.device("cpu"), "cuda", "sm_90", [1, 2, 3], None)
+    spent, ran = _run_in_process(*args, 0.0)
+    assert ran == [1] and {c.run_seed for c in spent} == {1} and len(spent) == 4
+    whole, ran = _run_in_process(*args, 900.0)
+    assert ran == [1, 2, 3] and len(whole) == 12
+    assert all(c.verdict == "pass" for c in whole)
+    assert all((c.compile_seconds is None) == (c.run_seed != 1) for c in whole)
 
 
 # --- environment ----------------------------------------------------------------------------------

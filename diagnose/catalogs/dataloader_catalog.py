@@ -285,7 +285,7 @@ def gpu_starved(
             "s_per_it": wait.step,
             "share_basis": "the data_wait phase of the phase bar over the median step",
             **(
-                {"data_wait_share_interval": [reading.low, reading.high]}
+                {"data_wait_share_interval": reading.share_interval()}
                 if reading is not None
                 else {}
             ),

@@ -183,15 +183,15 @@ class ProfileCommand:
                     if result.timed_out or result.exit_code == 0:
                         return int(ExitCode.BAD_INPUT)
                     return result.exit_code
-                if not any(c.timed_step_s for c in result.captures):
+                # A strict violation stops the loop at its first step: its record (the violation,
+                # where and why) is what the user came for, timed steps or not.
+                if not any(c.timed_step_s for c in result.captures) and not violation_count(logs):
                     clean_up()
                     print(
                         f"diagnose: {_nothing_timed(result.captures, options.skip_steps)}; "
                         "nothing was written",
                         file=sys.stderr,
                     )
-                    if violation_count(logs):
-                        return _strict_exit(logs, result.exit_code)
                     if result.exit_code != 0:
                         return result.exit_code
                     return int(ExitCode.NOTHING_CAPTURED)

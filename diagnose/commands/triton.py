@@ -71,7 +71,8 @@ class TritonCommand:
             type=float,
             default=900.0,
             metavar="SECONDS",
-            help="give up on the interpreter run after this long (default 900)",
+            help="give up on the interpreter run after this long; on a GPU, start no "
+            "further seed after it (default 900)",
         )
 
     def run(self, args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from diagnose.probes.triton_cases.failures import (
 from diagnose.probes.triton_cases.formats import format_of
 from diagnose.probes.triton_cases.judge import OutputJudgement, judge_output
 from diagnose.probes.triton_cases.numerics import Bounded, Numerics
+from diagnose.probes.triton_cases.reference_cache import cached_reference
 
 #: pass: every element within its bound. drift: beyond it but within a stated factor, or a handful
 #: of isolated elements (:mod:`~.judge`): reported, not a failure. mismatch: wrong numbers (a
@@ -448,7 +449,9 @@ def run_check(check: PlannedCheck, env: CheckEnv, state: RunState) -> CheckResul
         return verdict(kind, message)
 
     try:
-        expected, result.precision = reference_of(case, inputs, check.dtype, env)
+        expected, result.precision = cached_reference(
+            case, inputs, check.dtype, env, shape=check.shape, seed=seed
+        )
     except Exception as exc:
         return verdict("case_error", f"reference raised {first_line(exc)}")
     results = launched.results
@@ -530,9 +533,11 @@ def run_checks(
     start: int = 0,
     on_start: Callable[[PlannedCheck], None] | None = None,
     on_result: Callable[[PlannedCheck, CheckResult], None] | None = None,
+    state: RunState | None = None,
 ) -> list[CheckResult]:
-    """Run the planned checks from index ``start`` on, in order."""
-    state = RunState()
+    """Run the planned checks from index ``start`` on, in order; ``state`` carries over from an
+    earlier call (the checks it compiled)."""
+    state = state if state is not None else RunState()
     results = []
     for check in plan_checks(cases, env.mode, seeds)[start:]:
         if on_start is not None:

@@ -31,6 +31,7 @@ from diagnose.probes.triton_cases.check import (
     FAILING,
     VERDICTS,
     CheckResult,
+    RunState,
     plan_checks,
     run_checks,
     run_seeds,
@@ -159,7 +160,15 @@ def run_suite(
     if device.type == "cuda" and not interpreter_forced():
         backend, arch = device_target(device)
         suite = SuiteResult("device", backend, arch, str(device), all_seeds[0], sources)
-        suite.checks = _run_in_process(sources, device, backend, arch, all_seeds, progress)
+        suite.checks, ran = _run_in_process(
+            sources, device, backend, arch, all_seeds, progress, timeout_s
+        )
+        if len(ran) < len(all_seeds):
+            suite.notes.append(
+                f"seeds {all_seeds[len(ran)]}-{all_seeds[-1]} not run: the {timeout_s:g} s time "
+                f"budget was spent after {len(ran)} of {len(all_seeds)} seeds"
+            )
+        all_seeds = ran
     else:
         suite = SuiteResult("interpreter", "interpreter", "", "cpu", all_seeds[0], sources)
         if device.type == "cuda":
@@ -181,17 +190,29 @@ def _run_in_process(
     arch: str,
     seeds: Sequence[int],
     progress: Callable[[str], None] | None,
-) -> list[CheckResult]:
+    timeout_s: float,
+) -> tuple[list[CheckResult], list[int]]:
+    """The checks of every seed, seed by seed, and the seeds run: no seed starts once
+    ``timeout_s`` is spent (the first always runs), so a cut run has whole passes."""
     cases = [case for source in sources for case in load_cases(source)]
     env = CheckEnv("device", backend, arch, device)
-    total = len(plan_checks(cases, "device", seeds))
+    per_seed = len(plan_checks(cases, "device", seeds[:1]))
+    total = per_seed * len(seeds)
+    deadline = time.monotonic() + timeout_s
+    state = RunState()
+    results: list[CheckResult] = []
+    ran: list[int] = []
+    for number, seed in enumerate(seeds):
+        if ran and time.monotonic() >= deadline:
+            break
 
-    def on_start(check: Any) -> None:
-        if progress is not None:
-            progress(f"triton check {check.index + 1}/{total}: {check.label}")
+        def on_start(check: Any, done: int = number * per_seed) -> None:
+            if progress is not None:
+                progress(f"triton check {done + check.index + 1}/{total}: {check.label}")
 
-    results: list[CheckResult] = run_checks(cases, env, seeds, on_start=on_start)
-    return results
+        results += run_checks(cases, env, [seed], on_start=on_start, state=state)
+        ran.append(seed)
+    return results, ran
 
 
 @dataclass

@@ -42,7 +42,7 @@ def check(ctx: TraceContext) -> ProbeResult:
         "exposed_seconds_per_step": exposed,
         "comm_seconds_per_step": in_collectives,
         "share_of_step": reading.value,
-        "share_interval": [reading.low, reading.high],
+        "share_interval": reading.share_interval(),
         "interval_note": catalog.INTERVAL_NOTE,
         "by_kind_seconds": by_kind,
         "collectives_read_from": (
