@@ -42,9 +42,10 @@ from pathlib import Path
 import torch
 
 from diagnose.probes.triton_cases.api import CheckEnv, TritonCase, dtype_name, shape_label
-from diagnose.probes.triton_cases.check import check_seed, reference_of
+from diagnose.probes.triton_cases.check import check_seed
 from diagnose.probes.triton_cases.emulate import judge_emulated
 from diagnose.probes.triton_cases.judge import element_bounds
+from diagnose.probes.triton_cases.reference import reference_of
 from diagnose.probes.triton_cases.runner import CORPUS, run_suite
 
 REPO = Path(__file__).resolve().parent.parent

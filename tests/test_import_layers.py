@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "diagnose.redact",
             "diagnose.secret_shapes",
             "diagnose.output",
+            "diagnose.user_cache",
             "diagnose.roofline.model",
         ),
     ),

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from diagnose.probes.triton_cases import check as check_module
 from diagnose.probes.triton_cases import reference_cache
 from diagnose.probes.triton_cases.api import CheckEnv, TritonCase
 from diagnose.probes.triton_cases.check import check_seed
@@ -44,13 +43,13 @@ def _same(a: dict[str, Bounded], b: dict[str, Bounded]) -> bool:
 def computed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Each reference the harness really computes, by case name."""
     calls: list[str] = []
-    real = check_module.reference_of
+    real = reference_cache.reference_of
 
     def counting(case: TritonCase, *args: Any, **kwargs: Any) -> Any:
         calls.append(case.name)
         return real(case, *args, **kwargs)
 
-    monkeypatch.setattr(check_module, "reference_of", counting)
+    monkeypatch.setattr(reference_cache, "reference_of", counting)
     return calls
 
 
@@ -62,7 +61,7 @@ def test_miss_then_hit_gives_the_same_reference(tmp_path: Path, computed: list[s
     again, again_how = cached_reference(case, inputs, dtype, ENV, **kwargs)
     assert computed == [case.name]  # read, not computed
     assert _same(first, again) and first_how == again_how
-    direct, _ = check_module.reference_of(case, inputs, dtype, ENV)
+    direct, _ = reference_cache.reference_of(case, inputs, dtype, ENV)
     assert _same(first, direct)
 
 

@@ -67,16 +67,15 @@ from diagnose.probes.triton_cases.api import (
 )
 from diagnose.probes.triton_cases.check import (
     FAILING,
-    TOLERANCES,
     VERDICTS,
     CheckResult,
-    Tolerance,
     Verdict,
 )
 from diagnose.probes.triton_cases.formats import Format
 from diagnose.probes.triton_cases.judge import OutputJudgement, judge_output
 from diagnose.probes.triton_cases.loading import CaseLoadError, load_cases
 from diagnose.probes.triton_cases.numerics import Bounded, Numerics
+from diagnose.probes.triton_cases.reference import TOLERANCES, Tolerance
 
 __all__ = [
     "DEFAULT_SEED",

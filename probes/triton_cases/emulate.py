@@ -181,7 +181,7 @@ def emulated_outputs(
     """What one correct kernel, drawn with ``generator``, would return for ``inputs``: the case's
     reference run on an :class:`EmulatedDevice`, stored in the outputs' dtypes (rounded to
     nearest or truncated: ``truncating_stores``, or at random when None)."""
-    from diagnose.probes.triton_cases.check import reference_of
+    from diagnose.probes.triton_cases.reference import reference_of
 
     device = EmulatedDevice(env, case.kind, generator)
     values, _ = reference_of(case, inputs, dtype, env, device)
@@ -216,7 +216,8 @@ def judge_emulated(
 ) -> list[OutputJudgement]:
     """Every output of one check of ``case`` (the inputs of ``run_seed``, as the harness draws
     them) computed by an emulated correct device and judged against the reference."""
-    from diagnose.probes.triton_cases.check import check_seed, reference_of
+    from diagnose.probes.triton_cases.check import check_seed
+    from diagnose.probes.triton_cases.reference import reference_of
 
     seed = check_seed(run_seed, case.name, shape, dtype)
     inputs = case.make_inputs(shape, dtype, torch.Generator().manual_seed(seed))

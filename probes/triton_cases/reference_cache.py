@@ -39,6 +39,7 @@ from diagnose.probes.triton_cases.api import (
 )
 from diagnose.probes.triton_cases.bounds import Error
 from diagnose.probes.triton_cases.numerics import Bounded, Numerics
+from diagnose.probes.triton_cases.reference import reference_of
 from diagnose.user_cache import cache_root
 
 #: A reference computed faster than this is not worth a file (the interpreter's small shapes).
@@ -170,8 +171,6 @@ def cached_reference(
 ) -> tuple[dict[str, Bounded], str]:
     """:func:`~.check.reference_of` for the check of ``case`` at ``shape``, ``dtype`` and
     ``seed`` (whose inputs are ``inputs``), read from the cache when it holds it whole."""
-    from diagnose.probes.triton_cases.check import reference_of
-
     folder = folder or cache_folder()
     key = entry_key(case, shape, dtype, seed, env)
     path = _path(folder, key)
