@@ -85,11 +85,11 @@ def _one(name: str) -> dict[str, float]:
     timed("build (meta)", build)
 
     def references() -> None:
-        from diagnose.probes.triton_cases.api import CheckEnv
-        from diagnose.probes.triton_cases.check import check_seed, plan_checks
-        from diagnose.probes.triton_cases.loading import load_cases
-        from diagnose.probes.triton_cases.reference_cache import cached_reference
-        from diagnose.probes.triton_cases.runner import CORPUS
+        from diagnose.probes.triton.cases.api import CheckEnv
+        from diagnose.probes.triton.cases.check import check_seed, plan_checks
+        from diagnose.probes.triton.cases.loading import load_cases
+        from diagnose.probes.triton.cases.reference_cache import cached_reference
+        from diagnose.probes.triton.cases.runner import CORPUS
 
         # The references a GPU run computes on its CPU: the corpus at its GPU shapes, as judged
         # for an H200 (the device itself is never touched).

@@ -6,7 +6,7 @@ planted wrong kernels.
     python benchmarks/bench_triton_judge.py --gpu-seeds 3       # the GPU-only shapes too (slow)
 
 False alarms: every case of the built-in corpus, at every dtype and shape the interpreter runs,
-computed by an emulated correct device (``diagnose.probes.triton_cases.emulate``: fp32 arithmetic,
+computed by an emulated correct device (``diagnose.probes.triton.cases.emulate``: fp32 arithmetic,
 reductions and dots in a random order and block size, tensor-core accumulators and stores that
 truncate or round, approximate exp2/rsqrt, flash attention's running max, casts a compiler may
 fuse away) and
@@ -41,12 +41,12 @@ from pathlib import Path
 
 import torch
 
-from diagnose.probes.triton_cases.api import CheckEnv, TritonCase, dtype_name, shape_label
-from diagnose.probes.triton_cases.check import check_seed
-from diagnose.probes.triton_cases.emulate import judge_emulated
-from diagnose.probes.triton_cases.judge import element_bounds
-from diagnose.probes.triton_cases.reference import reference_of
-from diagnose.probes.triton_cases.runner import CORPUS, run_suite
+from diagnose.probes.triton.cases.api import CheckEnv, TritonCase, dtype_name, shape_label
+from diagnose.probes.triton.cases.check import check_seed
+from diagnose.probes.triton.cases.emulate import judge_emulated
+from diagnose.probes.triton.cases.judge import element_bounds
+from diagnose.probes.triton.cases.reference import reference_of
+from diagnose.probes.triton.cases.runner import CORPUS, run_suite
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "fixtures" / "triton"

@@ -13,7 +13,7 @@ from diagnose.probes.optimizer.probe import OptimizerProbe
 from diagnose.probes.precision.probe import PrecisionProbe
 from diagnose.probes.quantization.probe import QuantizationProbe
 from diagnose.probes.roofline.probe import RooflineProbe
-from diagnose.probes.triton_probe import TritonProbe
+from diagnose.probes.triton.probe import TritonProbe
 
 #: Probes in run order. Each entry is an instance of a class that satisfies ``Probe``.
 REGISTRY: tuple[Probe, ...] = (

@@ -116,7 +116,7 @@ NOT_A_VERDICT = {
     ),
     ("diagnose/catalogs/strict_catalog.py", "MAX_ROWS"): "how many table rows a finding lists",
     **{
-        ("probes/triton_cases/judge.py", name): _EXACT_ERROR_BOUND
+        ("probes/triton/cases/judge.py", name): _EXACT_ERROR_BOUND
         for name in ("DRIFT_FACTOR", "HANDFUL", "ISOLATED_FACTOR")
     },
 }

@@ -20,16 +20,16 @@ from typing import Any
 import pytest
 import torch
 
-from diagnose.probes.triton_cases.api import CheckEnv, Tensors, TritonCase
-from diagnose.probes.triton_cases.bounds import Error
-from diagnose.probes.triton_cases.check import CheckResult
-from diagnose.probes.triton_cases.emulate import emulated_outputs
-from diagnose.probes.triton_cases.formats import DotPrecision, Format
-from diagnose.probes.triton_cases.judge import element_bounds, judge_output
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics
-from diagnose.probes.triton_cases.reference import reference_of
-from diagnose.probes.triton_cases.runner import CORPUS, SuiteResult
-from diagnose.probes.triton_probe import TritonEnvironment, judge_suite
+from diagnose.probes.triton.cases.api import CheckEnv, Tensors, TritonCase
+from diagnose.probes.triton.cases.bounds import Error
+from diagnose.probes.triton.cases.check import CheckResult
+from diagnose.probes.triton.cases.emulate import emulated_outputs
+from diagnose.probes.triton.cases.formats import DotPrecision, Format
+from diagnose.probes.triton.cases.judge import element_bounds, judge_output
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics
+from diagnose.probes.triton.cases.reference import reference_of
+from diagnose.probes.triton.cases.runner import CORPUS, SuiteResult
+from diagnose.probes.triton.probe import TritonEnvironment, judge_suite
 
 pytest.importorskip("triton", reason="the triton package is not installed")
 

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from diagnose.catalogs.triton_catalog import DRIFT_FACTOR, HANDFUL, ISOLATED_FACTOR
-from diagnose.probes.triton_cases.api import CheckEnv, TritonCase, dtype_name, shape_label
-from diagnose.probes.triton_cases.bounds import Error
-from diagnose.probes.triton_cases.emulate import judge_emulated
-from diagnose.probes.triton_cases.formats import BF16, FP16, TF32, XF32
-from diagnose.probes.triton_cases.formats import TF32_RNA as TF32_ROUNDED
-from diagnose.probes.triton_cases.judge import element_bounds, judge_output
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics
-from diagnose.probes.triton_cases.reference import reference_of
-from diagnose.probes.triton_cases.runner import CORPUS
+from diagnose.probes.triton.cases.api import CheckEnv, TritonCase, dtype_name, shape_label
+from diagnose.probes.triton.cases.bounds import Error
+from diagnose.probes.triton.cases.emulate import judge_emulated
+from diagnose.probes.triton.cases.formats import BF16, FP16, TF32, XF32
+from diagnose.probes.triton.cases.formats import TF32_RNA as TF32_ROUNDED
+from diagnose.probes.triton.cases.judge import element_bounds, judge_output
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics
+from diagnose.probes.triton.cases.reference import reference_of
+from diagnose.probes.triton.cases.runner import CORPUS
 
 pytest.importorskip("triton", reason="the triton package is not installed")
 

@@ -22,18 +22,18 @@ from diagnose.commands.triton import CHECKS_FAILED, TritonCommand
 from diagnose.config import RunConfig
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.probes.base import Probe, ProbeContext, run_probe
-from diagnose.probes.triton_cases import CheckResult, TritonCase, load_cases
-from diagnose.probes.triton_cases.check import (
+from diagnose.probes.triton.cases import CheckResult, TritonCase, load_cases
+from diagnose.probes.triton.cases.check import (
     DEFAULT_SEED,
     check_seed,
     inductor_cpu_unavailable,
     plan_checks,
     run_seeds,
 )
-from diagnose.probes.triton_cases.failures import classify_exception, is_fatal_device_error
-from diagnose.probes.triton_cases.loading import CaseLoadError
-from diagnose.probes.triton_cases.runner import SuiteResult, verdict_table
-from diagnose.probes.triton_probe import (
+from diagnose.probes.triton.cases.failures import classify_exception, is_fatal_device_error
+from diagnose.probes.triton.cases.loading import CaseLoadError
+from diagnose.probes.triton.cases.runner import SuiteResult, verdict_table
+from diagnose.probes.triton.probe import (
     TritonEnvironment,
     TritonProbe,
     judge_suite,
@@ -76,7 +76,7 @@ def _cpu_ctx() -> ProbeContext:
 
 
 def test_plan_adds_gpu_shapes_and_dtypes_only_on_a_device() -> None:
-    from diagnose.probes.triton_cases.inductor import CASES as INDUCTOR
+    from diagnose.probes.triton.cases.inductor import CASES as INDUCTOR
 
     lora = INDUCTOR[0]
     interpreted = plan_checks([lora], "interpreter")
@@ -161,7 +161,7 @@ def test_user_case_module_loads_from_a_file(tmp_path: Path) -> None:
     module.write_text(
         textwrap.dedent(
             """
-            from diagnose.probes.triton_cases import TritonCase, random_tensor
+            from diagnose.probes.triton.cases import TritonCase, random_tensor
             CASES = [TritonCase(
                 name="eager_double",
                 make_inputs=lambda shape, dtype, gen: {"x": random_tensor((3,), dtype, gen)},
@@ -178,7 +178,7 @@ def test_user_case_module_loads_from_a_file(tmp_path: Path) -> None:
 
 _EAGER_CASES = textwrap.dedent(
     """
-    from diagnose.probes.triton_cases import OutputSpec, TritonCase, random_tensor
+    from diagnose.probes.triton.cases import OutputSpec, TritonCase, random_tensor
 
     def fault(inputs, outputs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -204,7 +204,7 @@ _EAGER_CASES = textwrap.dedent(
 
 def test_device_mode_times_the_compile_and_stops_after_a_fault(tmp_path: Path) -> None:
     """The in-process (GPU) path, on plain torch ops: no GPU needed to follow its logic."""
-    from diagnose.probes.triton_cases.runner import _run_in_process
+    from diagnose.probes.triton.cases.runner import _run_in_process
 
     module = tmp_path / "eager_cases.py"
     module.write_text(_EAGER_CASES)
@@ -234,7 +234,7 @@ _TWO_FINE_CASES = _EAGER_CASES.replace(
 def test_device_mode_starts_no_seed_past_its_time_budget(tmp_path: Path) -> None:
     """Seed by seed: whole passes, the first seed always, none started once the budget is spent;
     a check compiled under an earlier seed is not timed as compiling again."""
-    from diagnose.probes.triton_cases.runner import _run_in_process
+    from diagnose.probes.triton.cases.runner import _run_in_process
 
     module = tmp_path / "eager_cases.py"
     module.write_text(_TWO_FINE_CASES)
@@ -539,7 +539,7 @@ _HIDE_TRITON = textwrap.dedent(
     import torch
     from diagnose.config import RunConfig
     from diagnose.probes.base import ProbeContext, run_probe
-    from diagnose.probes.triton_probe import TritonProbe
+    from diagnose.probes.triton.probe import TritonProbe
     from diagnose.record import DeviceInfo, new_record
 
     ctx = ProbeContext(RunConfig(), torch.device("cpu"), DeviceInfo(kind="cpu"), new_record("run"))
@@ -676,7 +676,7 @@ def test_corpus_kernels_compile_for_real_gpu_targets(
     failures = []
     for d in ("fp16", "fp32"):
         for module, kernel, signature, constexprs in _signatures(d):
-            fn = getattr(importlib.import_module(f"diagnose.probes.triton_cases.{module}"), kernel)
+            fn = getattr(importlib.import_module(f"diagnose.probes.triton.cases.{module}"), kernel)
             try:
                 source = ASTSource(fn, signature, constexprs)
             except TypeError as exc:  # another Triton's compiler API

@@ -11,18 +11,18 @@ from typing import Any
 import pytest
 import torch
 
-from diagnose.probes.triton_cases import reference_cache
-from diagnose.probes.triton_cases.api import CheckEnv, TritonCase
-from diagnose.probes.triton_cases.check import check_seed
-from diagnose.probes.triton_cases.loading import load_cases
-from diagnose.probes.triton_cases.numerics import Bounded
-from diagnose.probes.triton_cases.reference_cache import cache_folder, cached_reference
+from diagnose.probes.triton.cases import reference_cache
+from diagnose.probes.triton.cases.api import CheckEnv, TritonCase
+from diagnose.probes.triton.cases.check import check_seed
+from diagnose.probes.triton.cases.loading import load_cases
+from diagnose.probes.triton.cases.numerics import Bounded
+from diagnose.probes.triton.cases.reference_cache import cache_folder, cached_reference
 
 ENV = CheckEnv("interpreter", "interpreter", "", torch.device("cpu"))
 
 
 def _matmul() -> TritonCase:
-    return next(c for c in load_cases("diagnose.probes.triton_cases.matmul") if c.shapes)
+    return next(c for c in load_cases("diagnose.probes.triton.cases.matmul") if c.shapes)
 
 
 def _check(seed_run: int = 1) -> tuple[TritonCase, dict[str, int], torch.dtype, int, Any]:

@@ -1,7 +1,7 @@
 """`diagnose triton`: check that Triton kernels compute the right answer on this machine.
 
 Runs the built-in corpus, or the user's own cases (``--cases MODULE_OR_FILE``: a module with a
-``CASES`` list of ``diagnose.probes.triton_cases.TritonCase``), prints one verdict per case, shape
+``CASES`` list of ``diagnose.probes.triton.cases.TritonCase``), prints one verdict per case, shape
 and dtype (pass, drift or mismatch, or a build/launch failure), and exits 0 when none fails (drift
 is reported, not a failure), :data:`CHECKS_FAILED` when any does. The inputs come from a fixed
 seed unless asked otherwise, so the same stack gives the same verdicts every time.
@@ -80,8 +80,8 @@ class TritonCommand:
 
         from diagnose.device import select_device
         from diagnose.output import check_writable_file, write_text_atomic
-        from diagnose.probes.triton_cases.loading import CaseLoadError
-        from diagnose.probes.triton_cases.runner import (
+        from diagnose.probes.triton.cases.loading import CaseLoadError
+        from diagnose.probes.triton.cases.runner import (
             CORPUS,
             drift_line,
             jsonable,
@@ -89,7 +89,7 @@ class TritonCommand:
             summary_line,
             verdict_table,
         )
-        from diagnose.probes.triton_probe import collect_environment, version_problems
+        from diagnose.probes.triton.probe import collect_environment, version_problems
         from diagnose.progress import ProgressLine
 
         if args.timeout <= 0:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from diagnose.probes.triton_cases.api import (
+from diagnose.probes.triton.cases.api import (
     OutputSpec,
     Shape,
     Tensors,
@@ -21,8 +21,8 @@ from diagnose.probes.triton_cases.api import (
     next_power_of_2,
     random_tensor,
 )
-from diagnose.probes.triton_cases.matmul import bf16_dot_unsupported
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics
+from diagnose.probes.triton.cases.matmul import bf16_dot_unsupported
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics
 
 _BLOCK_M = 32
 _BLOCK_N = 32

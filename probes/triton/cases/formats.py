@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from diagnose.probes.triton_cases.api import CheckEnv
+from diagnose.probes.triton.cases.api import CheckEnv
 
 Rounding = Literal["nearest-even", "nearest-away", "truncate"]
 

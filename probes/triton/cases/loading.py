@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from diagnose.probes.triton_cases.api import TritonCase
-from diagnose.probes.triton_cases.failures import first_line
+from diagnose.probes.triton.cases.api import TritonCase
+from diagnose.probes.triton.cases.failures import first_line
 
 
 class CaseLoadError(Exception):

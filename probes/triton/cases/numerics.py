@@ -10,7 +10,7 @@ casts (the softmax weights before the second dot of attention) the same way. Eac
 beside its float64 value, how far a correct kernel's may be from it (:mod:`~.bounds`). What is
 left between a correct kernel and the reference is the order of its roundings.
 
-:mod:`diagnose.probes.triton_cases.emulate` runs the same references as a device would (fp32
+:mod:`diagnose.probes.triton.cases.emulate` runs the same references as a device would (fp32
 arithmetic in random orders and block sizes): that is how the bounds are calibrated.
 """
 
@@ -22,8 +22,8 @@ from typing import Union
 
 import torch
 
-from diagnose.probes.triton_cases.api import CheckEnv
-from diagnose.probes.triton_cases.bounds import (
+from diagnose.probes.triton.cases.api import CheckEnv
+from diagnose.probes.triton.cases.bounds import (
     APPROXIMATE_UNITS,
     MIN_KEY_BLOCK,
     ROUNDING_ALLOWANCE,
@@ -34,7 +34,7 @@ from diagnose.probes.triton_cases.bounds import (
     summed_along,
     through_dot,
 )
-from diagnose.probes.triton_cases.formats import (
+from diagnose.probes.triton.cases.formats import (
     FP32,
     FP64,
     DotPrecision,

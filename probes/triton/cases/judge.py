@@ -23,8 +23,8 @@ from typing import Literal
 import torch
 
 from diagnose.catalogs.triton_catalog import DRIFT_FACTOR, HANDFUL, ISOLATED_FACTOR, WRONGNESS
-from diagnose.probes.triton_cases.formats import format_of
-from diagnose.probes.triton_cases.numerics import Bounded
+from diagnose.probes.triton.cases.formats import format_of
+from diagnose.probes.triton.cases.numerics import Bounded
 
 JudgedAs = Literal["pass", "drift", "mismatch"]
 

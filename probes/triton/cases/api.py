@@ -1,7 +1,7 @@
 """The case format: what a kernel check is made of. Users write these for their own kernels.
 
 A :class:`TritonCase` bundles a kernel launcher, an input generator and a reference. The harness
-(:mod:`diagnose.probes.triton_cases.check`) generates seeded random inputs, allocates the outputs
+(:mod:`diagnose.probes.triton.cases.check`) generates seeded random inputs, allocates the outputs
 filled with NaN inside a poisoned margin (so an element the kernel never writes, or one it writes
 outside the output, is caught), launches, computes the reference on the CPU in float64 from the
 very same inputs, and judges every element against its own bound (:mod:`~.judge`).

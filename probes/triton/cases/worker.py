@@ -1,6 +1,6 @@
-"""The interpreter worker: ``python -m diagnose.probes.triton_cases.worker SPEC.json``.
+"""The interpreter worker: ``python -m diagnose.probes.triton.cases.worker SPEC.json``.
 
-Started by :mod:`diagnose.probes.triton_cases.runner` with ``TRITON_INTERPRET=1`` in its
+Started by :mod:`diagnose.probes.triton.cases.runner` with ``TRITON_INTERPRET=1`` in its
 environment, so the kernels it imports are decorated for Triton's interpreter. It writes one JSON
 line per event to the file the spec names: ``plan`` (every check), ``start``/``result`` per check,
 ``done``, or ``load_error``. Lines are flushed at once so a crash loses only the check in flight.
@@ -26,9 +26,9 @@ def main(argv: Sequence[str]) -> int:
         # Imported here, after the process started with TRITON_INTERPRET=1 set.
         import torch
 
-        from diagnose.probes.triton_cases.api import CheckEnv, dtype_name
-        from diagnose.probes.triton_cases.check import plan_checks, run_checks
-        from diagnose.probes.triton_cases.loading import CaseLoadError, load_cases
+        from diagnose.probes.triton.cases.api import CheckEnv, dtype_name
+        from diagnose.probes.triton.cases.check import plan_checks, run_checks
+        from diagnose.probes.triton.cases.loading import CaseLoadError, load_cases
 
         try:
             cases = [case for source in spec["sources"] for case in load_cases(source)]

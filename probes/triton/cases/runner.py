@@ -1,7 +1,7 @@
 """Where the checks run: compiled on the GPU in this process, or in Triton's interpreter elsewhere.
 
 ``TRITON_INTERPRET=1`` must be set before the kernels are decorated, so the interpreter runs in a
-subprocess (:mod:`diagnose.probes.triton_cases.worker`) with the variable set there only; this
+subprocess (:mod:`diagnose.probes.triton.cases.worker`) with the variable set there only; this
 process's environment is never touched. The worker reports each check as one JSON line, so a
 kernel that kills it (an out-of-bounds access in the interpreter can) costs only that check:
 the worker is restarted after it.
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from diagnose.catalogs.triton_catalog import seeds_label
-from diagnose.probes.triton_cases.api import CheckEnv, Mode, shape_label
-from diagnose.probes.triton_cases.check import (
+from diagnose.probes.triton.cases.api import CheckEnv, Mode, shape_label
+from diagnose.probes.triton.cases.check import (
     FAILING,
     VERDICTS,
     CheckResult,
@@ -36,14 +36,14 @@ from diagnose.probes.triton_cases.check import (
     run_checks,
     run_seeds,
 )
-from diagnose.probes.triton_cases.loading import CaseLoadError, load_cases, validate_source
+from diagnose.probes.triton.cases.loading import CaseLoadError, load_cases, validate_source
 
 #: The built-in corpus, in run order.
 CORPUS: tuple[str, ...] = tuple(
-    f"diagnose.probes.triton_cases.{name}"
+    f"diagnose.probes.triton.cases.{name}"
     for name in ("elementwise", "softmax", "norms", "matmul", "attention", "atomics", "inductor")
 )
-WORKER_MODULE = "diagnose.probes.triton_cases.worker"
+WORKER_MODULE = "diagnose.probes.triton.cases.worker"
 #: A worker that dies this many times gives up on the remaining checks.
 MAX_WORKER_RESTARTS = 5
 

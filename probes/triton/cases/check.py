@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from diagnose.catalogs.triton_catalog import DEFAULT_SEED
-from diagnose.probes.triton_cases.api import (
+from diagnose.probes.triton.cases.api import (
     CheckEnv,
     Mode,
     OutputSpec,
@@ -29,13 +29,13 @@ from diagnose.probes.triton_cases.api import (
     dtype_name,
     shape_label,
 )
-from diagnose.probes.triton_cases.failures import (
+from diagnose.probes.triton.cases.failures import (
     classify_exception,
     first_line,
     is_fatal_device_error,
 )
-from diagnose.probes.triton_cases.judge import OutputJudgement, judge_output
-from diagnose.probes.triton_cases.reference_cache import cached_reference
+from diagnose.probes.triton.cases.judge import OutputJudgement, judge_output
+from diagnose.probes.triton.cases.reference_cache import cached_reference
 
 #: pass: every element within its bound. drift: beyond it but within a stated factor, or a handful
 #: of isolated elements (:mod:`~.judge`): reported, not a failure. mismatch: wrong numbers (a

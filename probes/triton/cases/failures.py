@@ -6,7 +6,7 @@ from __future__ import annotations
 import traceback
 from typing import Literal
 
-from diagnose.probes.triton_cases.api import Mode
+from diagnose.probes.triton.cases.api import Mode
 
 #: The verdicts a failed launch can get (a subset of the check's verdicts).
 Failure = Literal["compile_error", "launch_error", "unsupported"]

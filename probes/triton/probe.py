@@ -4,7 +4,7 @@ If ``triton.jit`` runs, the result should be correct or the kernel should fail t
 silent miscompile is the worst of both: training runs, the loss falls, and the model ships subtly
 broken. On ROCm the Triton backend supports a subset of the language, and a Triton package that
 does not match torch is a common cause. This probe runs a corpus of kernels typical of diffusion
-and LoRA training (:mod:`diagnose.probes.triton_cases`) on the run's device and checks each
+and LoRA training (:mod:`diagnose.probes.triton.cases`) on the run's device and checks each
 against a float64 CPU reference; it also checks that the installed Triton is the one torch
 expects.
 
@@ -41,8 +41,8 @@ from diagnose.probes.base import ProbeContext, ProbeSkipped
 from diagnose.record import ProbeResult
 
 if TYPE_CHECKING:
-    from diagnose.probes.triton_cases.check import CheckResult
-    from diagnose.probes.triton_cases.runner import SuiteResult
+    from diagnose.probes.triton.cases.check import CheckResult
+    from diagnose.probes.triton.cases.runner import SuiteResult
 
 #: Distributions that install the ``triton`` module (they overwrite one another).
 TRITON_DISTRIBUTIONS: tuple[str, ...] = (
@@ -486,7 +486,7 @@ class TritonProbe:
         self.device_kinds = tuple(device_kinds)
 
     def run(self, ctx: ProbeContext) -> ProbeResult:
-        from diagnose.probes.triton_cases.runner import CORPUS, run_suite
+        from diagnose.probes.triton.cases.runner import CORPUS, run_suite
 
         env = collect_environment()
         if env.import_error:
@@ -514,6 +514,6 @@ class TritonProbe:
 def judge_environment_only(env: TritonEnvironment) -> ProbeResult:
     """The version question alone, when no kernel could run: the kernel questions are not
     judged."""
-    from diagnose.probes.triton_cases.runner import SuiteResult
+    from diagnose.probes.triton.cases.runner import SuiteResult
 
     return judge_suite(SuiteResult("interpreter", "", "", "", 0, []), env)

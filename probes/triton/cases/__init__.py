@@ -11,7 +11,7 @@ Checking your own kernel: write a module with a ``CASES`` list and run
 ``diagnose triton --cases my_cases.py`` (a file, or an importable module name)::
 
     import torch, triton, triton.language as tl
-    from diagnose.probes.triton_cases import OutputSpec, TritonCase, random_tensor
+    from diagnose.probes.triton.cases import OutputSpec, TritonCase, random_tensor
 
     @triton.jit
     def scale_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -52,7 +52,7 @@ This package imports torch but not triton; the corpus modules import triton.
 from __future__ import annotations
 
 from diagnose.catalogs.triton_catalog import DEFAULT_SEED
-from diagnose.probes.triton_cases.api import (
+from diagnose.probes.triton.cases.api import (
     CheckEnv,
     Mode,
     OutputSpec,
@@ -65,17 +65,17 @@ from diagnose.probes.triton_cases.api import (
     random_tensor,
     shape_label,
 )
-from diagnose.probes.triton_cases.check import (
+from diagnose.probes.triton.cases.check import (
     FAILING,
     VERDICTS,
     CheckResult,
     Verdict,
 )
-from diagnose.probes.triton_cases.formats import Format
-from diagnose.probes.triton_cases.judge import OutputJudgement, judge_output
-from diagnose.probes.triton_cases.loading import CaseLoadError, load_cases
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics
-from diagnose.probes.triton_cases.reference import TOLERANCES, Tolerance
+from diagnose.probes.triton.cases.formats import Format
+from diagnose.probes.triton.cases.judge import OutputJudgement, judge_output
+from diagnose.probes.triton.cases.loading import CaseLoadError, load_cases
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics
+from diagnose.probes.triton.cases.reference import TOLERANCES, Tolerance
 
 __all__ = [
     "DEFAULT_SEED",

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from diagnose.probes.triton_cases.api import (
+from diagnose.probes.triton.cases.api import (
     OutputSpec,
     Shape,
     Tensors,
@@ -18,7 +18,7 @@ from diagnose.probes.triton_cases.api import (
     cdiv,
     random_tensor,
 )
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics
 
 _HALF_AND_FULL = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 256

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from diagnose.output import write_stream_atomic
-from diagnose.probes.triton_cases import formats
-from diagnose.probes.triton_cases.api import (
+from diagnose.probes.triton.cases import formats
+from diagnose.probes.triton.cases.api import (
     CheckEnv,
     Shape,
     Tensors,
@@ -37,9 +37,9 @@ from diagnose.probes.triton_cases.api import (
     dtype_name,
     shape_label,
 )
-from diagnose.probes.triton_cases.bounds import Error
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics
-from diagnose.probes.triton_cases.reference import reference_of
+from diagnose.probes.triton.cases.bounds import Error
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics
+from diagnose.probes.triton.cases.reference import reference_of
 from diagnose.user_cache import cache_root
 
 #: A reference computed faster than this is not worth a file (the interpreter's small shapes).

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from diagnose.probes.triton_cases.api import CheckEnv, Tensors, TritonCase
-from diagnose.probes.triton_cases.bounds import Error
-from diagnose.probes.triton_cases.formats import format_of
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics
+from diagnose.probes.triton.cases.api import CheckEnv, Tensors, TritonCase
+from diagnose.probes.triton.cases.bounds import Error
+from diagnose.probes.triton.cases.formats import format_of
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics
 
 # --- generic bounds -----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from diagnose.probes.triton_cases.api import (
+from diagnose.probes.triton.cases.api import (
     CheckEnv,
     OutputSpec,
     Shape,
@@ -23,7 +23,7 @@ from diagnose.probes.triton_cases.api import (
     cdiv,
     random_tensor,
 )
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics
 
 _BLOCK = 32
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diagnose.probes.triton_cases.formats import FP32
+from diagnose.probes.triton.cases.formats import FP32
 
 #: Every rounding a kernel does is allowed one ulp of its result, twice what rounding to nearest
 #: can cost: that covers additions that truncate (tensor cores' accumulators, some atomics), fused

@@ -17,11 +17,11 @@ import math
 
 import torch
 
-from diagnose.probes.triton_cases.api import CheckEnv, Shape, Tensors, TritonCase
-from diagnose.probes.triton_cases.bounds import Error, in_blocks
-from diagnose.probes.triton_cases.formats import FP32, DotPrecision, Format
-from diagnose.probes.triton_cases.judge import OutputJudgement, judge_output
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics, cross_products
+from diagnose.probes.triton.cases.api import CheckEnv, Shape, Tensors, TritonCase
+from diagnose.probes.triton.cases.bounds import Error, in_blocks
+from diagnose.probes.triton.cases.formats import FP32, DotPrecision, Format
+from diagnose.probes.triton.cases.judge import OutputJudgement, judge_output
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics, cross_products
 
 #: The emulated approximate functions' error, in fp32 units (within the judge's allowance).
 EMULATED_APPROXIMATE_UNITS = 4.0
@@ -181,7 +181,7 @@ def emulated_outputs(
     """What one correct kernel, drawn with ``generator``, would return for ``inputs``: the case's
     reference run on an :class:`EmulatedDevice`, stored in the outputs' dtypes (rounded to
     nearest or truncated: ``truncating_stores``, or at random when None)."""
-    from diagnose.probes.triton_cases.reference import reference_of
+    from diagnose.probes.triton.cases.reference import reference_of
 
     device = EmulatedDevice(env, case.kind, generator)
     values, _ = reference_of(case, inputs, dtype, env, device)
@@ -216,8 +216,8 @@ def judge_emulated(
 ) -> list[OutputJudgement]:
     """Every output of one check of ``case`` (the inputs of ``run_seed``, as the harness draws
     them) computed by an emulated correct device and judged against the reference."""
-    from diagnose.probes.triton_cases.check import check_seed
-    from diagnose.probes.triton_cases.reference import reference_of
+    from diagnose.probes.triton.cases.check import check_seed
+    from diagnose.probes.triton.cases.reference import reference_of
 
     seed = check_seed(run_seed, case.name, shape, dtype)
     inputs = case.make_inputs(shape, dtype, torch.Generator().manual_seed(seed))

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from diagnose.probes.triton_cases.api import Shape, Tensors, TritonCase, random_tensor
-from diagnose.probes.triton_cases.numerics import Bounded, Numerics
+from diagnose.probes.triton.cases.api import Shape, Tensors, TritonCase, random_tensor
+from diagnose.probes.triton.cases.numerics import Bounded, Numerics
 
 _LORA_SCALE = 0.5  # alpha / rank, as peft applies it
 
