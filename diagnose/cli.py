@@ -117,7 +117,13 @@ def _interrupted(exc: KeyboardInterrupt) -> int:
 def main_exit() -> None:
     """Console-script entry point."""
     interrupts.install()
-    code = main(entered=IMPORTED_AT)
+    try:
+        code = main(entered=IMPORTED_AT)
+    except KeyboardInterrupt as exc:
+        # A signal that lands while the first one's exit is on its way (leaving the terminal
+        # redaction, the offline switches): the exit code is the signal's all the same, never a
+        # death by SIGINT that a caller reads as "killed".
+        code = int(interrupts.exit_code(exc))
     interrupts.ignore()
     sys.exit(_finish(code))
 
