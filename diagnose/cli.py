@@ -85,7 +85,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"diagnose: error: {exc.message}", file=sys.stderr)
         return int(exc.code)
     except KeyboardInterrupt as exc:
-        return _interrupted(exc)
+        return _interrupted(interrupts.exit_code(exc))
     except BrokenPipeError:
         # The reader of our output went away (`diagnose compare ... | head`). Commands write
         # their files before printing, so nothing is lost; stdout is pointed at /dev/null so
@@ -107,8 +107,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return int(ExitCode.INTERNAL_ERROR)
 
 
-def _interrupted(exc: KeyboardInterrupt) -> int:
-    code = interrupts.exit_code(exc)
+def _interrupted(code: ExitCode) -> int:
     what = "terminated (SIGTERM)" if code == ExitCode.TERMINATED else "interrupted"
     print(f"diagnose: {what}; nothing half-written was left behind", file=sys.stderr)
     return int(code)

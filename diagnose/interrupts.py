@@ -59,13 +59,13 @@ def check() -> None:
         _raise_for(_pending)
 
 
-def arrived() -> KeyboardInterrupt | None:
-    """The interrupt a signal delivered, if one did. A KeyboardInterrupt raised inside an import
-    that a library swallows leaves that module half-initialised, and a later line then fails
-    with an error that is only the signal's consequence: the signal is the cause to report."""
+def arrived() -> ExitCode | None:
+    """The exit code of a signal that was delivered, if one was. A KeyboardInterrupt raised inside
+    an import that a library swallows leaves that module half-initialised, and a later line then
+    fails with an error that is only the signal's consequence: the signal is the cause to report."""
     if _pending is None:
         return None
-    return Terminated() if _pending == signal.SIGTERM else KeyboardInterrupt()
+    return ExitCode.TERMINATED if _pending == signal.SIGTERM else ExitCode.INTERRUPTED
 
 
 def exit_code(exc: KeyboardInterrupt) -> ExitCode:
