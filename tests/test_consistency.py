@@ -105,11 +105,12 @@ def test_the_default_run_is_consistent(default_run: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # Every threshold is held against its value's interval, through one helper
 
-#: Comparisons with a catalog constant that decide no verdict: (file, constant) -> why.
+#: Why the Triton judge's factors need no interval.
 _EXACT_ERROR_BOUND = (
     "the Triton judge holds an exact, seeded computation against an error bound derived from "
     "the formats: no sample spread to take an interval of (the bound is the interval)"
 )
+#: Comparisons with a catalog constant that decide no verdict: (file, constant) -> why.
 NOT_A_VERDICT = {
     ("diagnose/trace/rules/launch.py", "LONG_GAP_US"): (
         "sorts each idle gap into short and long, one gap at a time: a classification"
