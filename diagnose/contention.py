@@ -18,7 +18,9 @@ What a window concludes (:class:`diagnose.record.HostLoad`):
 - ``allowance``: how much of a time the load's *swings* could explain. An interleaved A/B runs
   both sides under the same load: a steady load slows both alike and leaves their ratio, so only
   a load that came and went can fake a difference between them. The allowance is the spread of
-  the competing share over the window (its busiest tenth against its quietest tenth).
+  the competing share (its busiest tenth against its quietest tenth) over the rounds of the A/B
+  being judged (:func:`mark_rounds`: load during a probe's set-up cannot favour either side), or
+  over the whole window when the probe marks no rounds.
 
 A comparison made while a window is open (:func:`diagnose.stats.sure_saving`) subtracts the
 allowance times the slower side from the saving it is sure of, so a difference the load could
@@ -258,6 +260,8 @@ class LoadWindow:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._token: contextvars.Token[LoadWindow | None] | None = None
+        #: When the current A/B's rounds began (:meth:`mark_rounds`); None: the window's start.
+        self._rounds_from: float | None = None
         self.set_aside = 0
         self.load: HostLoad | None = None
 
@@ -292,6 +296,25 @@ class LoadWindow:
         load.comparisons_set_aside = self.set_aside
         return load
 
+    def mark_rounds(self) -> None:
+        """The rounds of an A/B start now: its comparisons weigh the load from here on only.
+
+        A load that came and went while the probe built its twins or decoded its data cannot
+        have favoured either side of rounds that had not begun; counting it would widen the
+        comparisons' intervals by a swing none of their samples saw."""
+        self._read()
+        with self._lock:
+            self._rounds_from = self._readings[-1].at if self._readings else None
+
+    def rounds_so_far(self) -> HostLoad:
+        """The load since the current A/B's rounds began (:meth:`mark_rounds`), or since the
+        window opened when none is marked."""
+        self._read()
+        with self._lock:
+            start = self._rounds_from
+            readings = [r for r in self._readings if start is None or r.at >= start]
+        return summarize(readings, self._cpus, self._basis)
+
     def close(self) -> HostLoad:
         self._stop.set()
         if self._thread is not None:
@@ -320,9 +343,18 @@ _ACTIVE: contextvars.ContextVar[LoadWindow | None] = contextvars.ContextVar(
 
 
 def current_allowance() -> float:
-    """The allowance of the open window so far (0 without one)."""
+    """The allowance of the open window over the current A/B's rounds so far (the whole window
+    when no rounds are marked; 0 without a window)."""
     window = _ACTIVE.get()
-    return 0.0 if window is None else window.so_far().allowance
+    return 0.0 if window is None else window.rounds_so_far().allowance
+
+
+def mark_rounds() -> None:
+    """The open window's A/B rounds start now (:meth:`LoadWindow.mark_rounds`); nothing without
+    a window."""
+    window = _ACTIVE.get()
+    if window is not None:
+        window.mark_rounds()
 
 
 def note_set_aside() -> None:
@@ -392,6 +424,7 @@ __all__ = [
     "describe",
     "intervals",
     "job_pids",
+    "mark_rounds",
     "note_set_aside",
     "psutil_reader",
     "quiet_window",

@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -304,3 +305,42 @@ def test_a_busy_machine_runs_the_steps_on_the_free_cores_and_says_so() -> None:
         )
     finally:
         torch.set_num_threads(before)
+
+
+class _Machine:
+    """A fake machine read on demand: one reading per call, one second apart; others take a core
+    every other second while ``bursty`` is set, and nothing otherwise."""
+
+    def __init__(self) -> None:
+        self.bursty = True
+        self.at = self.busy = self.own = 0.0
+        self.lock = threading.Lock()
+
+    def read(self) -> CpuReading:
+        with self.lock:
+            reading = CpuReading(at=self.at, busy=self.busy, steal=0.0, own=self.own)
+            taken = 1.0 if self.bursty and int(self.at) % 2 else 0.0
+            self.busy += 2.0 if taken else 1.9
+            self.own += 2.0 - taken if taken else 1.9
+            self.at += 1.0
+            return reading
+
+
+@pytest.mark.parametrize("burst_during_rounds", [False, True])
+def test_a_load_that_came_and_went_before_the_rounds_began_is_not_allowed_for(
+    burst_during_rounds: bool,
+) -> None:
+    slow, fast = _samples(1.3, 9, 5), _samples(1.0, 9, 6)
+    machine = _Machine()
+    with LoadWindow(reader=(machine.read, 2)) as window:
+        for _ in range(40):  # the probe's set-up, under a load that comes and goes
+            window.so_far()
+        assert stats.ab_verdict(slow, fast, min_relative=0.1).outcome == "inconclusive"
+        machine.bursty = burst_during_rounds
+        contention.mark_rounds()
+        for _ in range(20):  # the rounds
+            window.so_far()
+        verdict = stats.ab_verdict(slow, fast, min_relative=0.1)
+    # Only a swing the rounds saw can fake their difference; the window still reports it all.
+    assert verdict.outcome == ("inconclusive" if burst_during_rounds else "faster")
+    assert window.load is not None and window.load.allowance > 0
