@@ -407,12 +407,15 @@ def deciding_lines(row: Row) -> list[str]:
     for finding_id in ids:
         values = [v for o in ok if (v := _value(o, finding_id)) is not None]
         judged = [o.decided.get(finding_id) for o in ok]
-        sure = sum(d is not None and d.severity in ADVICE and not d.borderline for d in judged)
-        border = sum(d is not None and d.borderline for d in judged)
+        raised = [d for d in judged if d is not None and d.severity in ADVICE]
+        # A warning can be borderline too: at the critical line above it, not at its own.
+        upper = sum(d.borderline for d in raised)
+        border = sum(d is not None and d.severity not in ADVICE and d.borderline for d in judged)
         lower = sum(d is not None and d.severity not in ADVICE and not d.borderline for d in judged)
         absent = sum(d is None for d in judged)
         text = (
-            f"{finding_id}: {_shares(values)} over {len(values)} runs; warn/critical in {sure}, "
+            f"{finding_id}: {_shares(values)} over {len(values)} runs; warn/critical in "
+            f"{len(raised)}{f' ({upper} at the critical line)' if upper else ''}, "
             f"borderline in {border}, info in {lower}, absent in {absent}"
         )
         if finding_id in flips:
@@ -435,7 +438,11 @@ def _flip_cause(outcomes: Sequence[RunOutcome], finding_id: str, values: Sequenc
     if values and min(values) < LINE <= max(values):
         causes.append(f"its value straddles the {LINE:.0%} line across the runs")
     border = sum(
-        1 for o in outcomes if (d := o.decided.get(finding_id)) is not None and d.borderline
+        1
+        for o in outcomes
+        if (d := o.decided.get(finding_id)) is not None
+        and d.borderline
+        and d.severity not in ADVICE
     )
     if border:
         causes.append(f"its interval straddled the line (borderline) in {border} runs")
