@@ -1,6 +1,6 @@
 """The view of a sweep: its table, which point fits each VRAM size, its charts, CSV and HTML.
 
-Reads a :class:`~diagnose.sweep.Sweep` (the numbers each point's own record gave) and never
+Reads a :class:`~diagnose.sweep.results.Sweep` (the numbers each point's own record gave) and never
 measures. The page follows the report's rules (:mod:`.html`): one self-contained file, every value
 escaped, no script (the report's Content-Security-Policy forbids one), so the table sorts with CSS
 alone: a hidden radio button per column and direction sets the CSS ``order`` of each row from a
@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from diagnose.sweep import AXES, AXIS_BY_NAME, STATUS_LABELS, PointResult, Setting, Sweep
+from diagnose.sweep.grid import AXES, AXIS_BY_NAME, Setting
+from diagnose.sweep.results import STATUS_LABELS, PointResult, Sweep
 from diagnose.units import format_bytes, format_per_iteration, format_percent, format_seconds_range
 
 from .charts import CHART_RC, figure_svg, new_figure
