@@ -25,14 +25,8 @@ from diagnose.cli import main
 from diagnose.errors import ExitCode
 from diagnose.record import RunRecord, StepSample, new_record
 from diagnose.record_io import load_record
-from diagnose.reports.sweep import (
-    CSV_COLUMNS,
-    build_sweep_view,
-    fastest,
-    render_sweep_html,
-    sweep_csv,
-    vram_fits,
-)
+from diagnose.reports.sweep import CSV_COLUMNS, build_sweep_view, render_sweep_html, sweep_csv
+from diagnose.reports.sweep_fits import fastest, vram_fits
 from diagnose.sweep.grid import Fixed, Grid, Point, point_argv
 from diagnose.sweep.results import PointResult, PointSummary, Sweep
 from diagnose.sweep.run_points import classify_failure, expected_config, plan, run_sweep
