@@ -14,7 +14,7 @@ of n steps are resampled three ways:
                 B3 CURRENT`): the gate then sees the drift between the baselines.
 
 Each scheme runs on two pools: all recorded runs, and the runs the report itself would not flag
-as noisy (interquartile range at most 10% of the median, reports.view.NOISY_RELATIVE_SPREAD):
+as noisy (interquartile range at most 10% of the median, reports.headline.NOISY_RELATIVE_SPREAD):
 the closest this machine comes to a dedicated CI runner.
 
 A/A pairs are used as they are (any "slower" is a false alarm); for detection the current side is

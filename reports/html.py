@@ -20,7 +20,8 @@ from diagnose.gate import Comparison
 from diagnose.record import RunRecord
 from diagnose.record_io import load_record
 
-from .view import KV, build_view
+from .key_values import KV
+from .view import build_view
 
 
 @functools.lru_cache(maxsize=1)

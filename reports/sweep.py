@@ -1,6 +1,7 @@
-"""The view of a sweep: its table, which point fits each VRAM size, its charts, CSV and HTML.
+"""The page and the CSV of a sweep: its table, the fastest point, which point fits each VRAM size
+(ranked by :mod:`.sweep_fits`) and its charts (:mod:`.sweep_charts`).
 
-Reads a :class:`~diagnose.sweep.Sweep` (the numbers each point's own record gave) and never
+Reads a :class:`~diagnose.sweep.results.Sweep` (the numbers each point's own record gave) and never
 measures. The page follows the report's rules (:mod:`.html`): one self-contained file, every value
 escaped, no script (the report's Content-Security-Policy forbids one), so the table sorts with CSS
 alone: a hidden radio button per column and direction sets the CSS ``order`` of each row from a
@@ -11,104 +12,16 @@ from __future__ import annotations
 
 import csv
 import io
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from diagnose.sweep import AXES, AXIS_BY_NAME, STATUS_LABELS, PointResult, Setting, Sweep
+from diagnose.sweep.grid import AXES, AXIS_BY_NAME, Setting
+from diagnose.sweep.results import STATUS_LABELS, PointResult, Sweep
 from diagnose.units import format_bytes, format_per_iteration, format_percent, format_seconds_range
 
-from .charts import CHART_RC, figure_svg, new_figure
-
-#: The memory sizes of common GPUs, GiB (a "24 GB" card holds 24 GiB).
-VRAM_SIZES_GIB: tuple[int, ...] = (8, 12, 16, 24, 48, 80)
-_GIB = 1024**3
-#: Okabe-Ito, then more: one colour per series of a chart.
-SERIES_COLORS: tuple[str, ...] = (
-    "#0072B2",
-    "#D55E00",
-    "#009E73",
-    "#CC79A7",
-    "#E69F00",
-    "#56B4E9",
-    "#000000",
-    "#8C6BB1",
-    "#B15928",
-    "#7570B3",
-)
-#: A chart draws at most this many lines; beyond, every point is drawn in one colour.
-_MAX_SERIES = len(SERIES_COLORS)
-
-
-def setting_text(name: str, value: Setting) -> str:
-    """A setting as the table and charts show it: on/off for switches, "preset's" for None."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value is None:
-        return "preset's"
-    return str(value)
-
-
-def point_label(result: PointResult, names: Sequence[str]) -> str:
-    """``rank 8 · batch 2``: the point's values of ``names``."""
-    settings = result.point.settings()
-    return " · ".join(f"{AXIS_BY_NAME[n].label} {setting_text(n, settings[n])}" for n in names)
-
-
-# --- VRAM fits --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Fastest:
-    """The point that trains an image fastest, and those the measurement cannot tell from it."""
-
-    point: PointResult
-    #: Points whose per-image interquartile range overlaps the fastest's: as fast within noise.
-    ties: tuple[PointResult, ...] = ()
-
-
-def fastest(points: Sequence[PointResult]) -> Fastest | None:
-    """The fastest measured point per trained image (s/it over the batch), and its ties.
-
-    Per image, because a point of batch 2 at 1.5x the s/it of batch 1 trains faster. Ties,
-    because two points whose step times overlap cannot be ranked by one run: the page names
-    both rather than let noise pick one."""
-    timed = [(p, r) for p in points if p.status == "measured" and (r := p.per_image())]
-    if not timed:
-        return None
-    best, (_, _, best_q3) = min(timed, key=lambda pr: pr[1][0])
-    ties = tuple(p for p, (_, q1, _) in timed if p is not best and q1 <= best_q3)
-    return Fastest(best, ties)
-
-
-@dataclass(frozen=True)
-class Fit:
-    """The fastest measured point whose peak memory fits ``gib`` (None: none fits)."""
-
-    gib: int
-    point: PointResult | None
-    ties: tuple[PointResult, ...] = ()
-
-
-def vram_fits(points: Sequence[PointResult], sizes: Sequence[int] = VRAM_SIZES_GIB) -> list[Fit]:
-    measured = [p for p in points if p.status == "measured" and p.peak_bytes]
-    fits = []
-    for gib in sizes:
-        best = fastest([p for p in measured if (p.peak_bytes or 0) <= gib * _GIB])
-        fits.append(
-            Fit(gib=gib, point=best.point if best else None, ties=best.ties if best else ())
-        )
-    return fits
-
-
-def memory_kind(points: Sequence[PointResult]) -> str:
-    """ "device" when any measured point has device memory, "host" for CPU runs, "" for none."""
-    kinds = {p.summary.memory_kind for p in points if p.summary is not None}
-    if "device" in kinds:
-        return "device"
-    return "host" if "host" in kinds else ""
-
+from .sweep_charts import SweepChart, sweep_charts
+from .sweep_fits import fastest, memory_kind, point_label, setting_text, vram_fits
 
 # --- CSV --------------------------------------------------------------------------------------
 
@@ -166,111 +79,6 @@ def sweep_csv(sweep: Sweep) -> str:
 
 def _cell(value: float | None) -> str:
     return "" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
-# --- charts -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LegendEntry:
-    color: str
-    text: str
-
-
-@dataclass(frozen=True)
-class SweepChart:
-    """s/it and peak memory against one swept setting, one line per combination of the others."""
-
-    setting: str
-    svg: str
-    legend: list[LegendEntry] = field(default_factory=list)
-
-
-def sweep_charts(sweep: Sweep) -> list[SweepChart]:
-    """One chart per swept setting (none when nothing is swept or nothing was measured)."""
-    swept = sweep.grid.swept()
-    measured = [p for p in sweep.points if p.status == "measured" and p.summary is not None]
-    if not measured:
-        return []
-    kind = memory_kind(measured)
-    charts = []
-    for index, name in enumerate(swept):
-        others = [n for n in swept if n != name]
-        values = sweep.grid.to_dict()[name]
-        series: dict[tuple[Setting, ...], list[PointResult]] = {}
-        for result in measured:
-            settings = result.point.settings()
-            series.setdefault(tuple(settings[n] for n in others), []).append(result)
-        colored = len(series) <= _MAX_SERIES
-        legend = []
-        lines: list[tuple[str, list[PointResult]]] = []
-        for position, (_, members) in enumerate(series.items()):
-            color = SERIES_COLORS[position] if colored else "#5f6368"
-            lines.append((color, members))
-            if colored and others:
-                legend.append(LegendEntry(color, point_label(members[0], others)))
-        svg = _setting_chart_svg(
-            name, values, lines, memory_kind=kind, chart_id=f"sweep-{index}-{name}"
-        )
-        charts.append(SweepChart(setting=AXIS_BY_NAME[name].label, svg=svg, legend=legend))
-    return charts
-
-
-def _setting_chart_svg(
-    name: str,
-    values: Sequence[Setting],
-    lines: Sequence[tuple[str, Sequence[PointResult]]],
-    *,
-    memory_kind: str,
-    chart_id: str,
-) -> str:
-    """Two panels side by side: s/it and peak memory (GiB) at each value of setting ``name``.
-
-    Tick labels are the sweep's own setting values (numbers, option names, on/off), never a
-    string from a record.
-    """
-    import matplotlib
-
-    positions = {value: i for i, value in enumerate(values)}
-    memory_label = "peak device memory, GiB" if memory_kind == "device" else "peak RSS, GiB"
-    panels: list[tuple[str, Callable[[PointResult], float | None]]] = [
-        ("seconds per iteration", lambda p: p.seconds_per_it),
-        (memory_label, lambda p: None if p.peak_bytes is None else p.peak_bytes / _GIB),
-    ]
-    with matplotlib.rc_context(CHART_RC):
-        fig = new_figure(7.5, 2.6)
-        axes = fig.subplots(1, 2)
-        for ax, (ylabel, metric) in zip(axes, panels, strict=True):
-            top = 0.0
-            for color, members in lines:
-                xy = sorted(
-                    (positions[m.point.settings()[name]], y)
-                    for m in members
-                    if (y := metric(m)) is not None and math.isfinite(y)
-                )
-                if not xy:
-                    continue
-                top = max(top, *(y for _, y in xy))
-                ax.plot(
-                    [x for x, _ in xy],
-                    [y for _, y in xy],
-                    color=color,
-                    marker="o",
-                    markersize=4.5,
-                    linewidth=1.0,
-                    clip_on=False,
-                )
-            ax.set_xticks(range(len(values)))
-            ax.set_xticklabels([setting_text(name, v) for v in values])
-            ax.set_xlim(-0.4, len(values) - 0.6)
-            ax.set_ylim(0, top * 1.15 or 1.0)
-            ax.set_xlabel(AXIS_BY_NAME[name].label)
-            ax.set_ylabel(ylabel)
-            ax.grid(axis="y", color="#e5e5e5", linewidth=0.6)
-            ax.set_axisbelow(True)
-        fig.subplots_adjust(left=0.08, right=0.98, top=0.95, bottom=0.2, wspace=0.3)
-        label = f"Seconds per iteration and peak memory against {AXIS_BY_NAME[name].label}"
-        return figure_svg(fig, chart_id, label)
 
 
 # --- the view the template shows --------------------------------------------------------------
@@ -622,14 +430,8 @@ def render_sweep_html(sweep: Sweep, *, with_charts: bool = True) -> str:
 
 __all__ = [
     "CSV_COLUMNS",
-    "VRAM_SIZES_GIB",
-    "Fit",
-    "SweepChart",
     "SweepView",
     "build_sweep_view",
-    "memory_kind",
     "render_sweep_html",
-    "sweep_charts",
     "sweep_csv",
-    "vram_fits",
 ]

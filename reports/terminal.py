@@ -10,16 +10,12 @@ from pathlib import Path
 from diagnose.record import RunRecord
 from diagnose.record import step_seconds as step_seconds_of
 
+from .checks import NOT_JUDGED, build_checks
 from .headline import build_headline, describe_wall, phase_bar_steps
+from .ranked_findings import FindingView, build_findings
 from .ranks import build_ranks
+from .step_time import build_breakdown
 from .utilisation import build_utilisation
-from .view import (
-    NOT_JUDGED,
-    FindingView,
-    build_breakdown,
-    build_checks,
-    build_findings,
-)
 
 #: How many findings the summary lists; the rest are counted and left to the report.
 TOP_FINDINGS = 3

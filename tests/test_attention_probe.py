@@ -52,7 +52,7 @@ from diagnose.probes.attention.probe import (
 )
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.record import DeviceInfo, Finding, ProbeResult, StepSample, new_record
-from diagnose.reports.view import build_checks
+from diagnose.reports.checks import build_checks
 from diagnose.trace.analysis import analyze_trace
 from diagnose.trace.kernel_classes import classify_kernel
 from diagnose.verdicts import contradictions, settle, settle_findings

@@ -83,8 +83,8 @@ def test_an_old_record_without_checks_still_answers() -> None:
 def test_the_report_says_it_once_at_the_top_and_marks_tiny_only_findings() -> None:
     from diagnose.catalogs.dataloader_catalog import GPU_STARVED
     from diagnose.reports.headline import build_headline
+    from diagnose.reports.ranked_findings import build_findings
     from diagnose.reports.terminal import terminal_summary
-    from diagnose.reports.view import build_findings
 
     finding = GPU_STARVED.build("The step waits 40% for data", evidence={})
     finding.severity = "warn"

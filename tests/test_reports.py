@@ -33,7 +33,8 @@ from diagnose.reports.charts import (
     compare_strip_svg,
     step_times_svg,
 )
-from diagnose.reports.view import KV, build_view, kv_rows
+from diagnose.reports.key_values import KV, kv_rows
+from diagnose.reports.view import build_view
 from diagnose.units import (
     format_bytes,
     format_count,

@@ -25,27 +25,11 @@ from diagnose.cli import main
 from diagnose.errors import ExitCode
 from diagnose.record import RunRecord, StepSample, new_record
 from diagnose.record_io import load_record
-from diagnose.reports.sweep import (
-    CSV_COLUMNS,
-    build_sweep_view,
-    fastest,
-    render_sweep_html,
-    sweep_csv,
-    vram_fits,
-)
-from diagnose.sweep import (
-    Fixed,
-    Grid,
-    Point,
-    PointResult,
-    PointSummary,
-    Sweep,
-    classify_failure,
-    expected_config,
-    plan,
-    point_argv,
-    run_sweep,
-)
+from diagnose.reports.sweep import CSV_COLUMNS, build_sweep_view, render_sweep_html, sweep_csv
+from diagnose.reports.sweep_fits import fastest, vram_fits
+from diagnose.sweep.grid import Fixed, Grid, Point, point_argv
+from diagnose.sweep.results import PointResult, PointSummary, Sweep
+from diagnose.sweep.run_points import classify_failure, expected_config, plan, run_sweep
 
 #: The tiny SD1.5 on the CPU at the smallest resolution, one timed and one profiled step.
 TINY = [
@@ -330,7 +314,7 @@ def test_ctrl_c_keeps_finished_points_stops_the_child_and_exits_130(
     def fake_argv(point: Point, fixed: Fixed, out: Path) -> list[str]:
         return [*(measured if point.rank == 4 else interrupting), str(out)]
 
-    monkeypatch.setattr("diagnose.sweep.point_argv", fake_argv)
+    monkeypatch.setattr("diagnose.sweep.grid.point_argv", fake_argv)
     out = tmp_path / "sweep"
     code = main(
         ["sweep", "--rank", "4,8,16", "--device", "cpu", "--no-progress", "--out", str(out)]

@@ -13,18 +13,20 @@ from diagnose.commands import comma_ints
 from diagnose.config import ATTENTIONS, OPTIMIZERS, PRECISIONS, PRESETS, SIZES
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.progress import ProgressLine
-from diagnose.sweep import (
+from diagnose.sweep.grid import (
     DEFAULT_PROFILED_STEPS,
     DEFAULT_STEPS,
     DEFAULT_WARMUP,
+    Fixed,
+    Grid,
+)
+from diagnose.sweep.results import (
     LOGS_DIR,
     POINTS_DIR,
     STATUS_LABELS,
     SWEEP_CSV,
     SWEEP_JSON,
     SWEEP_REPORT,
-    Fixed,
-    Grid,
     PointResult,
     Sweep,
 )
@@ -147,7 +149,8 @@ class SweepCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from diagnose.probes.registry import probe_names
-        from diagnose.sweep import plan, point_argv, run_sweep
+        from diagnose.sweep.grid import point_argv
+        from diagnose.sweep.run_points import plan, run_sweep
 
         if args.timeout is not None and args.timeout <= 0:
             raise DiagnoseError("--timeout must be positive", ExitCode.USAGE)
