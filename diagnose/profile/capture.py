@@ -10,9 +10,9 @@ beside it the same way: ``capture_describe.py`` (what the facts say about the mo
 device and DataLoaders), ``capture_process.py`` (torch's classes wrapped, the step-boundary
 deferral, SIGTERM, strict mode's import) and ``stack_sampler.py`` (py-spy).
 
-Why one file: ``_Capture`` is one state machine whose hooks, phases, forward sampling and end all
-read and write the same per-process state; what does not (describers, process plumbing) is split
-out above.
+Why one file: ``_Capture`` is one state machine whose hooks, phases, forward sampling and end
+read and write one object's state, beside the settings and file layout the parent imports from
+here; what needs none of that state lives in the two modules named above.
 
 A training step is the interval between two successive ``optimizer.step()`` returns of the first
 optimizer instance that steps, seen through torch's global optimizer step hooks (they fire for
@@ -180,6 +180,7 @@ def _torch_compat() -> Any:
     return _load_by_path("_diagnose_profile_torch_compat", path)
 
 
+# In the user's processes by path (their Python may lack diagnose); mypy reads the package's.
 if TYPE_CHECKING:
     from diagnose.profile import capture_describe as _describe
     from diagnose.profile import capture_process as _process

@@ -1,9 +1,10 @@
 """How the in-process capture sits in the user's process without disturbing it.
 
 The plumbing :mod:`diagnose.profile.capture`'s state machine stands on: wrapping torch's
-optimizer and DataLoader classes, the profiler and the Kineto lines it writes to stderr, SIGTERM
-from a launcher, ending the process for ``--stop-after``, importing strict mode from the diagnose
-that launched the command, and writing a JSON file atomically. Like the capture, this file is
+optimizer and DataLoader classes, running the step-boundary work once torch's step wrapper has
+returned, the profiler and the Kineto lines it writes to stderr, SIGTERM from a launcher, ending
+the process for ``--stop-after``, importing strict mode from the diagnose that launched the
+command, and writing a JSON file atomically. Like the capture, this file is
 loaded by path inside the user's processes, so it imports nothing from ``diagnose`` and torch
 only inside the functions that need it.
 """
