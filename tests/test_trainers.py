@@ -245,12 +245,12 @@ def test_kohyas_layout_gets_kohyas_words_only_and_a_plain_loop_the_generic_form(
 
 
 def test_trainers_are_told_apart_by_module_and_script() -> None:
-    from diagnose.profile import capture
+    from diagnose.profile import capture_describe
     from diagnose.trainers import trainer_in_script, watched_modules
 
-    # Every module that names a trainer is one a profiled process reports (capture.py cannot
+    # Every module that names a trainer is one a profiled process reports (the capture cannot
     # import this package, so it keeps its own list).
-    assert set(watched_modules()) <= set(capture._FRAMEWORK_PACKAGES)
+    assert set(watched_modules()) <= set(capture_describe.FRAMEWORK_PACKAGES)
     assert trainer_in_packages(["torch", "library", "library.train_util"]) == "kohya"
     assert trainer_in_packages(["library", "modules", "toolkit", "helpers"]) is None  # anyone's
     assert trainer_in_packages(["simpletuner", "diffusers", "accelerate"]) == "simpletuner"
