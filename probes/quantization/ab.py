@@ -167,7 +167,7 @@ def min_relative(stored_times: Sequence[float], whole_step: float) -> float:
     return min(0.99, catalog.MIN_SHARE * max(whole_step, past_vae) / past_vae)
 
 
-def whole_step(
+def judged_step(
     headline: float | None, stored_times: Sequence[float], encode_seconds: float
 ) -> float:
     """The step a difference is a share of: the headline's s/it, else the A/B's own step with
@@ -205,7 +205,7 @@ def interleaved_steps(
             times[arm].append(time.perf_counter() - start)
         if round_index + 1 < MIN_ROUNDS:
             continue
-        whole = whole_step(headline, times[0], shared.encode_seconds)
+        whole = judged_step(headline, times[0], shared.encode_seconds)
         verdict = ab_verdict(times[0], times[1], min_relative=min_relative(times[0], whole))
         if verdict.decided or time.perf_counter() - began > budget_s:
             break
@@ -220,9 +220,9 @@ __all__ = [
     "compare_outputs",
     "held_bytes",
     "interleaved_steps",
+    "judged_step",
     "min_relative",
     "relative_error",
     "shared_latents",
     "stored_kinds",
-    "whole_step",
 ]

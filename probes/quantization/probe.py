@@ -30,10 +30,10 @@ from diagnose.probes.quantization.ab import (
     compare_outputs,
     held_bytes,
     interleaved_steps,
+    judged_step,
     min_relative,
     shared_latents,
     stored_kinds,
-    whole_step,
 )
 from diagnose.record import Finding, ProbeResult, RunRecord, step_seconds
 from diagnose.stats import ab_verdict, sure_saving
@@ -298,7 +298,7 @@ class QuantizationProbe:
         The saving is their difference in seconds: expanding the weights costs the same at any
         image size, so it is not scaled to the headline's step, only kept within it."""
         stored_times, twin_times = times
-        whole = whole_step(step_seconds(record), stored_times, encode_seconds)
+        whole = judged_step(step_seconds(record), stored_times, encode_seconds)
         memory_text = _memory_text(storage, unquantized, memory)
         verdict = ab_verdict(
             stored_times, twin_times, min_relative=min_relative(stored_times, whole)
