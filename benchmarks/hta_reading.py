@@ -40,9 +40,10 @@ def on_stream(args):
 with contextlib.redirect_stdout(sys.stderr):
     stage = "import"
     try:
+        # pandas first, as HTA imports it: without it, that is the error to report.
+        import pandas  # noqa: I001
         import hta
         import hta.common.trace_parser as parser
-        import pandas
         from hta.trace_analysis import TraceAnalysis
         from hta.utils.utils import get_kernel_type
 
