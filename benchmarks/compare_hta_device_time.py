@@ -15,13 +15,13 @@ why the numbers differ where they do.
   device counted once. Its kernel classes map to HTA's kinds: communication -> communication;
   memcpy, memset -> memory; every other class -> computation.
 - HTA: ``TraceAnalysis`` on a folder holding only that trace, in a subprocess of HTA's own
-  interpreter (``--hta-python``, default ``/tmp/hta-venv/bin/python``), one trace at a time with
-  a timeout. Idle and compute are ``get_temporal_breakdown``'s ``idle_time(us)`` and
-  ``compute_time(us)`` over its ``kernel_time(us)`` (first to last GPU event); communication and
-  memory are ``get_gpu_kernel_breakdown``'s kernel-type sums over the same span, the overlap rows
-  ("COMPUTATION overlapping MEMORY", ...) given to the first of computation > memory >
-  communication, the precedence diagnose counts overlapping work with. A trace HTA cannot read
-  gets ``-`` and the first line of its error in the notes.
+  interpreter running ``hta_reading.py`` (``--hta-python``, default ``/tmp/hta-venv/bin/python``),
+  one trace at a time with a timeout. Idle and compute are ``get_temporal_breakdown``'s
+  ``idle_time(us)`` and ``compute_time(us)`` over its ``kernel_time(us)`` (first to last GPU
+  event); communication and memory are ``get_gpu_kernel_breakdown``'s kernel-type sums over the
+  same span, the overlap rows ("COMPUTATION overlapping MEMORY", ...) given to the first of
+  computation > memory > communication, the precedence diagnose counts overlapping work with. A
+  trace HTA cannot read gets ``-`` and the first line of its error in the notes.
 
 Writes nothing outside a temporary folder; needs no network. Exit status 0 when the table was
 printed, 1 when there was no trace to compare.
@@ -44,6 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "gpu-traces"
 DEFAULT_HTA_PYTHON = "/tmp/hta-venv/bin/python"
+#: The script HTA's interpreter runs on each trace; it prints its reading after this mark.
+HTA_READING = Path(__file__).resolve().parent / "hta_reading.py"
 _MARK = "HTA-JSON "
 #: Kernel names whose HTA kind and diagnose class are shown even when no trace holds them.
 _PROBE_NAMES = ("multimem_all_reduce_kernel<float, 4>",)
@@ -57,102 +59,6 @@ _DEVICE_CATEGORIES = {
     "Memset": "memset",
 }
 _KINDS = ("COMPUTATION", "COMMUNICATION", "MEMORY")
-
-# Runs under HTA's interpreter: argv = folder holding the one trace, then probe names. Prints one
-# line ``HTA-JSON {...}`` on stdout; HTA's own logging (to stdout) is captured, not printed.
-_HTA_SCRIPT = r"""
-import contextlib, json, logging, sys, traceback
-
-folder, probes = sys.argv[1], sys.argv[2:]
-out = sys.stdout
-result = {"messages": [], "rounding": {"events": 0, "trimmed_us": 0.0}}
-
-
-class Keep(logging.Handler):
-    def emit(self, record):
-        result["messages"].append(record.getMessage()[:200])
-
-
-def failed(stage, exc):
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/hta/" in f.filename]
-    where = f" in {frames[-1].name}" if frames else ""
-    line = (str(exc).strip().splitlines() or [""])[0]
-    result["error"] = f"{stage}{where}: {type(exc).__name__}: {line}"
-
-
-def on_stream(args):
-    try:
-        return isinstance(args, dict) and int(args.get("stream", -1)) != -1
-    except (TypeError, ValueError):
-        return False
-
-
-with contextlib.redirect_stdout(sys.stderr):
-    stage = "import"
-    try:
-        import pandas
-        import hta
-        import hta.common.trace_parser as parser
-        from hta.trace_analysis import TraceAnalysis
-        from hta.utils.utils import get_kernel_type
-
-        result["versions"] = {
-            "hta": getattr(hta, "__version__", "?"), "pandas": pandas.__version__
-        }
-        for name in ("hta", None):
-            logging.getLogger(name).handlers = [Keep()]
-        result["probes"] = {n: get_kernel_type(n) for n in probes}
-
-        # Observe (not change) HTA's rounding of ns timestamps: what it trims off GPU events.
-        original = getattr(parser, "round_down_time_stamps", None)
-        if original is not None:
-            def observed(df):
-                floats = "ts" in df.columns and df["ts"].dtype.kind == "f"
-                before = df["dur"].copy() if floats and "dur" in df.columns else None
-                original(df)
-                if before is not None and "args" in df.columns:
-                    gpu = df["args"].map(on_stream) & df["dur"].notna()
-                    result["rounding"] = {
-                        "events": int(gpu.sum()),
-                        "trimmed_us": float((before - df["dur"])[gpu].sum()),
-                    }
-            parser.round_down_time_stamps = observed
-
-        stage = "TraceAnalysis"
-        analyzer = TraceAnalysis(trace_dir=folder)
-        trace = analyzer.t
-        sym = trace.symbol_table.get_sym_table()
-        result["profiler_step_names"] = sum(1 for s in sym if "ProfilerStep" in str(s))
-        df = trace.traces[sorted(trace.traces)[0]]
-        gpu = df[df["stream"].ne(-1)]
-        events = {}
-        for cat, name, dur in zip(gpu["cat"], gpu["name"], gpu["dur"]):
-            key = (sym[cat], sym[name])
-            entry = events.setdefault(key, [0, 0.0])
-            entry[0] += 1
-            entry[1] += float(dur)
-        result["events"] = [
-            [cat, name, get_kernel_type(name), n, us] for (cat, name), (n, us) in events.items()
-        ]
-        annotations = df[df["cat"].map(lambda c: sym[c] == "gpu_user_annotation")]
-        result["annotations_without_stream"] = int(annotations["stream"].eq(-1).sum())
-
-        stage = "get_temporal_breakdown"
-        row = analyzer.get_temporal_breakdown(visualize=False).iloc[0]
-        result["temporal"] = {
-            k: float(row[k])
-            for k in ("idle_time(us)", "compute_time(us)", "non_compute_time(us)",
-                      "kernel_time(us)")
-        }
-
-        stage = "get_gpu_kernel_breakdown"
-        kinds, _ = analyzer.get_gpu_kernel_breakdown(visualize=False, include_memory_kernels=True)
-        result["kinds"] = {str(k): float(s) for k, s in zip(kinds["kernel_type"], kinds["sum"])}
-    except Exception as exc:
-        failed(stage, exc)
-
-out.write("HTA-JSON " + json.dumps(result) + "\n")
-"""
 
 
 @dataclass
@@ -262,7 +168,7 @@ def run_hta(python: str, trace: Path, work: Path, timeout: float) -> dict[str, A
     except OSError as exc:
         return {"error": f"{type(exc).__name__}: {_first_line(exc)}"}
     (folder / ("trace.json.gz" if gzipped else "trace.json")).symlink_to(trace.resolve())
-    cmd = [python, "-c", _HTA_SCRIPT, str(folder), *_PROBE_NAMES]
+    cmd = [python, str(HTA_READING), str(folder), *_PROBE_NAMES]
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, cwd=work, check=False

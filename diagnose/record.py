@@ -7,9 +7,8 @@ A leaf: the data model alone (and the step a record's savings are shares of). Re
 a record file, its checks and the upgrades of older schema versions are :mod:`diagnose.record_io`.
 """
 
-# One file on purpose, past the usual length: it is the schema of record.json. Every dataclass a
-# record holds is here, so the schema reads top to bottom in one place, and record_io builds each
-# of them from its type hints.
+# Why one file: it is the schema of record.json. Every dataclass a record holds is here, so the
+# schema reads top to bottom in one place, and record_io builds each of them from its type hints.
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ Each scenario writes nothing but a small training script, runs it through
 ``PYTHONPATH``) and checks what came back. Every process imports torch (several seconds on a
 2-core machine), so the scenarios the selected tests need are started together, up to three at a
 time, as soon as the first test asks for one; each test then waits for its own.
+
+Why one file: the tests share that one pool of real subprocess runs; split, each file would
+start its own scenarios and lose the overlap that keeps the module's wall time down.
 """
 
 from __future__ import annotations

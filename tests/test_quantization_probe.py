@@ -23,7 +23,8 @@ from diagnose.catalogs.quantization_catalog import MIN_SHARE as DEQUANT_COST_MIN
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.probes.environment.probe import preset_memory
-from diagnose.probes.quantization.probe import QuantizationProbe, compare_outputs, held_bytes
+from diagnose.probes.quantization.ab import compare_outputs, held_bytes
+from diagnose.probes.quantization.probe import QuantizationProbe
 from diagnose.quantized_base import KINDS
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, new_record
 from diagnose.units import per_it
@@ -94,7 +95,7 @@ def probed(nf4: Workload) -> tuple[ProbeResult, bool]:
 def _slow_record() -> RunRecord:
     """A record whose s/it is so slow that rounds of both bases would outlast the A/B's budget,
     as at a real model's size."""
-    from diagnose.probes.quantization.probe import BUDGET_S, MIN_ROUNDS
+    from diagnose.probes.quantization.ab import BUDGET_S, MIN_ROUNDS
     from diagnose.record import Stats
 
     record = new_record("run")
@@ -282,7 +283,7 @@ def test_a_step_that_is_mostly_the_vaes_encode_is_still_timed_and_judged_whole(
 def test_the_a_b_steps_on_batches_of_one_bucket(images: Path) -> None:
     """With two resolution buckets, a round of a small batch and a large one would mix two
     step times in one sample: the A/B's batches are all of the first batch's bucket."""
-    from diagnose.probes.quantization.probe import shared_latents
+    from diagnose.probes.quantization.ab import shared_latents
 
     workload = build_workload(_config(images, base="nf4", resolution=[64, 128]), CPU)
     try:

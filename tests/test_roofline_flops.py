@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from diagnose.roofline import op_work as ow
 from diagnose.roofline.op_inputs import OpInputs, op_inputs
+from diagnose.roofline.op_traffic import memory_traffic
 from diagnose.roofline.op_work import (
     ATTENTION,
     GEMM,
@@ -23,7 +24,6 @@ from diagnose.roofline.op_work import (
     NotCounted,
     Work,
     compute_dtype,
-    memory_traffic,
     op_work,
 )
 

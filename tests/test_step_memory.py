@@ -165,7 +165,7 @@ def test_a_model_whose_text_encoder_reads_its_mask_is_counted_at_full_size() -> 
 def _held_between_steps(workload: Workload) -> int:
     """Bytes the workload holds between steps, measured from its tensors: the frozen weights as
     stored (quantization constants included), the LoRA weights and the optimizer's state."""
-    from diagnose.probes.quantization.probe import held_bytes
+    from diagnose.probes.quantization.ab import held_bytes
 
     frozen = held_bytes([workload.denoiser, *workload.text_encoders, workload.vae])
     lora = sum(p.numel() * p.element_size() for p in workload.lora_parameters())

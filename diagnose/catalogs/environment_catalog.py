@@ -1,10 +1,13 @@
 """What the project knows about the machine and its settings: finding ids, thresholds, wording,
 fixes.
 
-The environment probe's rules (``probes/environment_*.py``) decide whether a finding is raised;
+The environment probe's rules (``probes/environment/``) decide whether a finding is raised;
 its words and fixes are here. None of these findings has a measured saving: a setting or a
 machine fault is not A/B-tested in the run, so the severity is the kind of fault's, declared here
 (where one id covers faults of different weight, each variant's severity is declared here too).
+
+Why one file: each concern keeps its ids, thresholds, wording and fixes in one catalog module
+(``CONCERN_MODULES`` lists one per concern); the environment probe's rule files all read this one.
 """
 
 from __future__ import annotations

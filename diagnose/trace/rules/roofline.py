@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from diagnose.record import ProbeResult
 from diagnose.roofline.op_inputs import OpInputs, Shape, op_inputs
+from diagnose.roofline.op_traffic import Traffic, is_memory_op, memory_traffic
 from diagnose.roofline.op_work import (
     BEYOND_A_STEP,
     COMPUTE_CLASSES,
@@ -40,7 +41,6 @@ from diagnose.roofline.op_work import (
     NO_SHAPES,
     ConvHint,
     NotCounted,
-    Traffic,
     Work,
     bounded,
     compute_class,
@@ -48,8 +48,6 @@ from diagnose.roofline.op_work import (
     conv_backward_operands,
     conv_operands,
     is_conv_backward_part,
-    is_memory_op,
-    memory_traffic,
     op_work,
 )
 from diagnose.trace.context import TraceContext
