@@ -219,3 +219,21 @@ def busy_core() -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leaves the ``slow`` group (deep variants of what the default run already covers) out of a
+    plain ``pytest``, so the README's test command stays within its time on a 2-core machine.
+    ``-m slow`` runs the group, ``-m "slow or not slow"`` everything; a slow test named by its
+    node id on the command line runs too."""
+    if config.option.markexpr:
+        return
+    named = {arg for arg in config.args if "::" in arg}
+    kept, left_out = [], []
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None
+        wanted = any(item.nodeid == n or item.nodeid.startswith(n + "[") for n in named)
+        (left_out if slow and not wanted else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept

@@ -169,7 +169,6 @@ def _calls(n: int) -> list[AttentionCall]:
 # The real model's shapes, on the meta device
 
 
-@pytest.mark.slow
 def test_real_attention_shapes_follow_the_full_size_config() -> None:
     shapes = real_attention_shapes("sd15", 1, "bfloat16")
     assert not shapes.error
@@ -305,7 +304,6 @@ def _probe_run(
     return result
 
 
-@pytest.mark.slow
 def test_the_probe_judges_the_kernel_choice_of_a_tiny_run_at_full_size(
     tiny_workload: Workload,
 ) -> None:

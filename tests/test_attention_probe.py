@@ -179,7 +179,6 @@ def _with_processor(workload: Workload, processor: Any) -> ProbeResult:
 # The probe on real steps: planted faults fire, the clean twin stays quiet
 
 
-@pytest.mark.slow
 def test_default_step_ran_fused_kernels(default_workload: Workload) -> None:
     denoiser: Any = default_workload.denoiser
     processors_before = dict(denoiser.attn_processors)
@@ -223,7 +222,6 @@ def test_default_step_ran_fused_kernels(default_workload: Workload) -> None:
     json.dumps(result.data, allow_nan=False)  # the record stores it
 
 
-@pytest.mark.slow
 def test_forced_math_is_a_measured_fallback(images: Path) -> None:
     workload = _workload(images, "math")
     try:
@@ -261,7 +259,6 @@ def test_forced_math_is_a_measured_fallback(images: Path) -> None:
     assert contradictions(record, specs()) == []
 
 
-@pytest.mark.slow
 def test_hand_written_processor_is_unfused_manual(default_workload: Workload) -> None:
     result = _with_processor(default_workload, HandWrittenProcessor())
     assert ac.MATH_ID not in _ids(result)
@@ -282,7 +279,6 @@ def test_hand_written_processor_is_unfused_manual(default_workload: Workload) ->
     )
 
 
-@pytest.mark.slow
 def test_dropout_forces_math_with_the_reason(default_workload: Workload) -> None:
     result = _with_processor(default_workload, DropoutSdpaProcessor())
     finding = next(f for f in result.findings if f.id == ac.MATH_ID)

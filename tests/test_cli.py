@@ -376,7 +376,6 @@ def test_a_bad_baseline_fails_before_the_run(tmp_path: Path) -> None:
 SKIP_ALL = [f"--skip={name}" for name in ("attention", "dataloader", "optimizer", "precision")]
 
 
-@pytest.mark.slow
 def test_library_chatter_stays_off_the_terminal_unless_verbose(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: Any
 ) -> None:

@@ -407,7 +407,6 @@ def test_html_escapes_hostile_finding_titles() -> None:
     assert "<img src=x" not in html and "&lt;img src=x" in html
 
 
-@pytest.mark.slow
 def test_python_dash_m_compare_subprocess(tmp_path: Path) -> None:
     """The real entry point."""
     result = subprocess.run(

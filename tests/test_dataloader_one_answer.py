@@ -125,7 +125,6 @@ def _bar_share(record: RunRecord) -> float:
     return phases.get("data_wait", 0.0) / max(step, sum(phases.values()))
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("only_the_dataloader_rule")
 def test_two_bucket_run_with_a_slow_loader_has_one_answer_with_the_bars_share(
     tmp_path: Path,
@@ -155,7 +154,6 @@ def test_two_bucket_run_with_a_slow_loader_has_one_answer_with_the_bars_share(
     assert data["data_wait_share"] == pytest.approx(_bar_share(traced))
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("only_the_dataloader_rule")
 def test_two_bucket_run_with_cached_latents_is_quiet(tmp_path: Path) -> None:
     folder = tmp_path / "small"

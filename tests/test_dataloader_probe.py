@@ -192,7 +192,6 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Probed]:
 # Planted fault and clean twin, end to end on real workloads
 
 
-@pytest.mark.slow
 def test_decoding_big_pngs_on_the_training_thread_is_found(starved: Probed) -> None:
     result = starved.result
     assert result.status == "ok", result.traceback
@@ -219,7 +218,6 @@ def test_decoding_big_pngs_on_the_training_thread_is_found(starved: Probed) -> N
     assert "--cache_latents" in finding.fix or "--max_data_loader_n_workers" in finding.fix
 
 
-@pytest.mark.slow
 def test_the_ab_shows_a_cache_is_faster_and_the_saving_is_measured(starved: Probed) -> None:
     result = starved.result
     rows = {row["key"]: row for row in result.data["ab"]}
@@ -242,7 +240,6 @@ def test_the_ab_shows_a_cache_is_faster_and_the_saving_is_measured(starved: Prob
     assert "measured" in finding.title
 
 
-@pytest.mark.slow
 def test_the_hot_frames_are_the_decode_and_the_resize(starved: Probed) -> None:
     if not HAVE_PY_SPY:
         pytest.skip("py-spy is not installed (pip install py-spy)")
@@ -261,7 +258,6 @@ def test_the_hot_frames_are_the_decode_and_the_resize(starved: Probed) -> None:
     assert finding.evidence["hot_frames"]
 
 
-@pytest.mark.slow
 def test_the_workload_is_put_back_and_no_worker_is_left(starved: Probed) -> None:
     _assert_restored(starved.before, starved.workload)
     left = _children() - starved.children_before
@@ -272,7 +268,6 @@ def test_the_workload_is_put_back_and_no_worker_is_left(starved: Probed) -> None
     assert loss == loss  # finite or not, it ran
 
 
-@pytest.mark.slow
 def test_cached_latents_with_small_images_is_quiet(fed: Probed) -> None:
     result = fed.result
     assert result.status == "ok", result.traceback
@@ -288,7 +283,6 @@ def test_cached_latents_with_small_images_is_quiet(fed: Probed) -> None:
     _assert_restored(fed.before, fed.workload)
 
 
-@pytest.mark.slow
 def test_a_negligible_wait_spends_no_step_on_loader_fixes(tmp_path: Path) -> None:
     """Clean twin of ``starved``: small images decode in well under a millisecond, so the step
     hardly waits for its batch. More workers and decoded-once images could save at most that
@@ -326,7 +320,6 @@ def test_a_negligible_wait_spends_no_step_on_loader_fixes(tmp_path: Path) -> Non
     assert "no wait for the frames to explain" in result.data["sampling"]["reason"]
 
 
-@pytest.mark.slow
 def test_without_py_spy_the_probe_completes_and_says_why(
     starved: Probed, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -396,7 +389,6 @@ def test_corrupt_listing_is_capped(tmp_path: Path) -> None:
     assert "and 4 more" in finding.title
 
 
-@pytest.mark.slow
 def test_a_run_on_a_mixed_folder_reports_and_never_touches_it(tmp_path: Path) -> None:
     folder = tmp_path / "mixed"
     shutil.copytree(HERE / "mixed_folder", folder)
@@ -426,7 +418,6 @@ def test_a_run_on_a_mixed_folder_reports_and_never_touches_it(tmp_path: Path) ->
     assert any(f["id"] == CORRUPT_IMAGES_ID for f in saved["findings"])
 
 
-@pytest.mark.slow
 def test_an_empty_folder_is_bad_input(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -337,7 +337,6 @@ def test_every_catalog_question_is_answered_somewhere() -> None:
         }, entry.id
 
 
-@pytest.mark.slow
 def test_memory_advice_of_a_tiny_run_is_judged_on_the_full_size_model() -> None:
     """A tiny stand-in's peak memory says nothing about the real model's: on a tiny run the VRAM
     questions are withheld with the real model's memory before activations (SD1.5 at full

@@ -163,7 +163,6 @@ def test_inventory_of_this_machine(capfd: pytest.CaptureFixture[str]) -> None:
         assert platform.node() not in text
 
 
-@pytest.mark.slow
 def test_fresh_interpreter_prints_nothing_and_is_fast(tmp_path: Path) -> None:
     """Cold start, as `diagnose env` runs: every package is imported for the first time.
 

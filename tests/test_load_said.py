@@ -17,7 +17,6 @@ from tests.test_profile_command import FAST, _script
 from tests.test_sweep import TINY
 
 
-@pytest.mark.slow
 def test_profile_under_load_says_so_in_the_record_and_on_the_page(
     tmp_path: Path, busy_core: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

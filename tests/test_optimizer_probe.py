@@ -138,7 +138,6 @@ def _assert_unchanged(before: dict[str, Any], workload: Workload) -> None:
 # Syncs inside the step: .item() on the CPU is counted, never a stall
 
 
-@pytest.mark.slow
 def test_item_reads_on_cpu_are_counted_not_called_stalls(
     tiny: tuple[Workload, RunRecord],
 ) -> None:
@@ -355,7 +354,6 @@ def test_implied_s_per_it_swaps_the_step() -> None:
 
 
 @needs_bnb
-@pytest.mark.slow
 def test_ab_table_on_the_tiny_workload_and_the_workload_is_put_back(
     tiny: tuple[Workload, RunRecord],
 ) -> None:
@@ -399,7 +397,6 @@ def test_ab_table_on_the_tiny_workload_and_the_workload_is_put_back(
 
 
 @needs_bnb
-@pytest.mark.slow
 def test_configured_adamw8bit_on_small_lora_reports_the_fp32_state(
     tiny: tuple[Workload, RunRecord],
 ) -> None:
@@ -435,7 +432,6 @@ def test_configured_adamw8bit_on_small_lora_reports_the_fp32_state(
     assert tiny_run.data["eight_bit"]["full_size"]["below_min_8bit_size"] == 0
 
 
-@pytest.mark.slow
 def test_without_bitsandbytes_the_other_optimizers_still_run(
     tiny: tuple[Workload, RunRecord], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -458,7 +454,6 @@ def test_without_bitsandbytes_the_other_optimizers_still_run(
 
 
 @needs_bnb
-@pytest.mark.slow
 def test_warnings_at_construction_and_first_step_are_kept(
     tiny: tuple[Workload, RunRecord],
 ) -> None:

@@ -146,7 +146,6 @@ def _with_phase(record: RunRecord, share: float) -> RunRecord:
     return shown
 
 
-@pytest.mark.slow
 def test_a_slower_optimizer_quotes_the_phase_bar_and_proposes_a_change_it_lacks(
     tiny: tuple[Workload, RunRecord],
 ) -> None:

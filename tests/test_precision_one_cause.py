@@ -137,7 +137,6 @@ def _assert_hardware_finding_alone(record: RunRecord) -> None:
     assert _outcomes(record, BF16_SLOWER_ID) != ["finding"]
 
 
-@pytest.mark.slow
 def test_this_cpus_bf16_slowdown_is_one_finding(this_cpu: DeviceInfo, workload: Workload) -> None:
     """The real A/B on this CPU: bf16 is several times slower than fp32 at the model's shapes.
     When the A/B is sure of it, one finding carries both facts; when the machine's load keeps it
@@ -168,7 +167,6 @@ def test_a_measured_slowdown_carries_the_hardware_fact() -> None:
     _assert_hardware_finding_alone(twin)
 
 
-@pytest.mark.slow
 def test_without_the_speed_measurement_the_hardware_finding_stands_alone(
     this_cpu: DeviceInfo, workload: Workload
 ) -> None:

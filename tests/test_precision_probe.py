@@ -298,7 +298,6 @@ def _assert_unchanged(before: dict[str, Any], workload: Workload) -> None:
                 assert torch.equal(value, now[key])
 
 
-@pytest.mark.slow
 def test_clean_bf16_step_has_no_upcast(tiny: Callable[[str], Workload]) -> None:
     workload = tiny("bf16-mixed")
     before = _snapshot(workload)
@@ -326,7 +325,6 @@ def test_clean_bf16_step_has_no_upcast(tiny: Callable[[str], Workload]) -> None:
     assert loaded.probes[0].data["claimed_vs_actual"] == data["claimed_vs_actual"]
 
 
-@pytest.mark.slow
 def test_autocast_disabled_projection_is_found(tiny: Callable[[str], Workload]) -> None:
     workload = tiny("bf16-mixed")
     module = workload.denoiser.get_submodule(TARGET)
@@ -358,7 +356,6 @@ def test_autocast_disabled_projection_is_found(tiny: Callable[[str], Workload]) 
     assert TARGET in actual and result.data["claimed_vs_actual"] == actual
 
 
-@pytest.mark.slow
 def test_float_under_autocast_is_lowered_not_flagged(tiny: Callable[[str], Workload]) -> None:
     """``x.float() @ w.float().T`` directly under autocast is re-cast to bf16: no fault."""
     workload = tiny("bf16-mixed")
@@ -378,7 +375,6 @@ def test_float_under_autocast_is_lowered_not_flagged(tiny: Callable[[str], Workl
     assert result.data["compute_share_by_dtype"] == {"bf16": 1.0}
 
 
-@pytest.mark.slow
 def test_fp32_lora_weights_in_bf16_full(tiny: Callable[[str], Workload]) -> None:
     workload = tiny("bf16-full")
     clean = run_probe(_fast_probe(), _ctx(workload, workload.config))
@@ -408,7 +404,6 @@ def test_fp32_lora_weights_in_bf16_full(tiny: Callable[[str], Workload]) -> None
     assert all(row["cause"] == "its weights are fp32" for row in sites.values())
 
 
-@pytest.mark.slow
 def test_fp32_run_skips_the_audit_but_reports_bf16_speed(
     tiny: Callable[[str], Workload],
 ) -> None:

@@ -102,7 +102,6 @@ def redacted_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedactedR
     yield RedactedRun(outputs.record, paths_too, folder, str(root))
 
 
-@pytest.mark.slow
 def test_redact_record_removes_every_secret(
     redacted_run: RedactedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -132,7 +131,6 @@ def test_redact_record_removes_every_secret(
     assert loaded.timing.samples[0].seconds == redacted_run.paths_too.timing.samples[0].seconds
 
 
-@pytest.mark.slow
 def test_redact_paths_also_hides_home_and_user(redacted_run: RedactedRun) -> None:
     home = redacted_run.home
     # Not replaced without the option, and redact_record left its input as it was.
@@ -143,7 +141,6 @@ def test_redact_paths_also_hides_home_and_user(redacted_run: RedactedRun) -> Non
     assert "~/" in text
 
 
-@pytest.mark.slow
 def test_cli_run_writes_and_prints_no_secret(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -79,7 +79,6 @@ def _check_ranks_record(record: RunRecord, out: Path, strategy: str, wrapped_as:
     assert (out / "report.html").is_file()
 
 
-@pytest.mark.slow
 def test_ddp_two_ranks_from_the_command_line(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
     argv = ["run", "--nproc", "2", "--strategy", "ddp", *SHORT, *SKIP_ALL, "--no-progress"]

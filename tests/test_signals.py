@@ -55,7 +55,6 @@ def _stop_mid_run(
     return process.returncode, err, out
 
 
-@pytest.mark.slow
 def test_sigterm_mid_run_exits_143_and_leaves_nothing_half_written(tmp_path: Path) -> None:
     code, err, out = _stop_mid_run(tmp_path, signal.SIGTERM, after_trace=True)
     assert code == 143, err[-2000:]
@@ -65,7 +64,6 @@ def test_sigterm_mid_run_exits_143_and_leaves_nothing_half_written(tmp_path: Pat
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
-@pytest.mark.slow
 def test_ctrl_c_mid_run_exits_130(tmp_path: Path) -> None:
     code, err, out = _stop_mid_run(tmp_path, signal.SIGINT, after_trace=False)
     assert code == 130, err[-2000:]

@@ -191,6 +191,7 @@ print(json.dumps(_measured_peak(config, Path(sys.argv[2]))))
 """
 
 
+@pytest.mark.slow
 def test_a_quantized_bases_whole_peak_is_predicted_within_a_fifth(tmp_path: Path) -> None:
     """The whole prediction (the weights as stored, LoRA, gradients, optimizer state and one
     step's activations) against what a real step of the tiny model holds at its peak: its

@@ -207,6 +207,7 @@ def _accelerate(*args: str) -> list[str]:
     return [sys.executable, *LAUNCH, *args]
 
 
+@pytest.mark.slow
 @needs_accelerate
 def test_accelerate_mixed_precision_is_the_claim_and_the_fp32_block_stops_it(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
@@ -221,6 +222,7 @@ def test_accelerate_mixed_precision_is_the_claim_and_the_fp32_block_stops_it(
     assert "claimed by accelerate launch --mixed_precision bf16" in message
 
 
+@pytest.mark.slow
 @needs_accelerate
 def test_its_accelerate_twin_passes(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -104,7 +104,6 @@ def _points(out: Path) -> list[dict[str, object]]:
 # --- real sweeps (slow) -----------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_a_real_sweep_measures_each_point_as_a_run_record(one_by_two: Invocation) -> None:
     assert one_by_two.returncode == 0, one_by_two.stderr
     points = _points(one_by_two.out)
@@ -138,7 +137,6 @@ def test_a_real_sweep_measures_each_point_as_a_run_record(one_by_two: Invocation
     print(f"1x2 tiny sweep: {one_by_two.seconds:.0f} s wall")
 
 
-@pytest.mark.slow
 def test_a_real_sweep_writes_table_csv_and_page(one_by_two: Invocation) -> None:
     out = one_by_two.out
     rows = list(csv.DictReader((out / "sweep.csv").read_text(encoding="utf-8").splitlines()))
@@ -158,7 +156,6 @@ def test_a_real_sweep_writes_table_csv_and_page(one_by_two: Invocation) -> None:
     assert "Fastest per image:" in one_by_two.stdout and "report:" in one_by_two.stdout
 
 
-@pytest.mark.slow
 def test_rerun_skips_measured_points_and_a_failing_point_does_not_stop_it(
     one_by_two: Invocation, tmp_path: Path
 ) -> None:

@@ -73,7 +73,6 @@ def _checked(record: RunRecord) -> list[str]:
     return [line for p in record.probes for line in ok_lines(p)]
 
 
-@pytest.mark.slow
 def test_a_rank_slow_in_its_data_is_named_with_its_phase(runs: Path, tmp_path: Path) -> None:
     record = _trace(runs / "slow_data", tmp_path)
     finding = next(f for f in record.findings if f.id == catalog.DATA_WAIT_IMBALANCE_ID)
@@ -96,7 +95,6 @@ def test_a_rank_slow_in_its_data_is_named_with_its_phase(runs: Path, tmp_path: P
     assert record.ranks[1].wait_seconds == 0.0
 
 
-@pytest.mark.slow
 def test_a_rank_slow_in_its_forward_is_named_with_its_phase(runs: Path, tmp_path: Path) -> None:
     record = _trace(runs / "slow_forward", tmp_path)
     finding = next(f for f in record.findings if f.id == catalog.STRAGGLER_ID)
@@ -122,7 +120,6 @@ def _first_steps(source: Path, into: Path, keep: int) -> Path:
     return into
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("scenario", "finding_id"),
     [
@@ -146,7 +143,6 @@ def test_a_straggler_is_named_from_three_profiled_steps(
     assert "jitter" in finding.detail
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("keep", [1, 2])
 def test_fewer_steps_than_a_jitter_needs_name_no_straggler(
     runs: Path, tmp_path: Path, keep: int
@@ -158,7 +154,6 @@ def test_fewer_steps_than_a_jitter_needs_name_no_straggler(
     assert any("no step-to-step jitter to hold the wait against" in u for u in unjudged), unjudged
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("keep", [3, 6])
 def test_waits_that_move_between_ranks_name_no_straggler(
     runs: Path, tmp_path: Path, keep: int
@@ -188,7 +183,6 @@ def _machine_was_busy(runs: Path, scenario: str) -> bool:
     return any(load["competing_share"] > 0 for load in loads)
 
 
-@pytest.mark.slow
 def test_balanced_ranks_raise_no_straggler(runs: Path, tmp_path: Path) -> None:
     record = _trace(runs / "balanced", tmp_path)
     named = {catalog.STRAGGLER_ID, catalog.DATA_WAIT_IMBALANCE_ID} & _ids(record)
@@ -206,7 +200,6 @@ def test_balanced_ranks_raise_no_straggler(runs: Path, tmp_path: Path) -> None:
     assert len(record.ranks) == 2
 
 
-@pytest.mark.slow
 def test_gradients_too_large_to_hide_are_exposed_communication(runs: Path, tmp_path: Path) -> None:
     record = _trace(runs / "comm_bound", tmp_path)
     finding = next(f for f in record.findings if f.id == catalog.EXPOSED_COMM_ID)
@@ -216,7 +209,6 @@ def test_gradients_too_large_to_hide_are_exposed_communication(runs: Path, tmp_p
     assert 0 < finding.est_seconds_saved_per_it <= record.timing.headline.median
 
 
-@pytest.mark.slow
 def test_compute_bound_ranks_raise_no_exposed_communication(runs: Path, tmp_path: Path) -> None:
     record = _trace(runs / "compute_bound", tmp_path)
     exposed = [f for f in record.findings if f.id == catalog.EXPOSED_COMM_ID]
@@ -227,7 +219,6 @@ def test_compute_bound_ranks_raise_no_exposed_communication(runs: Path, tmp_path
         assert any(line.startswith("communication:") for line in _checked(record))
 
 
-@pytest.mark.slow
 def test_files_named_one_by_one_read_as_the_folder(runs: Path, tmp_path: Path) -> None:
     folder = runs / "slow_data"
     files = sorted(str(p) for p in folder.iterdir())
@@ -237,7 +228,6 @@ def test_files_named_one_by_one_read_as_the_folder(runs: Path, tmp_path: Path) -
     assert catalog.DATA_WAIT_IMBALANCE_ID in _ids(record)
 
 
-@pytest.mark.slow
 def test_one_rank_alone_judges_its_communication_but_names_no_straggler(runs: Path) -> None:
     """Rank 0 of the slow-data job waits for rank 1 in its all-reduce: alone, its trace shows
     exposed communication, said as transfer or a wait for a slower rank."""
@@ -252,7 +242,6 @@ def test_one_rank_alone_judges_its_communication_but_names_no_straggler(runs: Pa
     assert "a wait for a slower rank" in finding.detail and "diagnose trace DIR" in finding.fix
 
 
-@pytest.mark.slow
 def test_the_html_report_has_every_rank(runs: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
     assert main(["trace", str(runs / "slow_data"), "--out", str(out)]) == 0
@@ -261,7 +250,6 @@ def test_the_html_report_has_every_rank(runs: Path, tmp_path: Path) -> None:
     assert "(shown above)" in html and "all-reduce" in html
 
 
-@pytest.mark.slow
 def test_compare_gates_the_pacing_rank_and_refuses_other_rank_counts(
     runs: Path, tmp_path: Path
 ) -> None:

@@ -126,7 +126,6 @@ SUITE_INPUT_ELEMENTS = 1 << 20
 FULL_REPLAY = os.environ.get("DIAGNOSE_H200_FULL_REPLAY") == "1"
 
 
-@pytest.mark.slow
 def test_the_h200_result_judged_again_has_no_finding_above_info(recorded: dict[str, Any]) -> None:
     """Every recorded check, rebuilt: an emulated correct device on the same inputs must show the
     errors the H200 recorded (against the plain reference), and is then judged; where the record

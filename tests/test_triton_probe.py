@@ -238,7 +238,6 @@ def test_missing_or_broken_triton_is_skipped_or_an_error_with_the_reason() -> No
     )
 
 
-@pytest.mark.slow
 def test_the_corpus_passes_in_interpreter_mode() -> None:
     probe = TritonProbe()
     assert isinstance(probe, Probe)
@@ -327,7 +326,6 @@ def _signatures(d: str) -> list[tuple[str, str, dict[str, str], dict[str, object
     return [(m, k, {**sig, **c[0]}, c[1]) for m, k, sig, c in table]
 
 
-@pytest.mark.slow
 # Triton 3.9 announces a change of its FP-fusion default; it does not concern this test.
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION:UserWarning")
 @pytest.mark.parametrize(("backend", "arch", "warp"), [("cuda", 90, 32), ("hip", "gfx1100", 32)])
