@@ -18,9 +18,9 @@ What a window concludes (:class:`diagnose.record.HostLoad`):
 - ``allowance``: how much of a time the load's *swings* could explain. An interleaved A/B runs
   both sides under the same load: a steady load slows both alike and leaves their ratio, so only
   a load that came and went can fake a difference between them. The allowance is the spread of
-  the competing share (its busiest tenth against its quietest tenth) over the rounds of the A/B
-  being judged (:func:`mark_rounds`: load during a probe's set-up cannot favour either side), or
-  over the whole window when the probe marks no rounds.
+  the competing share (its busiest tenth against its quietest tenth) from the probe's first A/B
+  rounds on (:func:`mark_rounds`: load during its set-up cannot favour either side), or over the
+  whole window when the probe marks no rounds.
 
 A comparison made while a window is open (:func:`diagnose.stats.sure_saving`) subtracts the
 allowance times the slower side from the saving it is sure of, so a difference the load could
@@ -260,7 +260,7 @@ class LoadWindow:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._token: contextvars.Token[LoadWindow | None] | None = None
-        #: When the current A/B's rounds began (:meth:`mark_rounds`); None: the window's start.
+        #: When the window's first A/B rounds began (:meth:`mark_rounds`); None: its start.
         self._rounds_from: float | None = None
         self.set_aside = 0
         self.load: HostLoad | None = None
@@ -297,18 +297,23 @@ class LoadWindow:
         return load
 
     def mark_rounds(self) -> None:
-        """The rounds of an A/B start now: its comparisons weigh the load from here on only.
+        """The rounds of an A/B start now: comparisons weigh the load from the first rounds of
+        the window on.
 
         A load that came and went while the probe built its twins or decoded its data cannot
         have favoured either side of rounds that had not begun; counting it would widen the
-        comparisons' intervals by a swing none of their samples saw."""
+        comparisons' intervals by a swing none of their samples saw. Only the first mark
+        counts: a probe that runs several A/Bs and judges them together afterwards still has
+        every one of its rounds weighed."""
+        if self._rounds_from is not None:
+            return
         self._read()
         with self._lock:
             self._rounds_from = self._readings[-1].at if self._readings else None
 
     def rounds_so_far(self) -> HostLoad:
-        """The load since the current A/B's rounds began (:meth:`mark_rounds`), or since the
-        window opened when none is marked."""
+        """The load since the window's first A/B rounds began (:meth:`mark_rounds`), or since
+        it opened when none is marked."""
         self._read()
         with self._lock:
             start = self._rounds_from
@@ -343,8 +348,8 @@ _ACTIVE: contextvars.ContextVar[LoadWindow | None] = contextvars.ContextVar(
 
 
 def current_allowance() -> float:
-    """The allowance of the open window over the current A/B's rounds so far (the whole window
-    when no rounds are marked; 0 without a window)."""
+    """The allowance of the open window over its A/B rounds so far (the whole window when no
+    rounds are marked; 0 without a window)."""
     window = _ACTIVE.get()
     return 0.0 if window is None else window.rounds_so_far().allowance
 

@@ -344,3 +344,21 @@ def test_a_load_that_came_and_went_before_the_rounds_began_is_not_allowed_for(
     # Only a swing the rounds saw can fake their difference; the window still reports it all.
     assert verdict.outcome == ("inconclusive" if burst_during_rounds else "faster")
     assert window.load is not None and window.load.allowance > 0
+
+
+def test_a_second_ab_keeps_the_first_ones_rounds_weighed() -> None:
+    slow, fast = _samples(1.3, 9, 5), _samples(1.0, 9, 6)
+    machine = _Machine()
+    with LoadWindow(reader=(machine.read, 2)) as window:
+        machine.bursty = False
+        for _ in range(10):  # set-up, quiet
+            window.so_far()
+        contention.mark_rounds()
+        machine.bursty = True
+        for _ in range(20):  # the first A/B's rounds, under a load that comes and goes
+            window.so_far()
+        machine.bursty = False
+        contention.mark_rounds()  # a second A/B, judged together with the first afterwards
+        for _ in range(5):
+            window.so_far()
+        assert stats.ab_verdict(slow, fast, min_relative=0.1).outcome == "inconclusive"
