@@ -113,7 +113,7 @@ def test_a_model_that_cannot_be_counted_says_why(monkeypatch: pytest.MonkeyPatch
     """A model that reads a tensor's value while it runs cannot be counted on the meta device:
     the count says why instead of guessing."""
     from diagnose.workload import memory
-    from diagnose.workload.step import FAMILIES
+    from diagnose.workload.families import FAMILIES
 
     family = FAMILIES["sd15"]
     predict = family.predict

@@ -18,6 +18,7 @@ from diagnose.timing import PhaseTimer
 from diagnose.workload import build_workload
 from diagnose.workload.attention import attention_context, available_sdpa_backends
 from diagnose.workload.data import generate_images
+from diagnose.workload.families import latent_image_ids, pack_latents, unpack_latents
 from diagnose.workload.models import (
     HashTokenizer,
     PretrainedTokenizer,
@@ -27,7 +28,7 @@ from diagnose.workload.models import (
     save_model_folder,
 )
 from diagnose.workload.presets import load_preset
-from diagnose.workload.step import Workload, latent_image_ids, pack_latents, unpack_latents
+from diagnose.workload.step import Workload
 
 CPU = torch.device("cpu")
 ALL_PHASES = {"h2d", "encode", "forward", "backward", "optimizer"}
