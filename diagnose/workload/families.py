@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from diagnose.workload.models import Components, TokenBatch, model_config
+from diagnose.workload.models import Components, model_config
+from diagnose.workload.tokenizers import TokenBatch
 
 #: Per-sample conditioning: name -> tensor with a leading batch dim, or a list of per-sample
 #: tensors (Z-Image's captions keep their own lengths).

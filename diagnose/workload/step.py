@@ -47,13 +47,13 @@ from diagnose.workload.families import (
     merge_conditioning,
     split_conditioning,
 )
+from diagnose.workload.model_folder import load_components
 from diagnose.workload.models import (
     Components,
     PrecisionPolicy,
     apply_lora,
     build_components,
     cast_frozen,
-    load_components,
     model_config,
     model_info,
     precision_policy,
