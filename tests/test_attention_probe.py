@@ -57,8 +57,8 @@ from diagnose.trace.analysis import analyze_trace
 from diagnose.trace.kernel_classes import classify_kernel
 from diagnose.verdicts import contradictions, settle, settle_findings
 from diagnose.workload import build_workload
-from diagnose.workload.data import generate_images
 from diagnose.workload.step import Workload
+from diagnose.workload.synthetic_images import generate_images
 from tests.conftest import ok_lines, unjudged_lines
 
 CPU = torch.device("cpu")

@@ -67,14 +67,10 @@ from diagnose.run import execute_run
 from diagnose.timing import PhaseTimer
 from diagnose.verdicts import finding_grade, shown_severity
 from diagnose.workload import Workload, build_workload
-from diagnose.workload.data import (
-    SampleKey,
-    generate_image,
-    generate_images,
-    load_image,
-    make_loader,
-    prepare_data,
-)
+from diagnose.workload.bucket_sampler import SampleKey
+from diagnose.workload.data import make_loader, prepare_data
+from diagnose.workload.image_files import load_image
+from diagnose.workload.synthetic_images import generate_image, generate_images
 from tests.conftest import FIXTURES, ok_lines, one_torch_thread, unjudged_lines
 
 FINDING_ID = GPU_STARVED.id

@@ -18,8 +18,8 @@ from diagnose.config import RunConfig
 from diagnose.run import fit_before_running
 from diagnose.timing import PhaseTimer
 from diagnose.workload import Workload, build_workload
-from diagnose.workload.data import generate_images
 from diagnose.workload.memory import step_memory
+from diagnose.workload.synthetic_images import generate_images
 
 CPU = torch.device("cpu")
 GIB = 2**30
