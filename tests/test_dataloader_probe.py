@@ -521,7 +521,7 @@ def test_parse_raw_reads_processes_frames_and_counts() -> None:
         ("Connection._recv", "multiprocessing/connection.py", "waiting"),
         ("Encoder.forward", "diffusers/models/autoencoders/vae.py", "VAE / model on the CPU"),
         ("default_collate", "torch/utils/data/_utils/collate.py", "batch collate / transfer"),
-        ("load_image", "diagnose/workload/data.py", "other"),
+        ("load_image", "diagnose/workload/image_files.py", "other"),
     ],
 )
 def test_categories(function: str, file: str, category: str) -> None:
