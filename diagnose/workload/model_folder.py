@@ -49,19 +49,24 @@ def _bad(model_dir: Path, message: str) -> DiagnoseError:
     return DiagnoseError(f"--model {model_dir}: {message}", ExitCode.BAD_INPUT)
 
 
+def _json_object(root: Path, name: str) -> dict[str, Any]:
+    """The JSON object in the file ``name`` (relative to ``root``); DiagnoseError(BAD_INPUT)
+    naming the file when it cannot be read or holds anything else."""
+    try:
+        content = json.loads((root / name).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(root, f"{name} is unreadable: {first_line(exc)}") from None
+    if not isinstance(content, dict):
+        raise _bad(root, f"{name} is not a JSON object")
+    return content
+
+
 def _read_index(root: Path) -> dict[str, Any]:
     if not root.is_dir():
         raise _bad(root, "not a folder")
-    index_path = root / "model_index.json"
-    if not index_path.is_file():
+    if not (root / "model_index.json").is_file():
         raise _bad(root, "no model_index.json (not a diffusers model folder)")
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(root, f"model_index.json is unreadable: {first_line(exc)}") from None
-    if not isinstance(index, dict):
-        raise _bad(root, "model_index.json is not a JSON object")
-    return index
+    return _json_object(root, "model_index.json")
 
 
 def _index_class(root: Path, index: dict[str, Any], key: str) -> str | None:
@@ -96,19 +101,9 @@ def _load_or_fail(root: Path, what: str, load: Any) -> Any:
 
 def _component_config(root: Path, folder: str) -> dict[str, Any]:
     """``<folder>/config.json`` of a model folder; DiagnoseError(BAD_INPUT) naming the problem."""
-    path = root / folder / "config.json"
-    if not path.is_file():
+    if not (root / folder / "config.json").is_file():
         raise _bad(root, f"{folder}/config.json is missing")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(
-            root,
-            f"{folder}/config.json is unreadable: {first_line(exc)}",
-        ) from None
-    if not isinstance(config, dict):
-        raise _bad(root, f"{folder}/config.json is not a JSON object")
-    return config
+    return _json_object(root, f"{folder}/config.json")
 
 
 @contextlib.contextmanager
@@ -198,11 +193,11 @@ def load_components(model_dir: str, device: torch.device, policy: PrecisionPolic
         tokenizers.append(tokenizer)
 
     scheduler_config = dict(defaults.scheduler.config)
-    if (root / "scheduler" / "scheduler_config.json").is_file():
+    scheduler_file = "scheduler/scheduler_config.json"
+    if (root / scheduler_file).is_file():
         # The folder's betas / shift, in the training scheduler class of the family.
-        scheduler_config.update(
-            {k: v for k, v in _scheduler_config(root).items() if not k.startswith("_")}
-        )
+        folder_config = _json_object(root, scheduler_file)
+        scheduler_config.update({k: v for k, v in folder_config.items() if not k.startswith("_")})
 
     components = Components(
         family=family,
@@ -222,17 +217,6 @@ def load_components(model_dir: str, device: torch.device, policy: PrecisionPolic
     )
     freeze_components(components, policy)
     return components
-
-
-def _scheduler_config(root: Path) -> dict[str, Any]:
-    path = root / "scheduler" / "scheduler_config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(root, f"scheduler/scheduler_config.json: {first_line(exc)}") from None
-    if not isinstance(config, dict):
-        raise _bad(root, "scheduler/scheduler_config.json is not a JSON object")
-    return config
 
 
 def _load_tokenizer(folder: Path, role: str, max_length: int) -> CaptionTokenizer | None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.errors import DiagnoseError, ExitCode, first_line
 
 
 def build_optimizer(
@@ -24,9 +24,8 @@ def build_optimizer(
         try:
             import bitsandbytes
         except Exception as exc:  # ImportError, or a broken build raising anything at import
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise DiagnoseError(
-                f"--optimizer adamw8bit needs bitsandbytes ({first}); "
+                f"--optimizer adamw8bit needs bitsandbytes ({first_line(exc, limit=None)}); "
                 "install it: pip install bitsandbytes",
                 ExitCode.UNSUPPORTED,
             ) from None
