@@ -228,15 +228,28 @@ def build_components(
         vae = build_vae(preset)
 
     encoders: list[torch.nn.Module] = []
-    tokenizers: list[CaptionTokenizer] = []
     for index, spec in enumerate(preset.text_encoders):
         _seed(seed, 2 + index)
         with construct_on(device, policy.weight_dtype):
             encoders.append(build_text_encoder(spec))
-        vocab = int(spec.config.get("vocab_size", 1000))
-        tokenizers.append(HashTokenizer(spec.role, vocab, spec.max_length))
 
-    components = Components(
+    scheduler = build_scheduler(preset.scheduler.class_name, preset.scheduler.config)
+    components = _preset_components(preset, denoiser, vae, encoders, scheduler, denoiser_parameters)
+    freeze_components(components, policy)
+    return components
+
+
+def _preset_components(
+    preset: Preset,
+    denoiser: torch.nn.Module,
+    vae: torch.nn.Module,
+    encoders: list[torch.nn.Module],
+    scheduler: Any,
+    denoiser_parameters: int,
+) -> Components:
+    """The models built from ``preset``'s configs as :class:`Components`, their captions
+    tokenised by :class:`HashTokenizer` (a config has no vocabulary)."""
+    return Components(
         family=preset.family,
         preset=preset.name,
         size=preset.size,
@@ -245,14 +258,15 @@ def build_components(
         vae=vae,
         text_encoders=encoders,
         text_roles=[spec.role for spec in preset.text_encoders],
-        tokenizers=tokenizers,
-        scheduler=build_scheduler(preset.scheduler.class_name, preset.scheduler.config),
+        tokenizers=[
+            HashTokenizer(spec.role, int(spec.config.get("vocab_size", 1000)), spec.max_length)
+            for spec in preset.text_encoders
+        ],
+        scheduler=scheduler,
         resolutions=preset.resolutions,
         lora_target_modules=preset.lora_target_modules,
         denoiser_parameters=denoiser_parameters,
     )
-    freeze_components(components, policy)
-    return components
 
 
 def cast_frozen(module: torch.nn.Module, dtype: torch.dtype, buffers: bool = True) -> None:
@@ -414,25 +428,9 @@ def _on_meta_with_lora(
         else:
             denoiser = build_denoiser(spec)
             base_parameters, lora_modules = count_parameters(denoiser), 0
-        components = Components(
-            family=spec.family,
-            preset=spec.name,
-            size=spec.size,
-            source="config (random weights)",
-            denoiser=denoiser,
-            vae=build_vae(spec),
-            text_encoders=[build_text_encoder(e) for e in spec.text_encoders],
-            text_roles=[e.role for e in spec.text_encoders],
-            tokenizers=[
-                HashTokenizer(e.role, int(e.config.get("vocab_size", 1000)), e.max_length)
-                for e in spec.text_encoders
-            ],
-            scheduler=None,
-            resolutions=spec.resolutions,
-            lora_target_modules=spec.lora_target_modules,
-            denoiser_parameters=base_parameters,
-        )
-    return components, lora_modules
+        vae = build_vae(spec)
+        encoders = [build_text_encoder(e) for e in spec.text_encoders]
+    return _preset_components(spec, denoiser, vae, encoders, None, base_parameters), lora_modules
 
 
 def meta_components(
