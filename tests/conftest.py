@@ -130,7 +130,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     from diagnose.config import RunConfig
     from diagnose.record import new_record
     from diagnose.workload import build_workload
-    from diagnose.workload.data import generate_images
+    from diagnose.workload.synthetic_images import generate_images
 
     folder = tmp_path_factory.mktemp("images")
     generate_images(folder, count=3, seed=1, size=(96, 80))

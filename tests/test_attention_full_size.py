@@ -50,9 +50,9 @@ from diagnose.probes.attention.probe import AttentionProbe
 from diagnose.probes.base import ProbeContext, run_probe
 from diagnose.record import DeviceInfo, ProbeResult, new_record
 from diagnose.workload import build_workload
-from diagnose.workload.data import generate_images
 from diagnose.workload.presets import load_preset
 from diagnose.workload.step import Workload
+from diagnose.workload.synthetic_images import generate_images
 from tests.conftest import ok_lines, one_torch_thread, unjudged_lines
 
 CPU = torch.device("cpu")

@@ -51,8 +51,8 @@ from diagnose.record import DeviceInfo, Finding, ProbeResult, StepSample, new_re
 from diagnose.reports.checks import build_checks
 from diagnose.verdicts import contradictions, settle, settle_findings
 from diagnose.workload import build_workload
-from diagnose.workload.data import generate_images
 from diagnose.workload.step import Workload
+from diagnose.workload.synthetic_images import generate_images
 from tests.conftest import ok_lines, unjudged_lines
 
 CPU = torch.device("cpu")

@@ -18,20 +18,21 @@ import torch
 from PIL import Image
 
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.workload.bucket_sampler import BucketBatchSampler, SampleKey
 from diagnose.workload.data import (
-    DEFAULT_GENERATED_COUNT,
-    DEFAULT_GENERATED_SIZE,
-    BucketBatchSampler,
     ImageBatch,
     PreparedData,
-    SampleKey,
     collate_images,
-    generate_image,
-    generate_images,
-    load_image,
     make_loader,
     prepare_data,
     seed_worker,
+)
+from diagnose.workload.image_files import load_image
+from diagnose.workload.synthetic_images import (
+    DEFAULT_GENERATED_COUNT,
+    DEFAULT_GENERATED_SIZE,
+    generate_image,
+    generate_images,
 )
 
 SMALL = (96, 144)  # (width, height): portrait like the default, but quick to write and decode

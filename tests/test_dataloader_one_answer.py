@@ -29,7 +29,7 @@ from diagnose.trace.analysis import analysis_to_record, analyze_trace
 from diagnose.trace.rules import dataloader as dataloader_rule
 from diagnose.units import pct
 from diagnose.verdicts import contradictions, settle
-from diagnose.workload.data import generate_image, generate_images
+from diagnose.workload.synthetic_images import generate_image, generate_images
 from tests.conftest import one_torch_thread
 from tests.factories import timed_record
 

@@ -40,7 +40,8 @@ from diagnose.run import execute_run
 from diagnose.timing import PhaseTimer
 from diagnose.verdicts import finding_grade, shown_severity
 from diagnose.workload import Workload, build_workload
-from diagnose.workload.data import generate_image, generate_images, prepare_data
+from diagnose.workload.data import prepare_data
+from diagnose.workload.synthetic_images import generate_image, generate_images
 from tests.conftest import FIXTURES, ok_lines, one_torch_thread, unjudged_lines
 
 FINDING_ID = GPU_STARVED.id

@@ -37,7 +37,8 @@ from diagnose.probes.optimizer.probe import (
 from diagnose.probes.optimizer.syncs import MeasuredCost, sync_question
 from diagnose.record import DeviceInfo, Finding, RunRecord, StepSample, new_record
 from diagnose.verdicts import WARN_SHARE, settle_findings
-from diagnose.workload.step import Workload, build_optimizer
+from diagnose.workload.optimizers import build_optimizer
+from diagnose.workload.step import Workload
 from tests.conftest import ok_lines, unjudged_lines
 
 CPU = torch.device("cpu")

@@ -35,8 +35,8 @@ from diagnose.record import DeviceInfo, RunRecord, StepSample, new_record
 from diagnose.timing import PhaseTimer
 from diagnose.verdicts import contradictions, settle
 from diagnose.workload import build_workload
-from diagnose.workload.data import generate_images
 from diagnose.workload.step import Workload
+from diagnose.workload.synthetic_images import generate_images
 from tests.test_precision_probe import TinyLoop, _tiny_config
 from tests.test_precision_saving import _PlantedSpeed
 

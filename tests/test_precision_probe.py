@@ -35,8 +35,8 @@ from diagnose.record import DeviceInfo, ProbeResult, RunRecord
 from diagnose.record_io import record_from_dict
 from diagnose.timing import PhaseTimer
 from diagnose.workload import build_workload
-from diagnose.workload.data import generate_images
 from diagnose.workload.step import Workload
+from diagnose.workload.synthetic_images import generate_images
 from tests.conftest import ok_lines
 from tests.factories import timed_record
 

@@ -29,7 +29,7 @@ from diagnose.quantized_base import KINDS
 from diagnose.record import DeviceInfo, ProbeResult, RunRecord, new_record
 from diagnose.units import per_it
 from diagnose.workload import Workload, build_workload
-from diagnose.workload.data import generate_images
+from diagnose.workload.synthetic_images import generate_images
 from tests.conftest import one_torch_thread
 
 pytest.importorskip("bitsandbytes")

@@ -27,7 +27,7 @@ from diagnose.probes.environment.probe import EnvironmentProbe
 from diagnose.record import ProbeResult, RunRecord
 from diagnose.record_io import load_record
 from diagnose.redact import MASK, redact_record
-from diagnose.workload.data import generate_images
+from diagnose.workload.synthetic_images import generate_images
 
 HF_TOKEN = "hf_" + "Qw3rTyUiOpAsDfGhJkLzXcVbNm0123456789"
 FOLDER_TOKEN = "hf_" + "ZyXwVuTsRqPoNmLkJiHgFeDcBa9876543210"

@@ -18,8 +18,8 @@ from diagnose.config import RunConfig
 from diagnose.run import fit_before_running
 from diagnose.timing import PhaseTimer
 from diagnose.workload import Workload, build_workload
-from diagnose.workload.data import generate_images
 from diagnose.workload.memory import step_memory
+from diagnose.workload.synthetic_images import generate_images
 
 CPU = torch.device("cpu")
 GIB = 2**30
@@ -113,7 +113,7 @@ def test_a_model_that_cannot_be_counted_says_why(monkeypatch: pytest.MonkeyPatch
     """A model that reads a tensor's value while it runs cannot be counted on the meta device:
     the count says why instead of guessing."""
     from diagnose.workload import memory
-    from diagnose.workload.step import FAMILIES
+    from diagnose.workload.families import FAMILIES
 
     family = FAMILIES["sd15"]
     predict = family.predict

@@ -17,17 +17,13 @@ from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.timing import PhaseTimer
 from diagnose.workload import build_workload
 from diagnose.workload.attention import attention_context, available_sdpa_backends
-from diagnose.workload.data import generate_images
-from diagnose.workload.models import (
-    HashTokenizer,
-    PretrainedTokenizer,
-    build_components,
-    load_components,
-    precision_policy,
-    save_model_folder,
-)
+from diagnose.workload.families import latent_image_ids, pack_latents, unpack_latents
+from diagnose.workload.model_folder import load_components, save_model_folder
+from diagnose.workload.models import build_components, precision_policy
 from diagnose.workload.presets import load_preset
-from diagnose.workload.step import Workload, latent_image_ids, pack_latents, unpack_latents
+from diagnose.workload.step import Workload
+from diagnose.workload.synthetic_images import generate_images
+from diagnose.workload.tokenizers import HashTokenizer, PretrainedTokenizer
 
 CPU = torch.device("cpu")
 ALL_PHASES = {"h2d", "encode", "forward", "backward", "optimizer"}

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diagnose.config import ATTENTIONS
-from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.errors import DiagnoseError, ExitCode, first_line
 
 #: The SDPA kernels ``--attention`` can force.
 SDPA_BACKENDS: dict[str, SDPBackend] = {
@@ -136,9 +136,8 @@ def check_xformers(device: torch.device) -> None:
     try:
         import xformers.ops  # noqa: F401
     except Exception as exc:  # ImportError, or a broken build raising anything at import
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DiagnoseError(
-            f"--attention xformers: xformers cannot be imported ({first}); "
+            f"--attention xformers: xformers cannot be imported ({first_line(exc, limit=None)}); "
             "install the build matching your torch: pip install xformers",
             ExitCode.UNSUPPORTED,
         ) from None

@@ -2,74 +2,51 @@
 
 LoRA datasets are small but their images are big (phone photos of 1224x1800 trained at 512 or
 1024 px), so decoding, resizing and augmenting them on the CPU every step is a real cost, and the
-one this module makes the workload pay. Each sample is decoded from its file with PIL every time
-(no cache), its centre square is resized to the bucket side, it is flipped horizontally when the
-sampler says so, and it becomes a float tensor in [-1, 1], as in diffusers' training examples and
-kohya's sd-scripts.
+one this module's dataset makes the workload pay (how one image is decoded:
+:mod:`diagnose.workload.image_files`).
 
 Two sources:
 
-- ``prepare_data(None, ...)`` generates photo-like images (smooth gradients, shapes, sensor-like
-  noise, so they compress and decode like photos rather than like noise or flat colour) into a
-  fresh temporary folder. :class:`PreparedData` owns that folder: ``close()`` removes it, the
-  ``with`` statement calls ``close()`` also when the block raises, and a ``weakref.finalize``
-  removes it at garbage collection or interpreter exit if nobody called ``close()``.
+- ``prepare_data(None, ...)`` generates photo-like images
+  (:mod:`diagnose.workload.synthetic_images`) into a fresh temporary folder.
+  :class:`PreparedData` owns that folder: ``close()`` removes it, the ``with`` statement calls
+  ``close()`` also when the block raises, and a ``weakref.finalize`` removes it at garbage
+  collection or interpreter exit if nobody called ``close()``.
 - ``prepare_data(DIR, ...)`` reads the user's folder, recursively, and never writes, modifies or
   deletes anything in it.
 
 Buckets: image *i* (in sorted path order) goes to ``resolutions[i % len(resolutions)]``. Cycling
 rather than choosing by image size is deliberate: the tool measures what each training resolution
 costs, and photos are nearly all larger than every bucket, so a size rule would put every image in
-the largest bucket and never exercise the others. :class:`BucketBatchSampler` then builds batches
-from one bucket at a time and takes the buckets in turn, so successive steps cycle through the
-resolutions (what ``RunConfig.resolution`` promises).
+the largest bucket and never exercise the others. The loader's
+:class:`~diagnose.workload.bucket_sampler.BucketBatchSampler` then builds batches from one bucket
+at a time and takes the buckets in turn, so successive steps cycle through the resolutions.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import statistics
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import NamedTuple
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw, ImageFilter
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.workload.bucket_sampler import BucketBatchSampler, SampleKey
+from diagnose.workload.image_files import CAPTION_SUFFIX, IMAGE_SUFFIXES, check_image, load_image
+from diagnose.workload.synthetic_images import DEFAULT_GENERATED_COUNT, generate_images
 
-#: File suffixes read as images (compared lower-case).
-IMAGE_SUFFIXES: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp"})
-#: Caption sidecar suffix: ``photo.jpg`` takes its caption from ``photo.txt``.
-CAPTION_SUFFIX = ".txt"
-#: Generated images: enough for a few epochs of small batches, quick to write (about 0.08 s per
-#: image on one slow core, 0.7 s for the whole set with its checks).
-DEFAULT_GENERATED_COUNT = 8
-#: (width, height) of generated images: a portrait phone photo.
-DEFAULT_GENERATED_SIZE: tuple[int, int] = (1224, 1800)
 #: How many skipped file names the record keeps (the count is always complete).
 MAX_SKIPPED_EXAMPLES = 10
-
-#: EXIF orientation tag, and the transpose that brings each orientation upright (EXIF 2.32).
-_EXIF_ORIENTATION = 0x0112
-_ORIENTATION_TRANSPOSE: dict[int, Image.Transpose] = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,18 +122,6 @@ class ImageEntry:
     bytes: int
 
 
-class SampleKey(NamedTuple):
-    """What the batch sampler hands the dataset: which item, and whether to flip it.
-
-    The flip is decided by the (seeded) sampler in the main process rather than by a random
-    generator inside each worker, so the pixels are the same whatever the number of workers.
-    """
-
-    #: Position in the dataset (``index`` would shadow ``tuple.index``).
-    item: int
-    flip: bool
-
-
 @dataclass
 class Sample:
     """One decoded image: (3, S, S) float32 in [-1, 1]."""
@@ -195,66 +160,7 @@ class ImageBatch:
 
 
 # --------------------------------------------------------------------------------------------
-# Decoding
-# --------------------------------------------------------------------------------------------
-
-
-def load_image(path: str, size: int, flip: bool = False) -> torch.Tensor:
-    """Decode ``path``, resize its centre square to ``size`` x ``size``, optionally flip it.
-
-    Returns (3, size, size) float32 in [-1, 1]. Equivalent to "resize the shorter side to the
-    bucket, then centre-crop", done as one ``resize(box=...)`` so PIL resamples only the pixels
-    it keeps. The EXIF orientation is applied to the small result: a centre square commutes with
-    every rotation and mirror, so rotating after the crop gives the same pixels at a fraction of
-    the cost.
-    """
-    with Image.open(path) as image:
-        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
-        width, height = rgb.size
-        side = min(width, height)
-        left = (width - side) / 2
-        top = (height - side) / 2
-        square = rgb.resize(
-            (size, size),
-            Image.Resampling.BILINEAR,
-            box=(left, top, left + side, top + side),
-        )
-    transpose = _ORIENTATION_TRANSPOSE.get(int(orientation))
-    if transpose is not None:
-        square = square.transpose(transpose)
-    if flip:
-        square = square.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    # HWC uint8 -> CHW float, as torchvision's ToTensor + Normalize(0.5, 0.5) do. Make the CHW
-    # layout contiguous while still uint8: converting the strided view to float directly is
-    # 30-50x slower on CPU (8 ms instead of 0.2 ms at 512 px).
-    array = np.array(square, dtype=np.uint8)
-    pixels = torch.from_numpy(array).permute(2, 0, 1).contiguous().to(torch.float32)
-    return pixels.div_(127.5).sub_(1.0)
-
-
-def _check_image(data: bytes) -> tuple[int, int, str]:
-    """Open, verify and decode an image from its bytes; return (width, height, format) upright.
-
-    Raises on a file PIL cannot use. ``verify()`` catches broken structure (PNG checksums) but not
-    a truncated JPEG, so the image is also decoded: at reduced scale for JPEG (``draft``), which
-    still reads every byte and so still fails on a truncated file.
-    """
-    with Image.open(io.BytesIO(data)) as probe:
-        probe.verify()
-    with Image.open(io.BytesIO(data)) as image:
-        fmt = image.format or "unknown"
-        width, height = image.size
-        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
-        image.draft("RGB", (max(1, width // 8), max(1, height // 8)))
-        image.convert("RGB").load()
-    if orientation in (5, 6, 7, 8):  # a quarter turn: the displayed image is transposed
-        width, height = height, width
-    return width, height, fmt
-
-
-# --------------------------------------------------------------------------------------------
-# Dataset, collate, sampler
+# Dataset, collate, worker seeds
 # --------------------------------------------------------------------------------------------
 
 
@@ -309,73 +215,6 @@ def collate_images(samples: list[Sample]) -> ImageBatch:
     )
 
 
-class BucketBatchSampler(Sampler[list[SampleKey]]):
-    """Batches of one bucket each; steps take the buckets in turn; every batch is full.
-
-    Per epoch: the items of each bucket are shuffled and, when their number is not a multiple of
-    the batch size, the shuffled list is repeated to fill the last batch (so a batch larger than
-    the bucket repeats images; nothing is dropped and every batch has the same shape). Batches
-    are then taken round-robin over the buckets. Each item gets a seeded coin flip for the
-    horizontal flip. Epoch ``e`` depends only on ``(seed, e)``; the epoch counter advances when an
-    iteration actually starts, so iterators that torch creates and drops unused (it makes two for
-    the first epoch of a multi-worker loader) do not shift the sequence.
-    """
-
-    def __init__(self, buckets: Sequence[int], batch_size: int, seed: int = 0) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if not buckets:
-            raise ValueError("no items to sample")
-        self.batch_size = batch_size
-        self.seed = seed
-        self.epoch = 0
-        order: list[int] = []
-        members: dict[int, list[int]] = {}
-        for index, side in enumerate(buckets):
-            if side not in members:
-                order.append(side)
-                members[side] = []
-            members[side].append(index)
-        #: Bucket sides in first-seen order, and the item indices of each.
-        self.bucket_order = order
-        self.members = members
-
-    def __len__(self) -> int:
-        return sum(-(-len(items) // self.batch_size) for items in self.members.values())
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration produce epoch ``epoch``."""
-        self.epoch = epoch
-
-    def plan_epoch(self, epoch: int) -> list[list[SampleKey]]:
-        """The batches of one epoch, in order (pure: same epoch, same seed, same batches)."""
-        rng = np.random.default_rng([self.seed, epoch])
-        per_bucket: list[list[list[SampleKey]]] = []
-        for side in self.bucket_order:
-            items = [self.members[side][i] for i in rng.permutation(len(self.members[side]))]
-            batches_needed = -(-len(items) // self.batch_size)
-            needed = batches_needed * self.batch_size
-            filled = [items[i % len(items)] for i in range(needed)]
-            flips = rng.random(needed) < 0.5
-            keys = [SampleKey(index, bool(flip)) for index, flip in zip(filled, flips, strict=True)]
-            per_bucket.append(
-                [keys[i : i + self.batch_size] for i in range(0, needed, self.batch_size)]
-            )
-        batches: list[list[SampleKey]] = []
-        for round_index in range(max(len(bucket) for bucket in per_bucket)):
-            batches.extend(
-                bucket[round_index] for bucket in per_bucket if round_index < len(bucket)
-            )
-        return batches
-
-    def __iter__(self) -> Iterator[list[SampleKey]]:
-        # A generator function: nothing below runs (and the epoch does not advance) until the
-        # first batch is requested.
-        epoch = self.epoch
-        self.epoch += 1
-        yield from self.plan_epoch(epoch)
-
-
 def seed_worker(worker_id: int) -> None:
     """DataLoader ``worker_init_fn``: seed numpy and ``random`` from the worker's torch seed.
 
@@ -388,73 +227,6 @@ def seed_worker(worker_id: int) -> None:
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
-
-
-# --------------------------------------------------------------------------------------------
-# Generated images
-# --------------------------------------------------------------------------------------------
-
-
-def generate_image(seed: int, size: tuple[int, int] = DEFAULT_GENERATED_SIZE) -> Image.Image:
-    """A photo-like RGB image: smooth gradient, blurred shapes, sensor-like noise.
-
-    The picture is drawn at 1/8 scale and upscaled (cheap smooth content), then fine noise is
-    added at full size so the file compresses like a photo (about 0.25 bytes per pixel as JPEG
-    q90) and decodes at a photo's cost.
-    """
-    width, height = size
-    rng = np.random.default_rng(seed)
-    small_w, small_h = max(2, width // 8), max(2, height // 8)
-    start, end = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
-    mix = float(rng.uniform(0.2, 0.8))
-    ys = np.linspace(0.0, 1.0, small_h, dtype=np.float32)[:, None, None]
-    xs = np.linspace(0.0, 1.0, small_w, dtype=np.float32)[None, :, None]
-    ramp = mix * ys + (1.0 - mix) * xs
-    base = Image.fromarray((start * (1.0 - ramp) + end * ramp).astype(np.uint8), "RGB")
-    draw = ImageDraw.Draw(base)
-    for _ in range(12):
-        cx, cy = int(rng.integers(0, small_w)), int(rng.integers(0, small_h))
-        radius = int(rng.integers(2, max(3, small_w // 2)))
-        colour = (int(rng.integers(0, 256)), int(rng.integers(0, 256)), int(rng.integers(0, 256)))
-        box = (cx - radius, cy - radius, cx + radius, cy + radius)
-        if rng.random() < 0.5:
-            draw.ellipse(box, fill=colour)
-        else:
-            draw.rectangle(box, fill=colour)
-    smooth = base.filter(ImageFilter.GaussianBlur(2)).resize(
-        (width, height), Image.Resampling.BICUBIC
-    )
-    noise = rng.integers(-6, 7, size=(height, width, 3), dtype=np.int16)
-    noisy = np.clip(np.asarray(smooth, dtype=np.int16) + noise, 0, 255).astype(np.uint8)
-    return Image.fromarray(noisy, "RGB")
-
-
-def generate_images(
-    folder: Path,
-    count: int = DEFAULT_GENERATED_COUNT,
-    seed: int = 0,
-    size: tuple[int, int] = DEFAULT_GENERATED_SIZE,
-) -> list[Path]:
-    """Write ``count`` photo-like images with caption sidecars into ``folder``; return their paths.
-
-    JPEG (quality 90, like a phone) except the last one, a PNG, as users' folders mix formats.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    for number in range(count):
-        image = generate_image(seed * 1_000_003 + number, size)
-        is_png = count > 1 and number == count - 1
-        path = folder / f"photo_{number:03d}{'.png' if is_png else '.jpg'}"
-        if is_png:
-            # Level 1: a PNG as cameras and screenshots write it, without seconds of zlib here.
-            image.save(path, "PNG", compress_level=1)
-        else:
-            image.save(path, "JPEG", quality=90)
-        path.with_suffix(CAPTION_SUFFIX).write_text(
-            f"a photo of shapes, number {number}\n", encoding="utf-8"
-        )
-        written.append(path)
-    return written
 
 
 # --------------------------------------------------------------------------------------------
@@ -521,7 +293,7 @@ def _scan(root: Path, count: int | None) -> _Scan:
             started = time.perf_counter()
             data = path.read_bytes()
             read_seconds += time.perf_counter() - started
-            width, height, fmt = _check_image(data)
+            width, height, fmt = check_image(data)
         except Exception as error:  # any failure to read or decode makes the file unusable
             text = str(error).strip().splitlines()
             corrupt[name] = f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -188,9 +188,9 @@ def count_step_bytes(
     on the meta device: what the activations, temporaries and gradients need beyond the weights.
     Every weight is cast to ``compute_dtype`` first: the meta device has no autocast, and under
     autocast the matmuls and what they save run in that dtype."""
+    from diagnose.workload.families import FAMILIES, conditioning_to
     from diagnose.workload.models import meta_components
     from diagnose.workload.presets import load_preset
-    from diagnose.workload.step import FAMILIES, conditioning_to
 
     meta = torch.device("meta")
     components = meta_components(preset, size, rank, target_modules)

@@ -149,9 +149,9 @@ class _SdpaShapes(TorchFunctionMode):
 def real_attention_shapes(preset: str, batch: int, dtype: str) -> RealShapes:
     """Every attention call of the full-size ``preset``'s denoiser at its own (largest)
     resolution and ``batch``, q/k/v in ``dtype``: built and called on the meta device."""
+    from diagnose.workload.families import FAMILIES
     from diagnose.workload.models import meta_components
     from diagnose.workload.presets import load_preset
-    from diagnose.workload.step import FAMILIES
 
     spec = load_preset(preset, "full")
     resolution = max(spec.resolutions)

@@ -22,15 +22,9 @@ import torch
 from diagnose.record import Stats
 from diagnose.stats import SAVING_SIGNIFICANCE, minimum_samples
 from diagnose.timing import PhaseTimer
-from diagnose.workload.data import (
-    BucketBatchSampler,
-    ImageFolderDataset,
-    PreparedData,
-    Sample,
-    SampleKey,
-    load_image,
-    make_loader,
-)
+from diagnose.workload.bucket_sampler import BucketBatchSampler, SampleKey
+from diagnose.workload.data import ImageFolderDataset, PreparedData, Sample, make_loader
+from diagnose.workload.image_files import load_image
 from diagnose.workload.untouched import steps_without_update
 
 if TYPE_CHECKING:
