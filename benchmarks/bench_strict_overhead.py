@@ -47,8 +47,8 @@ sys.path.insert(0, str(REPO))
 
 from diagnose.strict import StrictOptions  # noqa: E402
 from diagnose.strict.mode import RANK_EXPECT, StrictSession  # noqa: E402
-from diagnose.strict.torch_internals import DispatchModeBase  # noqa: E402
 from diagnose.strict.violations import Claim  # noqa: E402
+from diagnose.torch_compat import TorchDispatchMode as DispatchModeBase  # noqa: E402
 
 
 class _CountingDispatch(DispatchModeBase):  # type: ignore[misc]
