@@ -241,7 +241,10 @@ module = sys.modules["capture_under_test"] = importlib.util.module_from_spec(spe
 spec.loader.exec_module(module)
 assert module._contract.Settings.from_environ({{"DIAGNOSE_PROFILE_DIR": "x"}}) is not None
 assert "diagnose" not in sys.modules
-assert module._start_strict({str(tmp_path)!r}) is not None
+strict = module._process.start_strict(
+    os.environ[{ENV_OPTIONS!r}], os.environ[{ENV_PACKAGE!r}], {str(tmp_path)!r}
+)
+assert strict is not None
 import diagnose.probes.attention.calls
 print("loaded from", diagnose.__file__)
 """

@@ -8,7 +8,7 @@ and nothing heavy at module level. Its parts are loaded by path from beside it t
 ``capture_contract.py`` (the environment variables, settings and files it shares with the parent
 side, :mod:`diagnose.profile.launch`, which imports that module by name), ``capture_describe.py``
 (what the facts say about the modules, optimizer, device and DataLoaders), ``capture_process.py``
-(torch's classes wrapped, the step-boundary deferral, SIGTERM, strict mode's import) and
+(torch's classes wrapped, the step-boundary deferral, SIGTERM, strict mode) and
 ``stack_sampler.py`` (py-spy).
 
 A training step is the interval between two successive ``optimizer.step()`` returns of the first
@@ -195,7 +195,13 @@ class _Capture:
             self.optimizers_built.append(_describe.qualified(type(optimizer)))
         if self.optimizers_built_count == 1:
             # Strict mode starts here, once torch is wholly imported and before the first step.
-            _ensure_strict(self)
+            failure = _process.ensure_strict(
+                os.environ.get(_contract.ENV_STRICT, ""),
+                os.environ.get(_contract.ENV_STRICT_PACKAGE, ""),
+                self.settings.directory,
+            )
+            if failure is not None:
+                self.error = f"strict mode: {_one_line(failure)}"
             self.write_process()
 
     def pre_hook(self, optimizer: object, args: object, kwargs: object) -> None:
@@ -327,7 +333,7 @@ class _Capture:
         self._register_forward(collect=phase == "probe")
 
     def _start_capture(self) -> None:
-        _strict_event("capture_started")
+        _process.strict_event("capture_started")
         self.timed_started_unix = time.time()
         optimizer: Any = self._boundary_optimizer()
         if optimizer is not None:
@@ -509,7 +515,7 @@ class _Capture:
         self._remove_forward()
         self._write_facts(status)
         self.sigterm.restore()
-        _strict_event("capture_ended")
+        _process.strict_event("capture_ended")
 
     def _progress(self) -> str:
         text = f"after {len(self.timed)} timed steps"
@@ -547,35 +553,6 @@ class _Capture:
 
 
 _capture: _Capture | None = None
-#: diagnose's strict mode in this process (``--strict``; see diagnose/strict/runtime.py), or None.
-_strict: Any = None
-
-
-def _start_strict(directory: str) -> Any:
-    """Strict mode for this process when ``--strict`` was given: diagnose.strict.runtime,
-    imported from the diagnose that launched the command when this Python has none."""
-    if not os.environ.get(_contract.ENV_STRICT):
-        return None
-    path = [p for p in os.environ.get(_contract.ENV_STRICT_PACKAGE, "").split(os.pathsep) if p]
-    return _process.import_strict_runtime(path).start(os.environ, directory)
-
-
-def _ensure_strict(capture: _Capture) -> None:
-    global _strict
-    if _strict is None:
-        try:
-            _strict = _start_strict(capture.settings.directory)
-        except Exception as exc:
-            _strict = False
-            capture.error = f"strict mode: {_one_line(exc)}"
-
-
-def _strict_event(name: str) -> None:
-    """Tell strict mode that the capture's window of steps opened or closed."""
-    handler = getattr(_strict, name, None)
-    if handler is not None:
-        with contextlib.suppress(Exception):
-            handler()
 
 
 def _after_fork_in_child() -> None:
