@@ -12,6 +12,7 @@ start its own scenarios and lose the overlap that keeps the module's wall time d
 
 from __future__ import annotations
 
+import ast
 import gzip
 import importlib.util
 import json
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from diagnose.profile import capture
+from diagnose.profile import capture_contract
 from diagnose.profile.launch import (
     BOOTSTRAP_DIR,
     CaptureOptions,
@@ -610,10 +611,29 @@ def test_timeout_escalates_when_sigint_is_ignored(tmp_path: Path) -> None:
 def test_environment_puts_the_bootstrap_first(tmp_path: Path) -> None:
     env = capture_environment(tmp_path, QUICK, {"PYTHONPATH": "/theirs", "HOME": "/home/x"})
     assert env["PYTHONPATH"] == f"{BOOTSTRAP_DIR}{os.pathsep}/theirs"
-    assert env[capture.ENV_DIR] == str(tmp_path.resolve())
-    assert env[capture.ENV_SKIP_STEPS] == "2" and env[capture.ENV_STOP_AFTER] == "0"
-    assert capture.Settings.from_environ(env) == capture.Settings(str(tmp_path.resolve()), 2, 4, 2)
+    assert env[capture_contract.ENV_DIR] == str(tmp_path.resolve())
+    assert (
+        env[capture_contract.ENV_SKIP_STEPS] == "2" and env[capture_contract.ENV_STOP_AFTER] == "0"
+    )
+    assert capture_contract.Settings.from_environ(env) == capture_contract.Settings(
+        str(tmp_path.resolve()), 2, 4, 2
+    )
     assert capture_environment(tmp_path, QUICK, {})["PYTHONPATH"] == str(BOOTSTRAP_DIR)
+
+
+def test_the_bootstrap_names_the_contracts_variables_and_process_files() -> None:
+    """The bootstrap keeps its own copies (it loads nothing at start-up): read them, not run it."""
+    tree = ast.parse((BOOTSTRAP_DIR / "sitecustomize.py").read_text(encoding="utf-8"))
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    assert constants["_DIR_VARIABLE"] == capture_contract.ENV_DIR
+    assert constants["_CAPTURE_VARIABLE"] == capture_contract.ENV_CAPTURE
+    assert constants["_PROCESS_PREFIX"] == capture_contract.PROCESS_PREFIX
 
 
 def test_options_and_capture_folder_are_checked(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diagnose.profile.capture import FACTS_SUFFIX, STATUS_COMPLETE, STATUS_RUNNING
+from diagnose.profile.capture_contract import FACTS_SUFFIX, STATUS_COMPLETE, STATUS_RUNNING
 from diagnose.profile.device_telemetry import CommandTelemetry, rank_telemetry
 from diagnose.profile.launch import LaunchResult, RankCapture
 from diagnose.profile.record import profile_record

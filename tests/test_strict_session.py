@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from diagnose.cli import main
 from diagnose.errors import ExitCode
-from diagnose.profile import capture
+from diagnose.profile import capture, capture_contract
 from diagnose.strict import StrictOptions, StrictViolation
 from diagnose.strict.mode import RANK_EXPECT, StrictSession
 from diagnose.strict.options import ENV_OPTIONS, ENV_PACKAGE, parse_strict
@@ -215,13 +215,14 @@ def test_bad_strict_values_are_usage_errors(tmp_path: Path) -> None:
 
 def test_the_capture_and_the_options_name_the_same_variables() -> None:
     # The capture runs in the user's Python and imports nothing of diagnose's.
-    assert (capture.ENV_STRICT, capture.ENV_STRICT_PACKAGE) == (ENV_OPTIONS, ENV_PACKAGE)
+    names = (capture_contract.ENV_STRICT, capture_contract.ENV_STRICT_PACKAGE)
+    assert names == (ENV_OPTIONS, ENV_PACKAGE)
 
 
 def test_a_python_without_diagnose_imports_strict_mode_from_the_launchers(tmp_path: Path) -> None:
     """The capture's loader, in a child whose import system cannot find diagnose (its editable
-    finder taken out), imports strict mode and the attention probe's modules from the folders
-    the launcher names."""
+    finder taken out), loads its sibling modules by path and imports strict mode and the attention
+    probe's modules from the folders the launcher names."""
     import os
     import subprocess
     import sys
@@ -238,7 +239,12 @@ assert importlib.util.find_spec("diagnose") is None, "diagnose is still importab
 spec = importlib.util.spec_from_file_location("capture_under_test", {capture.__file__!r})
 module = sys.modules["capture_under_test"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-assert module._start_strict({str(tmp_path)!r}) is not None
+assert module._contract.Settings.from_environ({{"DIAGNOSE_PROFILE_DIR": "x"}}) is not None
+assert "diagnose" not in sys.modules
+strict = module._process.start_strict(
+    os.environ[{ENV_OPTIONS!r}], os.environ[{ENV_PACKAGE!r}], {str(tmp_path)!r}
+)
+assert strict is not None
 import diagnose.probes.attention.calls
 print("loaded from", diagnose.__file__)
 """

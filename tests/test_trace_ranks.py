@@ -168,11 +168,11 @@ def test_waits_that_move_between_ranks_name_no_straggler(
 
 
 def test_the_capture_profiles_as_many_steps_as_the_catalog_asks() -> None:
-    from diagnose.profile import capture
+    from diagnose.profile import capture_contract as contract
 
-    assert capture._STRAGGLER_STEPS == catalog.STRAGGLER_STEPS
+    assert contract._STRAGGLER_STEPS == catalog.STRAGGLER_STEPS
     for world in range(1, 17):
-        assert capture.steps_to_name_a_straggler(world) == catalog.steps_to_name_a_straggler(world)
+        assert contract.steps_to_name_a_straggler(world) == catalog.steps_to_name_a_straggler(world)
 
 
 def _machine_was_busy(runs: Path, scenario: str) -> bool:

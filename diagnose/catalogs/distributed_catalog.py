@@ -74,8 +74,8 @@ INTERVAL_NOTE = (
 
 def steps_to_name_a_straggler(world_size: int) -> int:
     """The fewest profiled steps a straggler among ``world_size`` ranks can be named from
-    (:data:`STRAGGLER_STEPS`; 1 for a single process). diagnose/profile/capture.py asks the same
-    in the user's processes."""
+    (:data:`STRAGGLER_STEPS`; 1 for a single process). diagnose/profile/capture_contract.py asks the
+    same in the user's processes."""
     return STRAGGLER_STEPS if world_size > 1 else 1
 
 

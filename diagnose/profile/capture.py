@@ -4,15 +4,12 @@ the user's own steps.
 The bootstrap (``bootstrap/sitecustomize.py``) loads this file by path, under a private module
 name, in every Python process of the user's command, the moment ``torch.optim.optimizer`` has been
 executed. It must therefore import nothing from ``diagnose`` (the user's Python may not have it)
-and nothing heavy at module level; the parent side (:mod:`diagnose.profile.launch`) imports it as
-``diagnose.profile.capture`` for the names and the file layout. Its parts are loaded by path from
-beside it the same way: ``capture_describe.py`` (what the facts say about the modules, optimizer,
-device and DataLoaders), ``capture_process.py`` (torch's classes wrapped, the step-boundary
-deferral, SIGTERM, strict mode's import) and ``stack_sampler.py`` (py-spy).
-
-Why one file: ``_Capture`` is one state machine whose hooks, phases, forward sampling and end
-read and write one object's state, beside the settings and file layout the parent imports from
-here; what needs none of that state lives in the two modules named above.
+and nothing heavy at module level. Its parts are loaded by path from beside it the same way:
+``capture_contract.py`` (the environment variables, settings and files it shares with the parent
+side, :mod:`diagnose.profile.launch`, which imports that module by name), ``capture_describe.py``
+(what the facts say about the modules, optimizer, device and DataLoaders), ``capture_process.py``
+(torch's classes wrapped, the step-boundary deferral, SIGTERM, strict mode) and
+``stack_sampler.py`` (py-spy).
 
 A training step is the interval between two successive ``optimizer.step()`` returns of the first
 optimizer instance that steps, seen through torch's global optimizer step hooks (they fire for
@@ -31,20 +28,6 @@ optimizer step; forward hooks are registered only for the steps that sample them
 step boundary runs once ``optimizer.step()`` has returned, outside torch's ``Optimizer.step#…``
 range (``capture_process.DeferredWork`` says why and how).
 
-Files in the capture folder (``DIAGNOSE_PROFILE_DIR``):
-
-- ``process-<pid>.json``: every process that imported torch (launchers and DataLoader workers
-  too): argv, the optimizers it built, whether it stepped, a failure of the bootstrap. Not a rank.
-- ``rank<R>.capture.json`` (``rank<R>-pid<pid>`` when two processes claim rank R): created when
-  the process's first step ends (``status: running``), rewritten atomically after each timed step
-  (so a process killed later keeps them) and at the end with the facts.
-- ``rank<R>.pt.trace.json.gz``: the Kineto trace of the profiled steps.
-- ``rank<R>.pyspy.txt``: py-spy's stacks of the probe and profiled steps, when the parent named a
-  py-spy (``DIAGNOSE_PROFILE_PY_SPY``; see ``stack_sampler.py``, loaded from beside this file).
-- ``strict-<pid>.json``: strict mode's log (``--strict``: ``DIAGNOSE_STRICT``), written by
-  ``diagnose.strict.runtime``, which this module starts at the first optimizer's construction and
-  tells when the capture's window opens and closes.
-
 Nothing here raises into the user's program: a failure is recorded in the facts' status
 (``error: …``) and disables the capture. ``KeyboardInterrupt`` and ``SystemExit`` are never
 caught: they are the user's.
@@ -58,84 +41,9 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
-
-#: Environment variables the parent sets for every process of the command.
-ENV_DIR = "DIAGNOSE_PROFILE_DIR"
-ENV_CAPTURE = "DIAGNOSE_PROFILE_CAPTURE"
-ENV_SKIP_STEPS = "DIAGNOSE_PROFILE_SKIP_STEPS"
-ENV_TIMED_STEPS = "DIAGNOSE_PROFILE_TIMED_STEPS"
-ENV_PROFILED_STEPS = "DIAGNOSE_PROFILE_PROFILED_STEPS"
-ENV_STOP_AFTER = "DIAGNOSE_PROFILE_STOP_AFTER"
-#: The py-spy executable that samples the profiled steps' Python stacks (unset: none).
-ENV_PY_SPY = "DIAGNOSE_PROFILE_PY_SPY"
-#: ``--strict``: its options, and where the diagnose package's modules are for a Python that
-#: lacks it (its folder first; as diagnose.strict.options.ENV_OPTIONS and ENV_PACKAGE, a test keeps
-#: them equal).
-ENV_STRICT = "DIAGNOSE_STRICT"
-ENV_STRICT_PACKAGE = "DIAGNOSE_STRICT_PACKAGE"
-
-FACTS_SUFFIX = ".capture.json"
-TRACE_SUFFIX = ".pt.trace.json.gz"
-#: py-spy's collapsed stacks of the probe and profiled steps (``--format raw``).
-STACKS_SUFFIX = ".pyspy.txt"
-PROCESS_PREFIX = "process-"
-SCHEMA_VERSION = 1
-
-STATUS_RUNNING = "running"
-STATUS_COMPLETE = "complete"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What to capture, read from the environment the parent set."""
-
-    directory: str
-    skip_steps: int = 5
-    timed_steps: int = 10
-    profiled_steps: int = 3
-    stop_after: bool = False
-    py_spy: str = ""
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> Settings | None:
-        directory = environ.get(ENV_DIR)
-        if not directory:
-            return None
-
-        def count(name: str, default: int) -> int:
-            try:
-                return max(0, int(environ.get(name, "")))
-            except ValueError:
-                return default
-
-        profiled = count(ENV_PROFILED_STEPS, cls.profiled_steps)
-        world = count("WORLD_SIZE", 1)
-        if profiled:
-            # Enough that the waits between ranks have a jitter to be held against.
-            profiled = max(profiled, steps_to_name_a_straggler(world))
-        return cls(
-            directory=directory,
-            skip_steps=count(ENV_SKIP_STEPS, cls.skip_steps),
-            timed_steps=count(ENV_TIMED_STEPS, cls.timed_steps),
-            profiled_steps=profiled,
-            stop_after=environ.get(ENV_STOP_AFTER, "") in {"1", "true", "yes"},
-            py_spy=environ.get(ENV_PY_SPY, ""),
-        )
-
-
-#: As diagnose.catalogs.distributed_catalog.STRAGGLER_STEPS (this module imports nothing of
-#: diagnose's: it runs in the user's processes); a test keeps the two equal.
-_STRAGGLER_STEPS = 3
-
-
-def steps_to_name_a_straggler(world_size: int) -> int:
-    """As the catalog's function of that name: the fewest profiled steps a straggler among
-    ``world_size`` ranks can be named from."""
-    return _STRAGGLER_STEPS if world_size > 1 else 1
 
 
 def _one_line(exc: BaseException) -> str:
@@ -182,9 +90,11 @@ def _torch_compat() -> Any:
 
 # In the user's processes by path (their Python may lack diagnose); mypy reads the package's.
 if TYPE_CHECKING:
+    from diagnose.profile import capture_contract as _contract
     from diagnose.profile import capture_describe as _describe
     from diagnose.profile import capture_process as _process
 else:
+    _contract = _sibling("capture_contract")
     _describe = _sibling("capture_describe")
     _process = _sibling("capture_process")
 
@@ -192,7 +102,9 @@ else:
 class _Capture:
     """The capture state of this process (one instance, created when torch.optim is imported)."""
 
-    def __init__(self, settings: Settings, started_perf: float, started_unix: float) -> None:
+    def __init__(
+        self, settings: _contract.Settings, started_perf: float, started_unix: float
+    ) -> None:
         self.settings = settings
         self.started_perf = started_perf
         self.started_unix = started_unix
@@ -256,19 +168,19 @@ class _Capture:
     # -- the process file -------------------------------------------------------------------
 
     def process_path(self) -> str:
-        return os.path.join(self.settings.directory, f"{PROCESS_PREFIX}{self.pid}.json")
+        return os.path.join(self.settings.directory, f"{_contract.PROCESS_PREFIX}{self.pid}.json")
 
     def write_process(self) -> None:
         with contextlib.suppress(Exception):
             payload = {
-                "schema": SCHEMA_VERSION,
+                "schema": _contract.SCHEMA_VERSION,
                 "pid": self.pid,
                 **_describe.describe_process(),
                 "torch_imported_s": self.torch_imported_s,
                 "optimizers_built": self.optimizers_built_count,
                 "optimizer_classes": list(self.optimizers_built),
                 "stepped": self.process_stepped,
-                "facts": f"{self.stem}{FACTS_SUFFIX}" if self.stem else None,
+                "facts": f"{self.stem}{_contract.FACTS_SUFFIX}" if self.stem else None,
                 "error": self.error,
             }
             _process.write_json_atomic(self.process_path(), payload)
@@ -283,7 +195,13 @@ class _Capture:
             self.optimizers_built.append(_describe.qualified(type(optimizer)))
         if self.optimizers_built_count == 1:
             # Strict mode starts here, once torch is wholly imported and before the first step.
-            _ensure_strict(self)
+            failure = _process.ensure_strict(
+                os.environ.get(_contract.ENV_STRICT, ""),
+                os.environ.get(_contract.ENV_STRICT_PACKAGE, ""),
+                self.settings.directory,
+            )
+            if failure is not None:
+                self.error = f"strict mode: {_one_line(failure)}"
             self.write_process()
 
     def pre_hook(self, optimizer: object, args: object, kwargs: object) -> None:
@@ -384,7 +302,7 @@ class _Capture:
             self.timed.append(now - self.mark)
             # What is measured is kept: a process killed later (SIGKILL skips every handler)
             # leaves these steps in its facts. Written before the next step's mark.
-            self._write_facts(STATUS_RUNNING)
+            self._write_facts(_contract.STATUS_RUNNING)
             if len(self.timed) < s.timed_steps:
                 self._enter("timed", self.steps + 1)
             else:
@@ -415,7 +333,7 @@ class _Capture:
         self._register_forward(collect=phase == "probe")
 
     def _start_capture(self) -> None:
-        _strict_event("capture_started")
+        _process.strict_event("capture_started")
         self.timed_started_unix = time.time()
         optimizer: Any = self._boundary_optimizer()
         if optimizer is not None:
@@ -450,7 +368,7 @@ class _Capture:
         except ImportError:
             self.stacks = {"error": f"cannot load {path}"}
             return
-        output = os.path.join(self.settings.directory, self.stem + STACKS_SUFFIX)
+        output = os.path.join(self.settings.directory, self.stem + _contract.STACKS_SUFFIX)
         self.sampler = module.StackSampler(self.settings.py_spy, output)
         self.sampler.start()
 
@@ -536,21 +454,21 @@ class _Capture:
         import json
 
         for stem in (f"rank{rank}", f"rank{rank}-pid{self.pid}"):
-            path = os.path.join(self.settings.directory, stem + FACTS_SUFFIX)
+            path = os.path.join(self.settings.directory, stem + _contract.FACTS_SUFFIX)
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 continue
             self.stem = stem
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(self._facts(STATUS_RUNNING), handle, default=str)
+                json.dump(self._facts(_contract.STATUS_RUNNING), handle, default=str)
             return stem
         raise FileExistsError(f"rank {rank} was claimed twice by this process")
 
     def _facts(self, status: str) -> dict[str, Any]:
         dynamo_now = _describe.dynamo_counters(_torch_compat())
         return {
-            "schema": SCHEMA_VERSION,
+            "schema": _contract.SCHEMA_VERSION,
             "status": status,
             **_describe.capture_facts(self, dynamo_now),
         }
@@ -559,7 +477,7 @@ class _Capture:
         if self.stem is None:
             return
         self.status = status
-        path = os.path.join(self.settings.directory, self.stem + FACTS_SUFFIX)
+        path = os.path.join(self.settings.directory, self.stem + _contract.FACTS_SUFFIX)
         _process.write_json_atomic(path, self._facts(status))
 
     # -- the end ----------------------------------------------------------------------------
@@ -573,10 +491,12 @@ class _Capture:
             profiler.stop()
         if not self.profiler_active or self.stem is None:
             return
-        name = self.stem + TRACE_SUFFIX
+        name = self.stem + _contract.TRACE_SUFFIX
         final = os.path.join(self.settings.directory, name)
         # The name must end in .gz: torch gzips by the suffix.
-        temporary = os.path.join(self.settings.directory, f".{self.pid}.tmp{TRACE_SUFFIX}")
+        temporary = os.path.join(
+            self.settings.directory, f".{self.pid}.tmp{_contract.TRACE_SUFFIX}"
+        )
         profiler.export_chrome_trace(temporary)
         os.replace(temporary, final)
         self.trace_name = name
@@ -584,7 +504,7 @@ class _Capture:
     def _complete(self) -> None:
         self._stop_sampler()
         self._stop_profiler()
-        self._finish(STATUS_COMPLETE)
+        self._finish(_contract.STATUS_COMPLETE)
         if self.settings.stop_after:
             _process.stop_process()
 
@@ -595,7 +515,7 @@ class _Capture:
         self._remove_forward()
         self._write_facts(status)
         self.sigterm.restore()
-        _strict_event("capture_ended")
+        _process.strict_event("capture_ended")
 
     def _progress(self) -> str:
         text = f"after {len(self.timed)} timed steps"
@@ -633,35 +553,6 @@ class _Capture:
 
 
 _capture: _Capture | None = None
-#: diagnose's strict mode in this process (``--strict``; see diagnose/strict/runtime.py), or None.
-_strict: Any = None
-
-
-def _start_strict(directory: str) -> Any:
-    """Strict mode for this process when ``--strict`` was given: diagnose.strict.runtime,
-    imported from the diagnose that launched the command when this Python has none."""
-    if not os.environ.get(ENV_STRICT):
-        return None
-    path = [p for p in os.environ.get(ENV_STRICT_PACKAGE, "").split(os.pathsep) if p]
-    return _process.import_strict_runtime(path).start(os.environ, directory)
-
-
-def _ensure_strict(capture: _Capture) -> None:
-    global _strict
-    if _strict is None:
-        try:
-            _strict = _start_strict(capture.settings.directory)
-        except Exception as exc:
-            _strict = False
-            capture.error = f"strict mode: {_one_line(exc)}"
-
-
-def _strict_event(name: str) -> None:
-    """Tell strict mode that the capture's window of steps opened or closed."""
-    handler = getattr(_strict, name, None)
-    if handler is not None:
-        with contextlib.suppress(Exception):
-            handler()
 
 
 def _after_fork_in_child() -> None:
@@ -677,7 +568,7 @@ def _after_fork_in_child() -> None:
 def on_import(name: str, module: ModuleType, started_perf: float, started_unix: float) -> None:
     """Called by the bootstrap when a watched torch module has just been executed."""
     global _capture
-    settings = Settings.from_environ(os.environ)
+    settings = _contract.Settings.from_environ(os.environ)
     if settings is None:
         return
     capture = _capture
@@ -694,21 +585,4 @@ def on_import(name: str, module: ModuleType, started_perf: float, started_unix: 
         _process.install_dataloader_hook(module, capture.note_iterator)
 
 
-__all__ = [
-    "ENV_CAPTURE",
-    "ENV_DIR",
-    "ENV_PROFILED_STEPS",
-    "ENV_PY_SPY",
-    "ENV_SKIP_STEPS",
-    "ENV_STOP_AFTER",
-    "ENV_TIMED_STEPS",
-    "FACTS_SUFFIX",
-    "PROCESS_PREFIX",
-    "SCHEMA_VERSION",
-    "STACKS_SUFFIX",
-    "STATUS_COMPLETE",
-    "STATUS_RUNNING",
-    "TRACE_SUFFIX",
-    "Settings",
-    "on_import",
-]
+__all__ = ["on_import"]

@@ -3,10 +3,10 @@
 The plumbing :mod:`diagnose.profile.capture`'s state machine stands on: wrapping torch's
 optimizer and DataLoader classes, running the step-boundary work once torch's step wrapper has
 returned, the profiler and the Kineto lines it writes to stderr, SIGTERM from a launcher, ending
-the process for ``--stop-after``, importing strict mode from the diagnose that launched the
-command, and writing a JSON file atomically. Like the capture, this file is
-loaded by path inside the user's processes, so it imports nothing from ``diagnose`` and torch
-only inside the functions that need it.
+the process for ``--stop-after``, starting strict mode (imported from the diagnose that launched
+the command) and telling it when the capture's window opens and closes, and writing a JSON file
+atomically. Like the capture, this file is loaded by path inside the user's processes, so it
+imports nothing from ``diagnose`` and torch only inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -275,6 +275,39 @@ def stop_process() -> None:
 
 # -- strict mode ------------------------------------------------------------------------------
 
+#: diagnose's strict mode in this process (``--strict``; see diagnose/strict/runtime.py), or None.
+_strict: Any = None
+
+
+def start_strict(options: str, package: str, directory: str) -> Any:
+    """Strict mode for this process when ``--strict`` was given (``options``, its variable's
+    value): diagnose.strict.runtime, imported from the diagnose that launched the command
+    (``package``, its folders) when this Python has none."""
+    if not options:
+        return None
+    path = [p for p in package.split(os.pathsep) if p]
+    return import_strict_runtime(path).start(os.environ, directory)
+
+
+def ensure_strict(options: str, package: str, directory: str) -> Exception | None:
+    """Strict mode started once per process (:func:`start_strict`); what kept it from starting."""
+    global _strict
+    if _strict is None:
+        try:
+            _strict = start_strict(options, package, directory)
+        except Exception as exc:
+            _strict = False
+            return exc
+    return None
+
+
+def strict_event(name: str) -> None:
+    """Tell strict mode that the capture's window of steps opened or closed."""
+    handler = getattr(_strict, name, None)
+    if handler is not None:
+        with contextlib.suppress(Exception):
+            handler()
+
 
 def import_strict_runtime(package_path: list[str]) -> ModuleType:
     """``diagnose.strict.runtime``, imported from the diagnose that launched the command (its
@@ -307,11 +340,14 @@ __all__ = [
     "DeferredWork",
     "SigtermHandler",
     "StderrFilter",
+    "ensure_strict",
     "exit_reason",
     "import_strict_runtime",
     "install_dataloader_hook",
     "install_optimizer_hooks",
     "make_profiler",
+    "start_strict",
     "stop_process",
+    "strict_event",
     "write_json_atomic",
 ]

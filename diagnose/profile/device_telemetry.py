@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diagnose.profile.capture import FACTS_SUFFIX, STATUS_RUNNING
+from diagnose.profile.capture_contract import FACTS_SUFFIX, STATUS_RUNNING
 from diagnose.record import DeviceInfo
 from diagnose.telemetry import TelemetrySampler, TelemetrySummary
 from diagnose.telemetry.parsing import format_pci_bus_id

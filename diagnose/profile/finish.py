@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diagnose.output import TRACE_NAME, note_created
-from diagnose.profile.capture import TRACE_SUFFIX
+from diagnose.profile.capture_contract import TRACE_SUFFIX
 from diagnose.profile.launch import LaunchResult
 from diagnose.record import RunRecord
 

@@ -39,7 +39,7 @@ from typing import IO, Any
 
 from diagnose.contention import LoadWindow
 from diagnose.offline import user_environ
-from diagnose.profile import capture
+from diagnose.profile import capture_contract
 from diagnose.profile.device_telemetry import CommandTelemetry, DeviceWindow, SamplerFactory
 from diagnose.record import HostLoad
 from diagnose.redact import redact_command
@@ -114,12 +114,12 @@ class RankCapture:
     status: str
     facts_path: Path
     trace_path: Path | None
-    #: The whole ``rank<R>.capture.json`` (see the module docstring of ``capture`` for the keys).
+    #: The whole ``rank<R>.capture.json`` (``capture_describe.capture_facts`` writes its keys).
     facts: dict[str, Any]
 
     @property
     def complete(self) -> bool:
-        return self.status == capture.STATUS_COMPLETE
+        return self.status == capture_contract.STATUS_COMPLETE
 
     @property
     def timed_step_s(self) -> list[float]:
@@ -185,21 +185,21 @@ def capture_environment(
     env = dict(user_environ() if base is None else base)
     existing = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = str(BOOTSTRAP_DIR) + (os.pathsep + existing if existing else "")
-    env[capture.ENV_DIR] = str(Path(capture_dir).resolve())
-    env[capture.ENV_CAPTURE] = str(CAPTURE_FILE)
-    env[capture.ENV_SKIP_STEPS] = str(options.skip_steps)
-    env[capture.ENV_TIMED_STEPS] = str(options.timed_steps)
-    env[capture.ENV_PROFILED_STEPS] = str(options.profiled_steps)
-    env[capture.ENV_STOP_AFTER] = "1" if options.stop_after else "0"
+    env[capture_contract.ENV_DIR] = str(Path(capture_dir).resolve())
+    env[capture_contract.ENV_CAPTURE] = str(CAPTURE_FILE)
+    env[capture_contract.ENV_SKIP_STEPS] = str(options.skip_steps)
+    env[capture_contract.ENV_TIMED_STEPS] = str(options.timed_steps)
+    env[capture_contract.ENV_PROFILED_STEPS] = str(options.profiled_steps)
+    env[capture_contract.ENV_STOP_AFTER] = "1" if options.stop_after else "0"
     if options.py_spy:
-        env[capture.ENV_PY_SPY] = options.py_spy
+        env[capture_contract.ENV_PY_SPY] = options.py_spy
     else:
-        env.pop(capture.ENV_PY_SPY, None)
-    env.pop(capture.ENV_STRICT, None)
-    env.pop(capture.ENV_STRICT_PACKAGE, None)
+        env.pop(capture_contract.ENV_PY_SPY, None)
+    env.pop(capture_contract.ENV_STRICT, None)
+    env.pop(capture_contract.ENV_STRICT_PACKAGE, None)
     if options.strict is not None:
-        env[capture.ENV_STRICT] = options.strict.to_env()
-        env[capture.ENV_STRICT_PACKAGE] = os.pathsep.join(diagnose_search_path())
+        env[capture_contract.ENV_STRICT] = options.strict.to_env()
+        env[capture_contract.ENV_STRICT_PACKAGE] = os.pathsep.join(diagnose_search_path())
     return env
 
 
@@ -342,7 +342,7 @@ def _stop(process: subprocess.Popen[bytes], grace_s: float) -> int:
 
 
 def _any_rank(capture_dir: Path) -> bool:
-    return any(capture_dir.glob(f"rank*{capture.FACTS_SUFFIX}"))
+    return any(capture_dir.glob(f"rank*{capture_contract.FACTS_SUFFIX}"))
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -356,12 +356,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def read_captures(capture_dir: Path) -> list[RankCapture]:
     """The rank captures in ``capture_dir``, by rank then pid."""
     captures = []
-    for path in capture_dir.glob(f"rank*{capture.FACTS_SUFFIX}"):
+    for path in capture_dir.glob(f"rank*{capture_contract.FACTS_SUFFIX}"):
         facts = _read_json(path)
         if facts is None:
             facts = {"status": "error: the capture file cannot be read"}
         status = str(facts.get("status", ""))
-        if status == capture.STATUS_RUNNING:
+        if status == capture_contract.STATUS_RUNNING:
             timed = len(facts.get("timed_step_s") or [])
             status = "partial: the process was killed before finishing its capture " + (
                 f"(after {timed} timed steps)" if timed else "(after its first step)"
@@ -413,7 +413,7 @@ def one_capture_per_rank(
 def read_processes(capture_dir: Path) -> list[ProcessSeen]:
     """The Python processes of the command that imported torch, by pid."""
     seen = []
-    for path in capture_dir.glob(f"{capture.PROCESS_PREFIX}*.json"):
+    for path in capture_dir.glob(f"{capture_contract.PROCESS_PREFIX}*.json"):
         data = _read_json(path)
         if data is None:
             continue

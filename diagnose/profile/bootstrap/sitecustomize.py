@@ -33,8 +33,11 @@ if TYPE_CHECKING:
 STARTED_AT_PERF = time.perf_counter()
 STARTED_AT_UNIX = time.time()
 
+#: As ENV_DIR, ENV_CAPTURE and PROCESS_PREFIX of ``capture_contract.py``, which this file does not
+#: load (it loads nothing at start-up); a test keeps them equal.
 _DIR_VARIABLE = "DIAGNOSE_PROFILE_DIR"
 _CAPTURE_VARIABLE = "DIAGNOSE_PROFILE_CAPTURE"
+_PROCESS_PREFIX = "process-"
 #: The modules the capture wants to see executed, in the order they are usually imported.
 _WATCHED = ("torch.optim.optimizer", "torch.utils.data.dataloader")
 #: The name the capture module is registered under (not ``diagnose.…``: the user's Python may have
@@ -52,7 +55,7 @@ def _record_failure(where: str, exc: BaseException) -> None:
         folder = os.environ.get(_DIR_VARIABLE)
         if not folder:
             return
-        path = os.path.join(folder, f"process-{os.getpid()}.json")
+        path = os.path.join(folder, f"{_PROCESS_PREFIX}{os.getpid()}.json")
         payload = {
             "pid": os.getpid(),
             "argv": list(sys.argv),
