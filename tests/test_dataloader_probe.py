@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +35,13 @@ from diagnose.catalogs.dataloader_catalog import (
 from diagnose.cli import main
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
-from diagnose.probes.dataloader.ab import MIN_TIMED_STEPS, split_reachable, time_steps
+from diagnose.probes.budgets import BUDGET_STOPPED
+from diagnose.probes.dataloader.ab import (
+    CAPPED_TIMED_STEPS,
+    MIN_TIMED_STEPS,
+    split_reachable,
+    time_steps,
+)
 from diagnose.probes.dataloader.probe import (
     DataLoaderProbe,
     HotFrames,
@@ -137,7 +144,12 @@ def _children() -> set[int]:
     return {child.pid for child in psutil.Process().children(recursive=True)}
 
 
-def _probe(workload: Workload, probe: DataLoaderProbe, scratch: Path) -> Probed:
+def _probe(
+    workload: Workload,
+    probe: DataLoaderProbe,
+    scratch: Path,
+    budgets: dict[str, float] | None = None,
+) -> Probed:
     measured = measure(workload, steps=3, warmup=1, profiled_steps=0, trace_path=None)
     record = new_record("run")
     record.timing = measured.timing
@@ -153,7 +165,7 @@ def _probe(workload: Workload, probe: DataLoaderProbe, scratch: Path) -> Probed:
         workload=workload,
         scratch_dir=scratch,
     )
-    return Probed(workload, record, run_probe(probe, ctx), before, children)
+    return Probed(workload, record, run_probe(probe, ctx, budgets=budgets), before, children)
 
 
 @contextmanager
@@ -318,21 +330,26 @@ def test_cached_latents_with_small_images_is_quiet(fed: Probed) -> None:
     _assert_restored(fed.before, fed.workload)
 
 
+def _small_images(folder: Path) -> RunConfig:
+    """Four small images a tiny fp32 step hardly waits for (decoded on the training thread)."""
+    generate_images(folder, count=4, seed=2, size=(64, 64))
+    return RunConfig(
+        preset="sd15",
+        size="tiny",
+        precision="fp32",
+        resolution=[64],
+        workers=0,
+        data_dir=str(folder),
+    )
+
+
 @pytest.mark.slow
 def test_a_negligible_wait_spends_no_step_on_loader_fixes(tmp_path: Path) -> None:
     """Clean twin of ``starved``: small images decode in well under a millisecond, so the step
     hardly waits for its batch. More workers and decoded-once images could save at most that
     wait: they are left out with the numbers, py-spy is not started, and only cached latents
     (which also removes the VAE encode) is timed against the configured loader."""
-    generate_images(tmp_path / "small", count=4, seed=2, size=(64, 64))
-    config = RunConfig(
-        preset="sd15",
-        size="tiny",
-        precision="fp32",
-        resolution=[64],
-        workers=0,
-        data_dir=str(tmp_path / "small"),
-    )
+    config = _small_images(tmp_path / "small")
     with _one_thread():
         workload = build_workload(config, CPU)
         try:
@@ -354,6 +371,33 @@ def test_a_negligible_wait_spends_no_step_on_loader_fixes(tmp_path: Path) -> Non
     assert all(c.outcome == "ok" and "not measured" in c.text for c in left_out.values())
     assert result.data["sampling"]["available"] is False
     assert "no wait for the frames to explain" in result.data["sampling"]["reason"]
+
+
+@pytest.mark.slow
+def test_past_its_time_budget_each_variant_takes_its_fewest_steps_and_says_why(
+    tmp_path: Path,
+) -> None:
+    """Two timed steps a variant are too few for the A/B to be sure of a loader change, so "no
+    loader change measured clearly faster" would be an answer the budget made: with the budget
+    planted spent each variant stops there and the answer stays open, saying why; within the
+    budget the same probe times every planned step and answers."""
+    config = _small_images(tmp_path / "small")
+    probe = DataLoaderProbe(timed_steps=5, sample=False)
+    with _one_thread():
+        workload = build_workload(config, CPU)
+        try:
+            spent = _probe(workload, probe, tmp_path, {"dataloader": 0.0}).result
+            within = _probe(workload, probe, tmp_path, {"dataloader": 3600.0}).result
+        finally:
+            workload.close()
+    assert spent.status == within.status == "ok", spent.traceback or within.traceback
+    rows = spent.data["ab"]
+    assert rows and all(r["steps"] == CAPPED_TIMED_STEPS and r["stopped_by_budget"] for r in rows)
+    answers = {c.id: c for c in spent.checks}
+    assert answers[SLOW_LOADER_ID].outcome == "not_judged"
+    assert BUDGET_STOPPED in answers[SLOW_LOADER_ID].text
+    assert all(r["steps"] == 5 and not r["stopped_by_budget"] for r in within.data["ab"])
+    assert not any(BUDGET_STOPPED in c.text for c in within.checks)
 
 
 @pytest.mark.slow
@@ -764,7 +808,12 @@ def test_a_variant_past_its_time_share_stops_after_two_timed_steps() -> None:
     assert len(row.seconds) == 2 and len(row.warmup_seconds) == 1 and row.stopped_early
     row = _row("configured", [])
     time_steps(Instant(), loader, row, steps=5, warmup=1, sync=lambda: None, max_seconds=60.0)
-    assert len(row.seconds) == 5 and not row.stopped_early
+    assert len(row.seconds) == 5 and not row.stopped_early and not row.stopped_by_budget
+    # The probe's deadline passed: the same two steps, and the row says the budget stopped it.
+    row = _row("configured", [])
+    spent = time.perf_counter()
+    time_steps(Instant(), loader, row, steps=5, warmup=1, sync=lambda: None, deadline=spent)
+    assert len(row.seconds) == 2 and row.stopped_early and row.stopped_by_budget
 
 
 def test_plan_variants_and_steps() -> None:

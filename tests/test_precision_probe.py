@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from diagnose.precision_policy import (
     requested_low_dtype,
 )
 from diagnose.probes.base import Probe, ProbeContext, run_probe
+from diagnose.probes.budgets import BUDGET_RAN_OUT
 from diagnose.probes.precision.audit import AuditLog, OpGroup, Site, audit_step
 from diagnose.probes.precision.findings import (
     bf16_not_native_rule,
@@ -274,6 +276,18 @@ def test_replay_keeps_shapes_and_strides_and_changes_only_the_compute_dtype() ->
     assert not fp32.error and not bf16.error
     # Interleaved, one of each per round, and never fewer than the U test needs.
     assert len(fp32.samples) == len(bf16.samples) == MIN_CALLS
+    # Past the probe's deadline no round is added to the fewest, however long its own budget.
+    spent = time.perf_counter()
+    fp32, bf16 = bench_pair(
+        spec,
+        torch.float32,
+        torch.bfloat16,
+        lambda: None,
+        repeats=40,
+        budget_s=3600.0,
+        deadline=spent,
+    )
+    assert len(fp32.samples) == len(bf16.samples) == MIN_CALLS
     _, broken = bench_pair(spec, torch.float32, torch.bool, lambda: None)  # no bool matmul
     assert broken.error and not broken.samples
 
@@ -383,6 +397,22 @@ def test_clean_bf16_step_has_no_upcast(tiny: Callable[[str], Workload]) -> None:
     record.probes, record.findings = [result], list(result.findings)
     loaded = record_from_dict(json.loads(record.to_json()))
     assert loaded.probes[0].data["claimed_vs_actual"] == data["claimed_vs_actual"]
+
+
+@pytest.mark.slow
+def test_past_its_time_budget_no_pair_is_timed_and_the_speed_answer_says_why(
+    tiny: Callable[[str], Workload],
+) -> None:
+    """The probe's time budget planted spent: no signature is timed in either dtype, and the
+    speed question stays open naming the budget (its twin within the budget, above, times them)."""
+    workload = tiny("bf16-mixed")
+    result = run_probe(_fast_probe(), _ctx(workload, workload.config), budgets={"precision": 0.0})
+    assert result.status == "ok", result.traceback
+    rows = result.data["speed_comparison"]["signatures"]
+    assert rows and all(BUDGET_RAN_OUT in row["error"] for row in rows)
+    assert result.data["speed_comparison"]["speedup"] is None
+    (answer,) = [c for c in result.checks if c.id == BF16_SLOWER_ID]
+    assert answer.outcome == "not_judged" and BUDGET_RAN_OUT in answer.text
 
 
 @pytest.mark.slow

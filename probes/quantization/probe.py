@@ -24,6 +24,7 @@ from diagnose import quantized_base as qb
 from diagnose.capture import input_shape
 from diagnose.catalogs import quantization_catalog as catalog
 from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.probes.budgets import BUDGET_STOPPED, budget_spent
 from diagnose.probes.environment.facts import GIB
 from diagnose.record import Finding, ProbeResult, RunRecord, step_seconds
 from diagnose.stats import ab_verdict, sure_saving
@@ -222,10 +223,12 @@ def interleaved_steps(
     *,
     headline: float | None = None,
     budget_s: float = BUDGET_S,
-) -> tuple[list[float], list[float]]:
+    deadline: float | None = None,
+) -> tuple[list[float], list[float], bool]:
     """Seconds of training steps of each workload on the same batches and latents, alternating
-    which goes first each round; stops once the A/B is decided after MIN_ROUNDS, or at the
-    budget."""
+    which goes first each round; stops once the A/B is decided after MIN_ROUNDS, at ``budget_s``
+    of rounds, or once the probe's ``deadline`` has passed (:func:`budget_spent`). The third
+    value: whether the deadline stopped it before the A/B was decided."""
     sync = device_synchronizer(stored.device)
     timer = PhaseTimer(sync)
     rounds = list(zip(shared.batches, shared.latents, strict=True))
@@ -249,7 +252,9 @@ def interleaved_steps(
         verdict = ab_verdict(times[0], times[1], min_relative=min_relative(times[0], whole))
         if verdict.decided or time.perf_counter() - began > budget_s:
             break
-    return times[0], times[1]
+        if budget_spent(deadline) and round_index + 1 < MAX_ROUNDS:
+            return times[0], times[1], True
+    return times[0], times[1], False
 
 
 def _no_answer(
@@ -353,6 +358,7 @@ class QuantizationProbe:
         ctx.progress(f"quantization: building the {unquantized_kind} base to compare")
         snapshot = stored.snapshot()
         twin = None
+        stopped = False
         try:
             shared = shared_latents(stored)
             result.data["vae_encode_seconds"] = shared.encode_seconds
@@ -374,8 +380,8 @@ class QuantizationProbe:
             self._judge_numerics(result, kinds, unquantized_kind, errors)
             if timed:
                 ctx.progress("quantization: timing steps of both bases, interleaved")
-                stored_times, twin_times = interleaved_steps(
-                    stored, twin, shared, headline=headline
+                stored_times, twin_times, stopped = interleaved_steps(
+                    stored, twin, shared, headline=headline, deadline=ctx.deadline
                 )
         finally:
             if twin is not None:
@@ -405,6 +411,7 @@ class QuantizationProbe:
             (stored_times, twin_times),
             shared.encode_seconds,
             memory,
+            stopped=stopped,
         )
         return result
 
@@ -475,10 +482,13 @@ class QuantizationProbe:
         times: tuple[list[float], list[float]],
         encode_seconds: float,
         memory: Mapping[str, Any],
+        *,
+        stopped: bool = False,
     ) -> None:
         """The A/B's steps leave out the VAE's encode (the same in both arms, done once before).
         The saving is their difference in seconds: expanding the weights costs the same at any
-        image size, so it is not scaled to the headline's step, only kept within it."""
+        image size, so it is not scaled to the headline's step, only kept within it. ``stopped``:
+        the probe's time budget ended the rounds before the A/B was sure."""
         stored_times, twin_times = times
         whole = _whole_step(step_seconds(record), stored_times, encode_seconds)
         memory_text = _memory_text(storage, unquantized, memory)
@@ -494,6 +504,7 @@ class QuantizationProbe:
             "judged_against_seconds": whole,
             "outcome": verdict.outcome,
             "ratio": verdict.text(),
+            "stopped_by_budget": stopped,
         }
         result.data["ab"] = ab
         past_vae = " past the VAE's encode" if encode_seconds > 0 else ""
@@ -503,10 +514,11 @@ class QuantizationProbe:
             f"{per_it(whole)})"
         )
         if verdict.outcome == "inconclusive":
+            why = f" ({BUDGET_STOPPED})" if stopped else ""
             _no_answer(
                 record,
                 result,
-                f"the A/B could not decide: {said}",
+                f"the A/B could not decide{why}: {said}",
                 ab,
                 memory=memory_text,
             )
