@@ -75,7 +75,8 @@ def _probe(workload: Workload, record: RunRecord | None = None) -> ProbeResult:
         workload=workload,
     )
     with one_torch_thread():  # its A/B times steps (see one_torch_thread)
-        return run_probe(QuantizationProbe(), ctx)
+        # Without a time budget: what the probe reports is under test, not how long it took.
+        return run_probe(QuantizationProbe(), ctx, budgets={})
 
 
 def _lora_state(workload: Workload) -> list[torch.Tensor]:

@@ -44,6 +44,7 @@ _NOTHING_FASTER = (
     "nothing on this device (measured)."
 )
 _NOT_MEASURED = " No fused backend could run these inputs here, so the saving was not measured."
+_BUDGET_CUT = f" Not measured: {BUDGET_STOPPED} whether a fused backend is faster at these inputs."
 
 
 def _measured(judged: Sequence[Judged]) -> tuple[float | None, float | None, str | None, str]:
@@ -53,6 +54,8 @@ def _measured(judged: Sequence[Judged]) -> tuple[float | None, float | None, str
     best = best_backend(savings)
     if saving is None:
         return None, None, None, _NOT_MEASURED
+    if best is None and any(j.trials is not None and j.trials.stopped_by_budget for j in judged):
+        return None, None, None, _BUDGET_CUT
     if best is None:
         # Measured, and nothing was surely faster: a saving of zero, which grades as info.
         return 0.0, 0.0, None, _NOTHING_FASTER

@@ -194,6 +194,8 @@ def judge(
                 if not has_device
                 else "."
             )
+        if best is None and any(r.stopped_by_budget for r in rows):
+            detail += f" The A/B of the loader changes was cut short: {BUDGET_STOPPED}."
         if best is not None:
             found = measured[best.key]
             # What the fix saves of the wait: the rest of its gain (the encode it also removes)
