@@ -10,7 +10,11 @@ built on the meta device (the denoiser, VAE and text encoders from their configs
 set-up that needs no device (the Triton corpus's float64 references at its GPU shapes, one seed).
 Each process runs ``--repeat`` times in a row, with a cache folder of the benchmark's own: the
 first pays what a cold machine pays, the later ones what the user's cache keeps (the memory fit's
-line, the references). Prints one table, seconds per stage. Exit status 0; 2 on misuse.
+line, the references). Prints one table, seconds per stage: ``to step`` sums the stages a run
+goes through before its first step (all but the references, which its Triton probe meets after
+the steps), ``all`` every stage, ``cpu to step`` the process's CPU seconds before the first step
+(steadier than wall time on a shared machine). Every stage runs with the hub's offline switches
+on, as every diagnose command does. Exit status 0; 2 on misuse.
 """
 
 from __future__ import annotations
@@ -40,12 +44,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
 #: An H200's memory, as the fit is judged on the GPU.
 H200_BYTES = int(139.8 * 2**30)
 STAGES = ("start-up", "resolve", "memory fit", "inventory", "build (meta)", "triton references")
+#: The stages after the first step in a run (its Triton probe's set-up).
+AFTER_STEPS = ("triton references",)
+#: The process's CPU seconds over the stages before the first step: what a busy machine's load
+#: stretches less than the wall time (reading files still waits on the disk).
+CPU_TO_STEP = "cpu to step"
 
 
 def _one(name: str) -> dict[str, float]:
     """The stages of one configuration, in this (fresh) process."""
     seconds: dict[str, float] = {}
     started = time.perf_counter()
+    cpu_started = time.process_time()
     import torch
 
     import diagnose.run as run
@@ -83,6 +93,7 @@ def _one(name: str) -> dict[str, float]:
                 build_text_encoder(encoder)
 
     timed("build (meta)", build)
+    seconds[CPU_TO_STEP] = time.process_time() - cpu_started
 
     def references() -> None:
         from diagnose.probes.triton.cases.api import CheckEnv
@@ -115,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(_one(args.one)))
+        from diagnose.offline import hub_offline
+
+        with hub_offline():  # as every diagnose command runs: no library reaches for the hub
+            print(json.dumps(_one(args.one)))
         return 0
     names = [n for n in args.configs.split(",") if n]
     if not names or any(n not in CONFIGS for n in names) or args.repeat < 1:
@@ -125,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     # machine's, the later ones what the cache keeps.
     cache = tempfile.mkdtemp(prefix="bench-prestep-cache-")
     env = {**os.environ, "XDG_CACHE_HOME": cache}
-    header = f"{'config':<12} {'run':>3} " + " ".join(f"{s:>18}" for s in STAGES) + f" {'all':>7}"
+    header = (
+        f"{'config':<12} {'run':>3} "
+        + " ".join(f"{s:>18}" for s in STAGES)
+        + f" {'to step':>8} {'all':>7} {CPU_TO_STEP:>12}"
+    )
     print(header)
     for name in names:
         for attempt in range(1, args.repeat + 1):
@@ -138,8 +156,14 @@ def main(argv: list[str] | None = None) -> int:
                 env=env,
             )
             stages = json.loads(done.stdout.strip().splitlines()[-1])
+            cpu = stages.pop(CPU_TO_STEP)
             cells = " ".join(f"{stages.get(s, float('nan')):18.2f}" for s in STAGES)
-            print(f"{name:<12} {attempt:>3} {cells} {sum(stages.values()):7.2f}", flush=True)
+            to_step = sum(v for s, v in stages.items() if s not in AFTER_STEPS)
+            print(
+                f"{name:<12} {attempt:>3} {cells} {to_step:8.2f} {sum(stages.values()):7.2f} "
+                f"{cpu:12.2f}",
+                flush=True,
+            )
     shutil.rmtree(cache, ignore_errors=True)
     return 0
 

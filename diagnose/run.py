@@ -31,7 +31,6 @@ from diagnose.inventory import collect_inventory
 from diagnose.output import TRACE_NAME
 from diagnose.probes.base import Probe, run_workload_probes
 from diagnose.probes.environment.facts import FullSizeMemory
-from diagnose.probes.registry import REGISTRY
 from diagnose.record import DeviceInfo, HostLoad, ProbeResult, RunRecord, new_record
 from diagnose.strict import StrictOptions, StrictViolation
 from diagnose.strict.mode import strict_watch
@@ -320,8 +319,14 @@ def execute_run(
                 f"only {record.timing.unprofiled.n} timed steps: the spread is a rough guide; "
                 "use --steps 10 or more for a firmer number"
             )
+        if probes is None:
+            # Imported once the steps are measured: the probes and what they lean on (the trace
+            # rules among them) are not needed before the first step.
+            from diagnose.probes.registry import REGISTRY
+
+            probes = REGISTRY
         results = run_workload_probes(
-            REGISTRY if probes is None else probes,
+            probes,
             config=config,
             device=device,
             device_info=device_info,

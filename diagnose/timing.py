@@ -22,13 +22,19 @@ def timed_calls(
     min_calls: int,
     max_calls: int,
     budget_s: float,
+    deadline: float | None = None,
 ) -> list[float]:
     """Device-synchronised seconds of repeated ``call()``s: at least ``min_calls``, then more
-    while the budget lasts, at most ``max_calls``."""
+    while the budget lasts and ``deadline`` (``time.perf_counter()``) has not passed, at most
+    ``max_calls``."""
     samples: list[float] = []
     started = time.perf_counter()
     while len(samples) < max_calls and (
-        len(samples) < min_calls or time.perf_counter() - started < budget_s
+        len(samples) < min_calls
+        or (
+            time.perf_counter() - started < budget_s
+            and (deadline is None or time.perf_counter() < deadline)
+        )
     ):
         sync()
         begin = time.perf_counter()

@@ -7,10 +7,15 @@ within :data:`GPU_RUN_S`. A probe that ends past its budget still reports what i
 its result says it ran out (a ``<probe>.time_budget`` check, not judged), so a slow probe is seen
 as slow instead of stretching every run unnoticed. The CPU budgets are for the tiny default run on
 a small machine, where every probe is slower.
+
+Inside a probe, an A/B that takes rounds until its interval decides takes no new round once the
+budget has ended (:func:`budget_spent`), past the fewest rounds it always takes; a comparison it
+leaves unsure is inconclusive and says the budget is why (:data:`BUDGET_STOPPED`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 #: The default GPU run's probes together (environment, precision, attention, dataloader,
@@ -50,6 +55,18 @@ def budget_s(probe: str, device_kind: str) -> float | None:
     return table.get(probe)
 
 
+def budget_spent(deadline: float | None) -> bool:
+    """Whether the running probe's budget (``ProbeContext.deadline``, ``time.perf_counter()``)
+    has ended; never without one."""
+    return deadline is not None and time.perf_counter() >= deadline
+
+
+#: Why a measurement was not taken: the probe's budget had ended before it.
+BUDGET_RAN_OUT = "the probe's time budget ran out"
+#: Why an A/B stopped taking rounds before it was sure: the clause its inconclusive answer carries.
+BUDGET_STOPPED = f"{BUDGET_RAN_OUT} before the A/B was sure"
+
+
 def over_budget_text(probe: str, seconds: float, budget: float, device_kind: str) -> str:
     """The line a probe's result carries when it ran out of its budget."""
     where = "a CPU" if device_kind == "cpu" else "a GPU"
@@ -59,4 +76,13 @@ def over_budget_text(probe: str, seconds: float, budget: float, device_kind: str
     )
 
 
-__all__ = ["CPU_BUDGET_S", "GPU_BUDGET_S", "GPU_RUN_S", "budget_s", "over_budget_text"]
+__all__ = [
+    "BUDGET_RAN_OUT",
+    "BUDGET_STOPPED",
+    "CPU_BUDGET_S",
+    "GPU_BUDGET_S",
+    "GPU_RUN_S",
+    "budget_s",
+    "budget_spent",
+    "over_budget_text",
+]

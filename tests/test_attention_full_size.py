@@ -80,7 +80,7 @@ def _interleaved(slow: str, fast: str, signature: Signature = TINY) -> dict[str,
         "other": attention_call(fast, inputs, signature),
     }
     with one_torch_thread():
-        samples, failed = interleaved_samples(
+        samples, failed, _ = interleaved_samples(
             calls,
             lambda: None,
             min_samples=5,

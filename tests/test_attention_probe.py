@@ -34,6 +34,7 @@ from diagnose.probes.attention.bench import (
 )
 from diagnose.probes.attention.calls import AttentionCall, Signature
 from diagnose.probes.attention.findings import answer_checks
+from diagnose.probes.attention.full_size import RealShapes
 from diagnose.probes.attention.probe import (
     AttentionProbe,
     Judged,
@@ -47,6 +48,7 @@ from diagnose.probes.attention.probe import (
     xformers_rule,
 )
 from diagnose.probes.base import ProbeContext, run_probe
+from diagnose.probes.budgets import BUDGET_STOPPED
 from diagnose.record import DeviceInfo, Finding, ProbeResult, StepSample, new_record
 from diagnose.reports.checks import build_checks
 from diagnose.verdicts import contradictions, settle, settle_findings
@@ -97,7 +99,11 @@ def default_workload(images: Path) -> Iterator[Workload]:
         workload.close()
 
 
-def _run(workload: Workload, probe: AttentionProbe | None = None) -> ProbeResult:
+def _run(
+    workload: Workload,
+    probe: AttentionProbe | None = None,
+    budgets: dict[str, float] | None = None,
+) -> ProbeResult:
     ctx = ProbeContext(
         config=workload.config,
         device=CPU,
@@ -105,7 +111,11 @@ def _run(workload: Workload, probe: AttentionProbe | None = None) -> ProbeResult
         record=new_record("run"),
         workload=workload,
     )
-    result: ProbeResult = run_probe(probe or _fast_probe(), ctx)
+    # Without a time budget unless one is planted: what the probe reports is under test, and on
+    # a busy machine its budget would cut the A/B short.
+    result: ProbeResult = run_probe(
+        probe or _fast_probe(), ctx, budgets={} if budgets is None else budgets
+    )
     assert result.status == "ok", result.traceback
     return result
 
@@ -290,6 +300,38 @@ def test_dropout_forces_math_with_the_reason(default_workload: Workload) -> None
     # The fused kernel's time is measured at dropout 0: what the fix buys.
     notes = [t["note"] for s in result.data["signatures"] for t in s["trials"] if t["note"]]
     assert any("dropout_p=0" in n for n in notes)
+
+
+def test_past_its_time_budget_each_signature_takes_its_fewest_rounds_and_says_why(
+    default_workload: Workload,
+) -> None:
+    """One round per backend can never decide a comparison, so without the probe's budget the
+    rounds would go on towards max_samples; with the budget planted spent they stop at the
+    first, and the result says so. (The full-size judgement is left out: not under test.)"""
+
+    def no_shapes(preset: str, batch: int, dtype: str) -> RealShapes:
+        return RealShapes(preset, 512, batch, error="left out")
+
+    probe = AttentionProbe(
+        min_samples=1, max_samples=40, trial_budget_s=3600.0, real_shapes=no_shapes
+    )
+    result = _run(default_workload, probe, {"attention": 0.0})
+    signatures = result.data["signatures"]
+    assert signatures and all(s["stopped_by_budget"] for s in signatures)
+    for signature in signatures:
+        assert {t["samples"] for t in signature["trials"] if t["runs"]} == {1}
+    [rounds] = [c for c in result.checks if c.id == ac.ROUNDS_CHECK]
+    assert rounds.outcome == "not_judged" and BUDGET_STOPPED in rounds.text
+    assert f"at {len(signatures)} of {len(signatures)} attention signatures" in rounds.text
+    # Within its budget the rounds go on (here to a max_samples of 2), and nothing is said.
+    probe = AttentionProbe(
+        min_samples=1, max_samples=2, trial_budget_s=3600.0, real_shapes=no_shapes
+    )
+    within = _run(default_workload, probe, {"attention": 3600.0})
+    assert not any(s["stopped_by_budget"] for s in within.data["signatures"])
+    for signature in within.data["signatures"]:
+        assert {t["samples"] for t in signature["trials"] if t["runs"]} == {2}
+    assert ac.ROUNDS_CHECK not in {c.id for c in within.checks}
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from diagnose.catalogs.quantization_catalog import DEQUANT_COST, NUMERICS
 from diagnose.catalogs.quantization_catalog import MIN_SHARE as DEQUANT_COST_MIN_SHARE
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
+from diagnose.probes.budgets import BUDGET_STOPPED
 from diagnose.probes.environment.probe import preset_memory
 from diagnose.probes.quantization.ab import compare_outputs, held_bytes
 from diagnose.probes.quantization.probe import QuantizationProbe
@@ -75,7 +76,8 @@ def _probe(workload: Workload, record: RunRecord | None = None) -> ProbeResult:
         workload=workload,
     )
     with one_torch_thread():  # its A/B times steps (see one_torch_thread)
-        return run_probe(QuantizationProbe(), ctx)
+        # Without a time budget: what the probe reports is under test, not how long it took.
+        return run_probe(QuantizationProbe(), ctx, budgets={})
 
 
 def _lora_state(workload: Workload) -> list[torch.Tensor]:
@@ -278,6 +280,32 @@ def test_a_step_that_is_mostly_the_vaes_encode_is_still_timed_and_judged_whole(
         text = check.text
     # The page says the steps were timed past the encode, with their own numbers.
     assert per_it(stored_step) in text and "past the VAE's encode" in text, text
+
+
+def test_past_its_time_budget_the_a_b_takes_no_new_round_and_says_why(
+    nf4: Workload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One round of each base can never decide the A/B (the U test needs five a side), so only
+    the probe's time budget, planted spent, stops the rounds at the first; the answer says it."""
+    from diagnose.probes.quantization import ab
+
+    monkeypatch.setattr(ab, "MIN_ROUNDS", 1)
+    ctx = ProbeContext(
+        config=nf4.config,
+        device=CPU,
+        device_info=DeviceInfo(kind="cpu"),
+        record=new_record("run"),
+        workload=nf4,
+    )
+    with one_torch_thread():
+        result = run_probe(QuantizationProbe(), ctx, budgets={"quantization": 0.0})
+    assert result.status == "ok", result.reason or result.traceback
+    ab = result.data["ab"]
+    assert len(ab["stored_step_seconds"]) == len(ab["unquantized_step_seconds"]) == 1
+    assert ab["outcome"] == "inconclusive" and ab["stopped_by_budget"]
+    (check,) = [c for c in result.checks if c.id == DEQUANT_COST.id]
+    assert check.outcome == "not_judged" and BUDGET_STOPPED in check.text
+    assert not [f for f in result.findings if f.id == DEQUANT_COST.id]
 
 
 def test_the_a_b_steps_on_batches_of_one_bucket(images: Path) -> None:

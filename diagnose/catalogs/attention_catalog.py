@@ -79,6 +79,9 @@ XFORMERS_ID = XFORMERS_UNAVAILABLE.id
 COVERAGE_CHECK = "attention.signatures_benchmarked"
 #: Were the per-call times taken at the step's own thread count (a CPU run benchmarks on fewer)?
 THREADS_CHECK = "attention.benchmark_threads"
+#: Did every signature take its rounds until its comparisons were sure (the probe's time budget
+#: stops them past the fewest)?
+ROUNDS_CHECK = "attention.benchmark_rounds"
 #: Was each backend's peak memory measured (the CPU allocator keeps no peak)?
 MEMORY_CHECK = "attention.memory_per_backend"
 #: Does the flash-attn package import and match this torch (its backend is benchmarked if so)?
@@ -454,6 +457,7 @@ __all__ = [
     "MIN_RELATIVE_GAIN",
     "MIN_SHARE_OF_S_PER_IT",
     "NO_MANUAL_TEXT",
+    "ROUNDS_CHECK",
     "SLOWER_BACKEND",
     "SLOWER_ID",
     "SPECS",

@@ -41,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diagnose.attention_paths import ROCM_EXPERIMENTAL_ENV
 from diagnose.probes.attention.calls import Signature
+from diagnose.probes.budgets import budget_spent
 from diagnose.quiet import capture_output
 from diagnose.record import Stats
 from diagnose.units import ms_value
@@ -368,14 +369,16 @@ def interleaved_samples(
     max_samples: int,
     budget_s: float,
     decided: Decided | None = None,
-) -> tuple[dict[str, list[float]], dict[str, str]]:
+    deadline: float | None = None,
+) -> tuple[dict[str, list[float]], dict[str, str], bool]:
     """Seconds per call of every one of ``calls``, sampled in turn (A B, then B A, ...) so that
     load from other processes falls on all of them alike.
 
     ``min_samples`` rounds are always taken; then more, until ``decided`` says the comparison
-    is sure, ``max_samples`` rounds are taken, or ``budget_s`` seconds of sampling have passed
-    (then the caller's rule says "inconclusive"). A call that runs out of memory is dropped;
-    the second value says which, and why."""
+    is sure, ``max_samples`` rounds are taken, ``budget_s`` seconds of sampling have passed, or
+    the probe's ``deadline`` has (then the caller's rule says "inconclusive"). A call that runs
+    out of memory is dropped; the second value says which, and why. The third: whether the
+    deadline stopped the rounds before ``decided`` was sure."""
     failed: dict[str, str] = {}
     seconds: dict[str, float] = {}
     for name, call in calls.items():
@@ -398,6 +401,8 @@ def interleaved_samples(
             or time.perf_counter() - began >= budget_s
         ):
             break
+        if rounds >= min_samples and budget_spent(deadline):
+            return _kept(samples, failed), failed, True
         for name in _round_order(order, rounds):
             try:
                 samples[name].append(_timed(calls[name], sync, inner) / inner)
@@ -405,7 +410,11 @@ def interleaved_samples(
                 failed[name] = "out of memory while timing at these shapes"
         order = [name for name in order if name not in failed]
         rounds += 1
-    return {name: values for name, values in samples.items() if name not in failed}, failed
+    return _kept(samples, failed), failed, False
+
+
+def _kept(samples: Mapping[str, list[float]], failed: Mapping[str, str]) -> dict[str, list[float]]:
+    return {name: values for name, values in samples.items() if name not in failed}
 
 
 def _round_order(names: Sequence[str], round_index: int) -> list[str]:
@@ -458,6 +467,8 @@ class SignatureTrials:
     signature: Signature
     trials: list[Trial] = field(default_factory=list)
     can_use: dict[str, list[str]] = field(default_factory=dict)
+    #: Whether the probe's time budget stopped the rounds before the comparison was sure.
+    stopped_by_budget: bool = False
 
     def trial(self, backend: str) -> Trial | None:
         return next((t for t in self.trials if t.backend == backend), None)
@@ -467,6 +478,7 @@ class SignatureTrials:
             "signature": self.signature.label(),
             "trials": [t.to_dict() for t in self.trials],
             "can_use": {k: list(v) for k, v in self.can_use.items()},
+            "stopped_by_budget": self.stopped_by_budget,
         }
 
 
@@ -481,10 +493,12 @@ def benchmark_signature(
     budget_s: float = 0.2,
     rocm_experimental: bool = False,
     decided: Decided | None = None,
+    deadline: float | None = None,
 ) -> SignatureTrials:
     """Try every backend in ``backends`` at ``signature``, then time those that run,
     interleaved (:func:`interleaved_samples`): at least ``min_samples`` each, more until
-    ``decided`` is sure or ``budget_s`` is spent (without ``decided``, ``min_samples``).
+    ``decided`` is sure, ``budget_s`` is spent or the probe's ``deadline`` has passed (without
+    ``decided``, ``min_samples``).
 
     ``rocm_experimental``: run the fused SDPA trials with ROCM_EXPERIMENTAL_ENV=1 (a ROCm GPU
     that needs it and runs without); the trial's note says so.
@@ -502,13 +516,14 @@ def benchmark_signature(
         if trial.runs:
             calls[backend] = _in_env(attention_call(backend, inputs, signature), experimental)
         result.trials.append(trial)
-    samples, failed = interleaved_samples(
+    samples, failed, result.stopped_by_budget = interleaved_samples(
         calls,
         sync,
         min_samples=min_samples,
         max_samples=max_samples,
         budget_s=budget_s,
         decided=decided,
+        deadline=deadline,
     )
     for trial in result.trials:
         if trial.backend in failed:

@@ -34,6 +34,7 @@ from diagnose.probes.attention.judging import (
     sure_total,
     total_saving,
 )
+from diagnose.probes.budgets import BUDGET_STOPPED
 from diagnose.record import Finding, Outcome, ProbeResult
 from diagnose.stats import at_line
 from diagnose.units import ms_significant
@@ -43,6 +44,7 @@ _NOTHING_FASTER = (
     "nothing on this device (measured)."
 )
 _NOT_MEASURED = " No fused backend could run these inputs here, so the saving was not measured."
+_BUDGET_CUT = f" Not measured: {BUDGET_STOPPED} whether a fused backend is faster at these inputs."
 
 
 def _measured(judged: Sequence[Judged]) -> tuple[float | None, float | None, str | None, str]:
@@ -52,6 +54,8 @@ def _measured(judged: Sequence[Judged]) -> tuple[float | None, float | None, str
     best = best_backend(savings)
     if saving is None:
         return None, None, None, _NOT_MEASURED
+    if best is None and any(j.trials is not None and j.trials.stopped_by_budget for j in judged):
+        return None, None, None, _BUDGET_CUT
     if best is None:
         # Measured, and nothing was surely faster: a saving of zero, which grades as info.
         return 0.0, 0.0, None, _NOTHING_FASTER
@@ -247,7 +251,12 @@ def slower_backend_at_full_size(
             f"({measured}), but what that saves a step of the real model is not measured on a "
             f"tiny run: run it at full size to judge it{artefact}",
         )
-    why = judgement.not_measured or f"the comparison is inconclusive ({measured})"
+    stopped = judgement.trials is not None and judgement.trials.stopped_by_budget
+    why = judgement.not_measured or (
+        f"the comparison is inconclusive ({BUDGET_STOPPED}: {measured})"
+        if stopped
+        else f"the comparison is inconclusive ({measured})"
+    )
     return (
         None,
         "not_judged",
@@ -343,11 +352,13 @@ def answer_checks(
         if unsure and best_backend(total_saving(compared)[1]) is None:
             worst = max(unsure, key=lambda j: j.group.seconds)
             assert worst.saving is not None and worst.group.signature is not None
+            stopped = any(j.trials is not None and j.trials.stopped_by_budget for j in unsure)
+            until = BUDGET_STOPPED if stopped else "after interleaved samples up to the time budget"
             result.add_not_judged(
                 ac.SLOWER_ID,
                 f"attention: whether another backend is faster than the fused kernel that ran "
                 f"is inconclusive at {len(unsure)} of {len(compared)} attention signatures, "
-                f"after interleaved samples up to the time budget (at "
+                f"{until} (at "
                 f"{worst.group.signature.label()}: {_label(worst.saving.best)} "
                 f"{worst.saving.verdict.text()} of {_label(worst.saving.ran)}'s)",
             )

@@ -238,9 +238,11 @@ def judge_at_full_size(
     budget_s: float = FULL_SIZE_BUDGET_S,
     min_rounds: int = MIN_ROUNDS,
     max_rounds: int = MAX_ROUNDS,
+    deadline: float | None = None,
 ) -> FullSizeJudgement:
     """``ran`` against every other of ``backends`` at the largest of ``shapes``, when the
-    pilot's estimate fits ``budget_s`` on this device; otherwise the reason it was not."""
+    pilot's estimate fits ``budget_s`` on this device; otherwise the reason it was not. Past the
+    probe's ``deadline`` no round is taken beyond ``min_rounds``."""
     judgement = FullSizeJudgement(shapes, ran)
     largest = shapes.largest()
     if largest is None:
@@ -279,6 +281,7 @@ def judge_at_full_size(
         max_samples=max_rounds,
         budget_s=max(0.0, left - round_seconds),
         decided=comparisons_decided([ran]),
+        deadline=deadline,
     )
     judgement.trials = trials
     ran_trial = trials.trial(ran)

@@ -79,6 +79,7 @@ from diagnose.probes.attention.judging import (
     why_not_fused,
 )
 from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.probes.budgets import BUDGET_STOPPED
 from diagnose.record import Check, ProbeResult
 from diagnose.stats import SEQUENTIAL_SIGNIFICANCE, minimum_samples
 from diagnose.timing import device_synchronizer
@@ -189,7 +190,7 @@ class AttentionProbe:
 
         # Why, part 2, and what it costs: every backend at every signature.
         benchmarked = self._benchmark_all(
-            result, groups, device, sync, device_kind, packages, rocm, say
+            result, groups, device, sync, device_kind, packages, rocm, say, ctx.deadline
         )
         judged: list[Judged] = []
         for group in groups:
@@ -229,7 +230,9 @@ class AttentionProbe:
         ):
             say("attention: judging the kernel choice at the full-size shapes")
             backends = _backends_for(device_kind, packages)
-            judgement = self._judge_full_size(shrunk, judged, calls, device, sync, backends)
+            judgement = self._judge_full_size(
+                shrunk, judged, calls, device, sync, backends, ctx.deadline
+            )
             data["full_size"] = judgement.to_dict()
             slower, outcome, text = slower_backend_at_full_size(slower, judged, judgement)
             if outcome is not None:
@@ -255,6 +258,7 @@ class AttentionProbe:
         device: torch.device,
         sync: Any,
         backends: Sequence[str],
+        deadline: float | None = None,
     ) -> FullSizeJudgement:
         """The fused backend that ran most against the others at the preset's largest real
         attention shape, in the dtype the step's attention ran in."""
@@ -280,6 +284,7 @@ class AttentionProbe:
                 device,
                 sync,
                 budget_s=self.full_size_budget_s,
+                deadline=deadline,
             )
         finally:
             torch.set_num_threads(threads)
@@ -294,9 +299,11 @@ class AttentionProbe:
         packages: Mapping[str, PackageStatus],
         rocm: Mapping[str, Any],
         say: Callable[[str], None],
+        deadline: float | None = None,
     ) -> dict[Signature, SignatureTrials]:
         """Every backend at every signature of the step, the most expensive first; what could not
-        be measured becomes a not-judged check."""
+        be measured becomes a not-judged check. Past the probe's ``deadline`` each signature
+        takes its fewest rounds only."""
         backends = _backends_for(device_kind, packages)
         experimental = rocm_experimental_missing(rocm)
         unique = list(dict.fromkeys(g.signature for g in groups if g.signature is not None))
@@ -316,7 +323,7 @@ class AttentionProbe:
             "max_samples": self.max_samples,
             "seconds_per_signature": self.trial_budget_s,
             "order": "interleaved: the backends sampled in turn, until every comparison with the "
-            "backend that ran is sure or the budget is spent",
+            "backend that ran is sure or the budget (the signature's, or the probe's) is spent",
         }
         benchmarked: dict[Signature, SignatureTrials] = {}
         torch.set_num_threads(bench_threads)
@@ -324,10 +331,18 @@ class AttentionProbe:
             for n, signature in enumerate(unique, 1):
                 say(f"attention: benchmarking {n}/{len(unique)} ({signature.label()})")
                 benchmarked[signature] = self._benchmark(
-                    signature, groups, device, sync, backends, experimental
+                    signature, groups, device, sync, backends, experimental, deadline
                 )
         finally:
             torch.set_num_threads(threads)
+        stopped = sum(t.stopped_by_budget for t in benchmarked.values())
+        if stopped:
+            result.add_not_judged(
+                ac.ROUNDS_CHECK,
+                f"attention: {BUDGET_STOPPED} at {stopped} of {len(benchmarked)} attention "
+                f"signatures ({self.min_samples} rounds each there): comparisons still unsure "
+                "there are inconclusive",
+            )
         if bench_threads != threads:
             result.add_not_judged(
                 ac.THREADS_CHECK,
@@ -350,6 +365,7 @@ class AttentionProbe:
         sync: Any,
         backends: list[str],
         experimental: bool,
+        deadline: float | None = None,
     ) -> SignatureTrials:
         """Every backend at ``signature`` (plus the hand-written one where it ran)."""
         needs_manual = any(g.signature == signature and g.path == ap.MANUAL for g in groups)
@@ -364,6 +380,7 @@ class AttentionProbe:
             budget_s=self.trial_budget_s,
             rocm_experimental=experimental,
             decided=comparisons_decided(ran),
+            deadline=deadline,
         )
         fused_ran = any(t.runs for t in trials.trials if t.backend not in ("math", "manual"))
         if signature.dropout_p > 0 and not fused_ran:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from diagnose.probes.budgets import budget_spent
 from diagnose.record import Stats
 from diagnose.stats import SAVING_SIGNIFICANCE, minimum_samples
 from diagnose.timing import PhaseTimer
@@ -159,6 +160,8 @@ class VariantRow:
     setup_seconds: float = 0.0
     #: Whether the variant stopped before its planned steps because it ran past its time share.
     stopped_early: bool = False
+    #: Whether what stopped it was the probe's time budget (then the A/B is not sure, and says so).
+    stopped_by_budget: bool = False
     error: str = ""
 
     @property
@@ -193,6 +196,7 @@ class VariantRow:
             "first_batch_seconds": self.first_batch_seconds,
             "setup_seconds": round(self.setup_seconds, 3),
             "stopped_early": self.stopped_early,
+            "stopped_by_budget": self.stopped_by_budget,
             "error": self.error,
         }
 
@@ -358,17 +362,21 @@ def time_steps(
     warmup: int,
     sync: Callable[[], None],
     max_seconds: float | None = None,
+    deadline: float | None = None,
 ) -> None:
     """Step ``workload`` on batches of ``loader``; fill ``row`` with the timed samples.
 
-    Past ``max_seconds`` (warm-up included) the variant stops once it has
-    :data:`CAPPED_TIMED_STEPS` timed steps, and says so.
+    Past ``max_seconds`` (warm-up included), or once the probe's ``deadline`` has passed, the
+    variant stops once it has :data:`CAPPED_TIMED_STEPS` timed steps, and says so.
     """
     batches = _Batches(loader)
     timer = PhaseTimer(sync)
     began = time.perf_counter()
     try:
         for index in range(warmup + steps):
+            if len(row.seconds) >= CAPPED_TIMED_STEPS and budget_spent(deadline):
+                row.stopped_early = row.stopped_by_budget = True
+                break
             if (
                 max_seconds is not None
                 and len(row.seconds) >= CAPPED_TIMED_STEPS
@@ -404,6 +412,7 @@ def _run_variant(
     warmup: int,
     sync: Callable[[], None],
     max_seconds: float | None = None,
+    deadline: float | None = None,
 ) -> VariantRow:
     config = workload.config
     data: PreparedData = workload.data
@@ -441,7 +450,14 @@ def _run_variant(
     else:
         loader = make_loader(data, config.batch, variant.workers, variant.pin_memory, config.seed)
     time_steps(
-        workload, loader, row, steps=steps, warmup=warmup, sync=sync, max_seconds=max_seconds
+        workload,
+        loader,
+        row,
+        steps=steps,
+        warmup=warmup,
+        sync=sync,
+        max_seconds=max_seconds,
+        deadline=deadline,
     )
     return row
 
@@ -455,8 +471,10 @@ def run_ab(
     sync: Callable[[], None],
     progress: Callable[[str], None] = lambda message: None,
     max_seconds_per_variant: float | None = None,
+    deadline: float | None = None,
 ) -> list[VariantRow]:
-    """Measure each variant; the workload is put back as it was whatever happens."""
+    """Measure each variant; the workload is put back as it was whatever happens. Past the
+    probe's ``deadline`` each variant takes its fewest steps (:func:`time_steps`)."""
     state = workload.snapshot()
     rows: list[VariantRow] = []
     try:
@@ -472,6 +490,7 @@ def run_ab(
                             warmup=warmup,
                             sync=sync,
                             max_seconds=max_seconds_per_variant,
+                            deadline=deadline,
                         )
                     )
                 except Exception as exc:  # one variant failing (e.g. workers refused) is a row

@@ -176,6 +176,7 @@ class DataLoaderProbe:
                 self.ab_budget_seconds / max(len(variants), 1),
                 (WARMUP_STEPS + steps) * (wait.s_per_it if wait else 0.0),
             ),
+            deadline=ctx.deadline,
         )
         data.setdefault("seconds", {})["ab"] = round(time.perf_counter() - started, 2)
         data["ab"] = [r.to_dict() for r in rows]

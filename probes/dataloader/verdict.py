@@ -38,6 +38,7 @@ from diagnose.catalogs.dataloader_catalog import (
     wait_at_line,
     workers_advice,
 )
+from diagnose.probes.budgets import BUDGET_STOPPED
 from diagnose.probes.dataloader.ab import MAX_WORKERS, WARMUP_STEPS, VariantRow
 from diagnose.probes.dataloader.facts import LoaderConfig, WaitSummary
 from diagnose.probes.dataloader.frames import HotFrames
@@ -193,6 +194,8 @@ def judge(
                 if not has_device
                 else "."
             )
+        if best is None and any(r.stopped_by_budget for r in rows):
+            detail += f" The A/B of the loader changes was cut short: {BUDGET_STOPPED}."
         if best is not None:
             found = measured[best.key]
             # What the fix saves of the wait: the rest of its gain (the encode it also removes)
@@ -279,13 +282,11 @@ def judge(
     checks: list[tuple[str, Outcome, str]] = [not_waiting]
     tried = [r for r in rows if r.key != "configured" and r.stats.n]
     if tried and configured is not None:
-        checks.append(
-            (
-                SLOW_LOADER.id,
-                "ok",
-                no_clear_change_line([(r.label, r.stats.median) for r in [configured, *tried]]),
-            )
-        )
+        line = no_clear_change_line([(r.label, r.stats.median) for r in [configured, *tried]])
+        if any(r.stopped_by_budget for r in [configured, *tried]):
+            checks.append((SLOW_LOADER.id, "not_judged", f"{line}, but {BUDGET_STOPPED}"))
+        else:
+            checks.append((SLOW_LOADER.id, "ok", line))
     return Verdict([], checks, savings, best_key)
 
 

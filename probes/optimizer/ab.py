@@ -52,6 +52,8 @@ class ABRow:
     scalar_reads_per_step: float | None = None
     warnings: list[str] = field(default_factory=list)
     error: str = ""
+    #: Whether the probe's time budget had run out before its calls reached the most it takes.
+    stopped_by_budget: bool = False
 
     @property
     def stats(self) -> Stats:
@@ -204,10 +206,13 @@ def time_steps(
     min_calls: int = MIN_CALLS,
     max_calls: int = MAX_CALLS,
     budget_s: float = TIME_BUDGET_S,
+    deadline: float | None = None,
 ) -> list[float]:
     """Device-synchronised seconds of repeated ``step()`` calls, within the optimizer A/B's
-    bounds."""
-    return timed_calls(step, sync, min_calls=min_calls, max_calls=max_calls, budget_s=budget_s)
+    bounds and the probe's ``deadline``."""
+    return timed_calls(
+        step, sync, min_calls=min_calls, max_calls=max_calls, budget_s=budget_s, deadline=deadline
+    )
 
 
 def warning_texts(caught: Sequence[warnings.WarningMessage], printed: str) -> list[str]:

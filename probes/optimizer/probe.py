@@ -48,6 +48,7 @@ import torch
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.errors import first_line
 from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.probes.budgets import budget_spent
 from diagnose.probes.optimizer.ab import (
     CANDIDATES,
     MAX_CALLS,
@@ -227,6 +228,7 @@ class OptimizerProbe:
         device: torch.device,
         sync: Callable[[], None],
         warnings_seen: list[str],
+        deadline: float | None = None,
     ) -> _Measured:
         row = ABRow(optimizer=label, key=key, configured=configured, warnings=warnings_seen)
 
@@ -241,8 +243,14 @@ class OptimizerProbe:
         row.warnings = list(dict.fromkeys(warnings_seen + warning_texts(caught, printed.text)))
         row.state_bytes = state_bytes_by_dtype(optimizer)
         row.step_seconds = time_steps(
-            step, sync, min_calls=self.min_calls, max_calls=self.max_calls, budget_s=self.budget_s
+            step,
+            sync,
+            min_calls=self.min_calls,
+            max_calls=self.max_calls,
+            budget_s=self.budget_s,
+            deadline=deadline,
         )
+        row.stopped_by_budget = len(row.step_seconds) < self.max_calls and budget_spent(deadline)
         syncs: StepSyncs | None = None
         if configured or device.type != "cpu":
             syncs = count_step_syncs(profile_steps(step, sync, device, self.profiled_calls))
@@ -263,6 +271,7 @@ class OptimizerProbe:
         device: torch.device,
         sync: Callable[[], None],
         available: dict[str, str],
+        deadline: float | None = None,
     ) -> tuple[ABRow, Any]:
         """One alternative on copies of the parameters and gradients; (row, the optimizer)."""
         if candidate.needs and available.get(candidate.needs):
@@ -285,6 +294,7 @@ class OptimizerProbe:
                 device=device,
                 sync=sync,
                 warnings_seen=seen,
+                deadline=deadline,
             )
         except Exception as exc:  # e.g. fused AdamW refusing this device or dtype at step time
             error = f"step failed: {type(exc).__name__}: {first_line(str(exc))}"
@@ -361,6 +371,7 @@ class OptimizerProbe:
                 device=device,
                 sync=sync,
                 warnings_seen=[],
+                deadline=ctx.deadline,
             )
             split = eight_bit_split(optimizer)
         finally:
@@ -404,7 +415,7 @@ class OptimizerProbe:
                 continue
             say(f"optimizer: timing {candidate.label}")
             row, stepped = self._measure_candidate(
-                candidate, params, grads, lr, device, sync, available
+                candidate, params, grads, lr, device, sync, available, ctx.deadline
             )
             row.implied_s_per_it = implied_s_per_it(
                 s_per_it, configured_step, _positive(row.stats.median)

@@ -13,6 +13,7 @@ from typing import Any
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.errors import first_line
 from diagnose.probes.base import ProbeContext
+from diagnose.probes.budgets import BUDGET_STOPPED
 from diagnose.probes.optimizer.ab import (
     ABRow,
     ab_saving,
@@ -161,6 +162,12 @@ def judge_ab(
             f"{running_label}: {faster.optimizer} would save {saving * 1e3:.2f} ms per "
             f"step here, under {catalog.MIN_SHARE_OF_S_PER_IT:.0%} of s/it: not worth a "
             "switch",
+        )
+    elif len(measured) > 1 and any(r.stopped_by_budget for r in measured):
+        result.add_not_judged(
+            SLOWER,
+            f"{running_label}: no other optimizer's step was clearly faster here, but "
+            f"{BUDGET_STOPPED}",
         )
     elif len(measured) > 1:
         result.add_ok(SLOWER, f"{running_label}: no other optimizer's step was clearly faster here")

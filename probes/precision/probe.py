@@ -54,6 +54,7 @@ from diagnose.precision_policy import (
     requested_low_dtype,
 )
 from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.probes.budgets import BUDGET_RAN_OUT, budget_spent
 from diagnose.probes.precision.audit import AuditLog, OpGroup, ReplaySpec, audit_step
 from diagnose.probes.precision.findings import (
     Bf16Hardware,
@@ -175,7 +176,7 @@ class PrecisionProbe:
             for check_id in (UPCAST_ID, DTYPE_MISMATCH_ID):
                 result.add_not_judged(check_id, f"precision: {result.reason}")
 
-        bench = self._bencher(device)
+        bench = self._bencher(device, ctx.deadline)
         comparison: SpeedComparison | None = None
         fp16_comparison: SpeedComparison | None = None
         scale: HeadlineScale | None = None
@@ -219,8 +220,9 @@ class PrecisionProbe:
 
     # ------------------------------------------------------------ parts of run()
 
-    def _bencher(self, device: torch.device) -> Bencher:
-        """The benchmark of one signature in two dtypes, cached, within the probe's budget."""
+    def _bencher(self, device: torch.device, deadline: float | None = None) -> Bencher:
+        """The benchmark of one signature in two dtypes, cached, within the probe's benchmark
+        budget and its time budget (``deadline``): past either, a pair is not timed."""
         sync = device_synchronizer(device)
         cache: dict[tuple[str, torch.dtype, torch.dtype], tuple[BenchResult, BenchResult]] = {}
         started = time.perf_counter()
@@ -231,8 +233,13 @@ class PrecisionProbe:
             key = (spec.key, base, lowered)
             if key in cache:
                 return cache[key]
-            if time.perf_counter() - started > self.total_bench_budget_s:
-                skipped = "not timed: the probe's benchmark time budget was spent"
+            spent = budget_spent(deadline)
+            if spent or time.perf_counter() - started > self.total_bench_budget_s:
+                skipped = (
+                    f"not timed: {BUDGET_RAN_OUT}"
+                    if spent
+                    else "not timed: the probe's benchmark time budget was spent"
+                )
                 return (
                     BenchResult(normalize_dtype(str(base)) or str(base), error=skipped),
                     BenchResult(normalize_dtype(str(lowered)) or str(lowered), error=skipped),
@@ -244,6 +251,7 @@ class PrecisionProbe:
                 sync,
                 repeats=self.bench_repeats,
                 budget_s=self.bench_budget_s,
+                deadline=deadline,
             )
             return cache[key]
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from diagnose.probes.budgets import budget_spent
 from diagnose.probes.precision.audit_log import ReplaySpec, TensorSpec, dtype_name
 from diagnose.record import Stats
 from diagnose.stats import SAVING_SIGNIFICANCE, minimum_samples
@@ -107,10 +108,12 @@ def bench_pair(
     *,
     repeats: int = 15,
     budget_s: float = 0.25,
+    deadline: float | None = None,
 ) -> tuple[BenchResult, BenchResult]:
     """Time ``spec`` in ``base`` and in ``low``, alternating calls so that a busy machine slows
     both alike; up to ``repeats`` synchronised calls each: at least :data:`MIN_CALLS` (enough
-    for the U test behind the probe's A/B verdicts to be conclusive), then until the budget."""
+    for the U test behind the probe's A/B verdicts to be conclusive), then until the budget or
+    the probe's ``deadline``."""
     first = BenchResult(dtype=dtype_name(base) or str(base))
     second = BenchResult(dtype=dtype_name(low) or str(low))
     call_a, first.error = _prepared(spec, base)
@@ -118,7 +121,7 @@ def bench_pair(
     if first.error or second.error:
         return first, second
     sync()
-    deadline = time.perf_counter() + budget_s
+    until = time.perf_counter() + budget_s
     try:
         for i in range(max(repeats, MIN_CALLS)):
             for call, result in ((call_a, first), (call_b, second)):
@@ -126,7 +129,7 @@ def bench_pair(
                 call()
                 sync()
                 result.samples.append(time.perf_counter() - start)
-            if i + 1 >= MIN_CALLS and time.perf_counter() > deadline:
+            if i + 1 >= MIN_CALLS and (time.perf_counter() > until or budget_spent(deadline)):
                 break
     except Exception as exc:  # a failure after the warm-up: report it, keep nothing
         text = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"

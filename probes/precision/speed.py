@@ -261,7 +261,9 @@ def speed_summary(comparison: SpeedComparison) -> str:
     """ "at this model's matmul/conv shapes bf16 runs 1.74x slower than fp32 here" """
     speedup = comparison.speedup
     if not math.isfinite(speedup):
-        return f"{comparison.low} against {comparison.base}: could not be timed here"
+        errors = [e for r in comparison.rows if (e := r.base.error or r.low.error)]
+        why = f" ({errors[0]})" if errors else ""
+        return f"{comparison.low} against {comparison.base}: could not be timed here{why}"
     how = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
     spread = (
         ""

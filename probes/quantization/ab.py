@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from diagnose import contention
 from diagnose import quantized_base as qb
 from diagnose.catalogs import quantization_catalog as catalog
+from diagnose.probes.budgets import budget_spent
 from diagnose.stats import ab_verdict
 from diagnose.timing import PhaseTimer, device_synchronizer
 from diagnose.torch_compat import tree_leaves
@@ -182,10 +184,12 @@ def interleaved_steps(
     *,
     headline: float | None = None,
     budget_s: float = BUDGET_S,
-) -> tuple[list[float], list[float]]:
+    deadline: float | None = None,
+) -> tuple[list[float], list[float], bool]:
     """Seconds of training steps of each workload on the same batches and latents, alternating
-    which goes first each round; stops once the A/B is decided after MIN_ROUNDS, or at the
-    budget."""
+    which goes first each round; stops once the A/B is decided after MIN_ROUNDS, at ``budget_s``
+    of rounds, or once the probe's ``deadline`` has passed (:func:`budget_spent`). The third
+    value: whether the deadline stopped it before the A/B was decided."""
     sync = device_synchronizer(stored.device)
     timer = PhaseTimer(sync)
     rounds = list(zip(shared.batches, shared.latents, strict=True))
@@ -193,6 +197,7 @@ def interleaved_steps(
         workload.step(rounds[0][0], timer, rounds[0][1])
     times: dict[int, list[float]] = {0: [], 1: []}
     arms = (stored, unquantized)
+    contention.mark_rounds()
     began = time.perf_counter()
     for round_index in range(MAX_ROUNDS):
         batch, latents = rounds[round_index % len(rounds)]
@@ -209,7 +214,9 @@ def interleaved_steps(
         verdict = ab_verdict(times[0], times[1], min_relative=min_relative(times[0], whole))
         if verdict.decided or time.perf_counter() - began > budget_s:
             break
-    return times[0], times[1]
+        if budget_spent(deadline) and round_index + 1 < MAX_ROUNDS:
+            return times[0], times[1], True
+    return times[0], times[1], False
 
 
 __all__ = [

@@ -23,6 +23,7 @@ from diagnose import quantized_base as qb
 from diagnose.capture import input_shape
 from diagnose.catalogs import quantization_catalog as catalog
 from diagnose.probes.base import ProbeContext, ProbeSkipped
+from diagnose.probes.budgets import BUDGET_STOPPED
 from diagnose.probes.environment.facts import GIB
 from diagnose.probes.quantization.ab import (
     BUDGET_S,
@@ -171,6 +172,7 @@ class QuantizationProbe:
         ctx.progress(f"quantization: building the {unquantized_kind} base to compare")
         snapshot = stored.snapshot()
         twin = None
+        stopped = False
         try:
             shared = shared_latents(stored)
             result.data["vae_encode_seconds"] = shared.encode_seconds
@@ -192,8 +194,8 @@ class QuantizationProbe:
             self._judge_numerics(result, kinds, unquantized_kind, errors)
             if timed:
                 ctx.progress("quantization: timing steps of both bases, interleaved")
-                stored_times, twin_times = interleaved_steps(
-                    stored, twin, shared, headline=headline
+                stored_times, twin_times, stopped = interleaved_steps(
+                    stored, twin, shared, headline=headline, deadline=ctx.deadline
                 )
         finally:
             if twin is not None:
@@ -223,6 +225,7 @@ class QuantizationProbe:
             (stored_times, twin_times),
             shared.encode_seconds,
             memory,
+            stopped=stopped,
         )
         return result
 
@@ -293,10 +296,13 @@ class QuantizationProbe:
         times: tuple[list[float], list[float]],
         encode_seconds: float,
         memory: Mapping[str, Any],
+        *,
+        stopped: bool = False,
     ) -> None:
         """The A/B's steps leave out the VAE's encode (the same in both arms, done once before).
         The saving is their difference in seconds: expanding the weights costs the same at any
-        image size, so it is not scaled to the headline's step, only kept within it."""
+        image size, so it is not scaled to the headline's step, only kept within it. ``stopped``:
+        the probe's time budget ended the rounds before the A/B was sure."""
         stored_times, twin_times = times
         whole = judged_step(step_seconds(record), stored_times, encode_seconds)
         memory_text = _memory_text(storage, unquantized, memory)
@@ -312,6 +318,7 @@ class QuantizationProbe:
             "judged_against_seconds": whole,
             "outcome": verdict.outcome,
             "ratio": verdict.text(),
+            "stopped_by_budget": stopped,
         }
         result.data["ab"] = ab
         past_vae = " past the VAE's encode" if encode_seconds > 0 else ""
@@ -321,10 +328,11 @@ class QuantizationProbe:
             f"{per_it(whole)})"
         )
         if verdict.outcome == "inconclusive":
+            why = f" ({BUDGET_STOPPED})" if stopped else ""
             _no_answer(
                 record,
                 result,
-                f"the A/B could not decide: {said}",
+                f"the A/B could not decide{why}: {said}",
                 ab,
                 memory=memory_text,
             )

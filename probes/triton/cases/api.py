@@ -111,12 +111,12 @@ def random_tensor(
     Zeros would hide bugs: a kernel that skips an element, or multiplies by a value it never
     loaded, is right by accident where the input is 0.
     """
-    values = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * scale + offset
+    values = torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
+    values.mul_(scale).add_(offset)  # in place: at GPU shapes each temporary is hundreds of MB
     # Push values near zero away from it, keeping their sign, so no element rounds to 0 in bf16.
     tiny = 1e-3 * max(abs(scale), 1e-30)
-    values = torch.where(
-        values.abs() < tiny, torch.copysign(torch.full_like(values, tiny), values), values
-    )
+    near_zero = values.abs() < tiny
+    values[near_zero] = torch.copysign(torch.tensor(tiny, dtype=values.dtype), values[near_zero])
     return values.to(dtype)
 
 

@@ -111,7 +111,9 @@ def _load(path: Path, key: str, num: Numerics) -> tuple[dict[str, Bounded], str]
             value, err = part["value"], part["err"]
             if not (isinstance(value, torch.Tensor) and isinstance(err, torch.Tensor)):
                 return None
-            if (value + err).shape != value.shape:  # a cut tensor raises or grows
+            # A cut tensor raises or grows (checked on the shapes: adding them would copy both).
+            broadcast: Any = torch.broadcast_shapes  # untyped
+            if broadcast(value.shape, err.shape) != value.shape:
                 return None
             fmt = _FORMATS[part["fmt"]] if part["fmt"] else None
             zero = torch.zeros((), dtype=torch.float64)
