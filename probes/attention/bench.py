@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from diagnose import contention
 from diagnose.attention_paths import ROCM_EXPERIMENTAL_ENV
 from diagnose.probes.attention.calls import Signature
 from diagnose.probes.budgets import budget_spent
@@ -392,6 +393,7 @@ def interleaved_samples(
     inner = max(1, min(MAX_INNER_CALLS, round(MIN_SAMPLE_S / max([*seconds.values(), 1e-9]))))
     samples: dict[str, list[float]] = {name: [] for name in seconds}
     order = list(seconds)
+    contention.mark_rounds()
     began = time.perf_counter()
     rounds = 0
     while rounds < max_samples and order:

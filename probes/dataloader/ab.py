@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from diagnose import contention
 from diagnose.probes.budgets import budget_spent
 from diagnose.record import Stats
 from diagnose.stats import SAVING_SIGNIFICANCE, minimum_samples
@@ -371,6 +372,7 @@ def time_steps(
     """
     batches = _Batches(loader)
     timer = PhaseTimer(sync)
+    contention.mark_rounds()
     began = time.perf_counter()
     try:
         for index in range(warmup + steps):

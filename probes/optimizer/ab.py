@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from diagnose import contention
 from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.errors import first_line
 from diagnose.record import Finding, Stats
@@ -210,6 +211,7 @@ def time_steps(
 ) -> list[float]:
     """Device-synchronised seconds of repeated ``step()`` calls, within the optimizer A/B's
     bounds and the probe's ``deadline``."""
+    contention.mark_rounds()
     return timed_calls(
         step, sync, min_calls=min_calls, max_calls=max_calls, budget_s=budget_s, deadline=deadline
     )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from diagnose import contention
 from diagnose.probes.budgets import budget_spent
 from diagnose.probes.precision.audit_log import ReplaySpec, TensorSpec, dtype_name
 from diagnose.record import Stats
@@ -121,6 +122,7 @@ def bench_pair(
     if first.error or second.error:
         return first, second
     sync()
+    contention.mark_rounds()
     until = time.perf_counter() + budget_s
     try:
         for i in range(max(repeats, MIN_CALLS)):
