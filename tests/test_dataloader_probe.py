@@ -25,10 +25,18 @@ import torch
 
 from diagnose import sampling
 from diagnose.capture import measure
-from diagnose.catalogs.dataloader_catalog import CORRUPT_IMAGES, GPU_STARVED, BarWait, starved_title
+from diagnose.catalogs.dataloader_catalog import (
+    CORRUPT_IMAGES,
+    GPU_STARVED,
+    SLOW_LOADER,
+    BarWait,
+    starved_title,
+)
 from diagnose.cli import main
 from diagnose.config import RunConfig
 from diagnose.probes.base import ProbeContext, run_probe
+from diagnose.probes.budgets import BUDGET_STOPPED
+from diagnose.probes.dataloader.ab import CAPPED_TIMED_STEPS
 from diagnose.probes.dataloader.probe import (
     DataLoaderProbe,
     corrupt_images_finding,
@@ -45,6 +53,7 @@ from diagnose.workload.synthetic_images import generate_image, generate_images
 from tests.conftest import FIXTURES, ok_lines, one_torch_thread, unjudged_lines
 
 FINDING_ID = GPU_STARVED.id
+SLOW_LOADER_ID = SLOW_LOADER.id
 CORRUPT_IMAGES_ID = CORRUPT_IMAGES.id
 
 CPU = torch.device("cpu")
@@ -103,7 +112,12 @@ def _children() -> set[int]:
     return {child.pid for child in psutil.Process().children(recursive=True)}
 
 
-def _probe(workload: Workload, probe: DataLoaderProbe, scratch: Path) -> Probed:
+def _probe(
+    workload: Workload,
+    probe: DataLoaderProbe,
+    scratch: Path,
+    budgets: dict[str, float] | None = None,
+) -> Probed:
     measured = measure(workload, steps=3, warmup=1, profiled_steps=0, trace_path=None)
     record = new_record("run")
     record.timing = measured.timing
@@ -119,7 +133,9 @@ def _probe(workload: Workload, probe: DataLoaderProbe, scratch: Path) -> Probed:
         workload=workload,
         scratch_dir=scratch,
     )
-    return Probed(workload, record, run_probe(probe, ctx), before, children)
+    # Without a time budget unless one is planted (see tests.test_attention_probe._run).
+    result = run_probe(probe, ctx, budgets={} if budgets is None else budgets)
+    return Probed(workload, record, result, before, children)
 
 
 @contextmanager
@@ -284,20 +300,25 @@ def test_cached_latents_with_small_images_is_quiet(fed: Probed) -> None:
     _assert_restored(fed.before, fed.workload)
 
 
-def test_a_negligible_wait_spends_no_step_on_loader_fixes(tmp_path: Path) -> None:
-    """Clean twin of ``starved``: small images decode in well under a millisecond, so the step
-    hardly waits for its batch. More workers and decoded-once images could save at most that
-    wait: they are left out with the numbers, py-spy is not started, and only cached latents
-    (which also removes the VAE encode) is timed against the configured loader."""
-    generate_images(tmp_path / "small", count=4, seed=2, size=(64, 64))
-    config = RunConfig(
+def _small_images(folder: Path) -> RunConfig:
+    """Four small images a tiny fp32 step hardly waits for (decoded on the training thread)."""
+    generate_images(folder, count=4, seed=2, size=(64, 64))
+    return RunConfig(
         preset="sd15",
         size="tiny",
         precision="fp32",
         resolution=[64],
         workers=0,
-        data_dir=str(tmp_path / "small"),
+        data_dir=str(folder),
     )
+
+
+def test_a_negligible_wait_spends_no_step_on_loader_fixes(tmp_path: Path) -> None:
+    """Clean twin of ``starved``: small images decode in well under a millisecond, so the step
+    hardly waits for its batch. More workers and decoded-once images could save at most that
+    wait: they are left out with the numbers, py-spy is not started, and only cached latents
+    (which also removes the VAE encode) is timed against the configured loader."""
+    config = _small_images(tmp_path / "small")
     with _one_thread():
         workload = build_workload(config, CPU)
         try:
@@ -319,6 +340,38 @@ def test_a_negligible_wait_spends_no_step_on_loader_fixes(tmp_path: Path) -> Non
     assert all(c.outcome == "ok" and "not measured" in c.text for c in left_out.values())
     assert result.data["sampling"]["available"] is False
     assert "no wait for the frames to explain" in result.data["sampling"]["reason"]
+
+
+def test_past_its_time_budget_each_variant_takes_its_fewest_steps_and_says_why(
+    tmp_path: Path,
+) -> None:
+    """Two timed steps a variant are too few for the A/B to be sure of a loader change, so "no
+    loader change measured clearly faster" would be an answer the budget made: with the budget
+    planted spent each variant stops there and the answer stays open, saying why; within the
+    budget the same probe times every planned step and answers."""
+    config = _small_images(tmp_path / "small")
+    probe = DataLoaderProbe(timed_steps=5, sample=False)
+    with _one_thread():
+        workload = build_workload(config, CPU)
+        try:
+            spent = _probe(workload, probe, tmp_path, {"dataloader": 0.0}).result
+            within = _probe(workload, probe, tmp_path, {"dataloader": 3600.0}).result
+        finally:
+            workload.close()
+    assert spent.status == within.status == "ok", spent.traceback or within.traceback
+    rows = spent.data["ab"]
+    assert rows and all(r["steps"] == CAPPED_TIMED_STEPS and r["stopped_by_budget"] for r in rows)
+    # The answer the A/B would have decided says why it did not: not judged when the loop does
+    # not wait, else the wait's finding, estimated (the busy machine decides which).
+    answers = {c.id: c for c in spent.checks}
+    if SLOW_LOADER_ID in answers:
+        assert answers[SLOW_LOADER_ID].outcome == "not_judged"
+        assert BUDGET_STOPPED in answers[SLOW_LOADER_ID].text
+    else:
+        (finding,) = [f for f in spent.findings if f.id == FINDING_ID]
+        assert finding.saving_basis == "estimated" and BUDGET_STOPPED in finding.detail
+    assert all(r["steps"] == 5 and not r["stopped_by_budget"] for r in within.data["ab"])
+    assert not any(BUDGET_STOPPED in c.text for c in within.checks)
 
 
 def test_without_py_spy_the_probe_completes_and_says_why(

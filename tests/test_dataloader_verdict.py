@@ -5,6 +5,7 @@ timed steps, the measured saving and the verdict, on records and timed rows buil
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -255,7 +256,12 @@ def test_a_variant_past_its_time_share_stops_after_two_timed_steps() -> None:
     assert len(row.seconds) == 2 and len(row.warmup_seconds) == 1 and row.stopped_early
     row = _row("configured", [])
     time_steps(Instant(), loader, row, steps=5, warmup=1, sync=lambda: None, max_seconds=60.0)
-    assert len(row.seconds) == 5 and not row.stopped_early
+    assert len(row.seconds) == 5 and not row.stopped_early and not row.stopped_by_budget
+    # The probe's deadline passed: the same two steps, and the row says the budget stopped it.
+    row = _row("configured", [])
+    spent = time.perf_counter()
+    time_steps(Instant(), loader, row, steps=5, warmup=1, sync=lambda: None, deadline=spent)
+    assert len(row.seconds) == 2 and row.stopped_early and row.stopped_by_budget
 
 
 def test_plan_variants_and_steps() -> None:

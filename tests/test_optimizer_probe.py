@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+from diagnose.catalogs import optimizer_catalog as catalog
 from diagnose.catalogs import specs
 from diagnose.probes.base import ProbeContext, run_probe
+from diagnose.probes.budgets import BUDGET_STOPPED
 from diagnose.probes.optimizer.probe import (
     CANDIDATES,
     ABRow,
@@ -395,6 +397,30 @@ def test_ab_table_on_the_tiny_workload_and_the_workload_is_put_back(
     saved = new_record("run")
     saved.probes.append(result)
     assert json.loads(saved.to_json())["probes"][0]["data"]["ab"]["rows"]
+
+
+def test_past_its_time_budget_each_optimizer_takes_its_fewest_calls_and_says_why(
+    tiny: tuple[Workload, RunRecord],
+) -> None:
+    """Two calls a side are too few for the A/B to be sure of anything, so "no other optimizer
+    is clearly faster" would be an answer the budget made, not the measurement: with the budget
+    planted spent each optimizer stops at its fewest calls and the answer stays open, saying
+    why; within the budget the same probe takes its calls up to the most."""
+    workload, record = tiny
+    chosen = [c for c in CANDIDATES if c.key == "adamw-foreach"]
+    probe = _fast_probe(
+        candidates=chosen, numerics=False, min_calls=2, max_calls=12, budget_s=3600.0
+    )
+    spent = run_probe(probe, _ctx(workload, record), budgets={"optimizer": 0.0})
+    assert spent.status == "ok", spent.traceback
+    rows = spent.data["ab"]["rows"]
+    assert len(rows) == 2 and all(r["samples"] == 2 and r["stopped_by_budget"] for r in rows)
+    (answer,) = [c for c in spent.checks if c.id == catalog.SLOWER_THAN_ALTERNATIVE.id]
+    assert answer.outcome == "not_judged" and BUDGET_STOPPED in answer.text
+    within = run_probe(probe, _ctx(workload, record), budgets={"optimizer": 3600.0})
+    rows = within.data["ab"]["rows"]
+    assert all(r["samples"] == 12 and not r["stopped_by_budget"] for r in rows)
+    assert not any(BUDGET_STOPPED in c.text for c in within.checks)
 
 
 @needs_bnb

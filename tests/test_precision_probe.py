@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from diagnose.catalogs.precision_catalog import (
 )
 from diagnose.config import RunConfig
 from diagnose.probes.base import Probe, ProbeContext, run_probe
+from diagnose.probes.budgets import BUDGET_RAN_OUT
 from diagnose.probes.precision.audit import audit_step
 from diagnose.probes.precision.probe import PrecisionProbe
 from diagnose.probes.precision.replay import MIN_CALLS, bench_pair, replay_arguments
@@ -73,6 +75,14 @@ def _ctx(workload: Any, config: RunConfig, info: DeviceInfo | None = None) -> Pr
         record=_record(),
         workload=workload,
     )
+
+
+def _run_probe(
+    probe: PrecisionProbe, ctx: ProbeContext, budgets: dict[str, float] | None = None
+) -> ProbeResult:
+    """The probe without a time budget unless one is planted: what it reports is under test, and
+    on a busy machine its budget would leave the benchmarks untimed."""
+    return run_probe(probe, ctx, budgets={} if budgets is None else budgets)
 
 
 def _ids(result: ProbeResult) -> set[str]:
@@ -136,7 +146,7 @@ def _tiny_config(precision: str = "bf16-mixed") -> RunConfig:
 
 def test_policy_fp32_alone_raises_no_warn_finding() -> None:
     loop = TinyLoop(mismatch=False)
-    result = run_probe(_fast_probe(), _ctx(loop, _tiny_config()))
+    result = _run_probe(_fast_probe(), _ctx(loop, _tiny_config()))
     assert result.status == "ok", result.traceback
     verdicts = result.data["verdicts"]
     assert verdicts["by_policy"]["calls"] >= 3  # layer_norm, softmax, mse_loss (+ backward)
@@ -153,7 +163,7 @@ def test_policy_fp32_alone_raises_no_warn_finding() -> None:
 
 def test_fused_kernel_dtype_warning_is_found() -> None:
     loop = TinyLoop(mismatch=True)
-    result = run_probe(_fast_probe(), _ctx(loop, _tiny_config()))
+    result = _run_probe(_fast_probe(), _ctx(loop, _tiny_config()))
     assert result.status == "ok", result.traceback
     finding = next(f for f in result.findings if f.id == DTYPE_MISMATCH_ID)
     assert finding.severity == "warn"
@@ -161,7 +171,7 @@ def test_fused_kernel_dtype_warning_is_found() -> None:
     assert first["function"] == "rms_norm" and first["module"] == "(denoiser root)"
     assert first["count"] == 1 and "Cannot dispatch to fused" in first["message"]
     # torch raises it once per process; the audit counts it on every run anyway.
-    again = run_probe(_fast_probe(), _ctx(loop, _tiny_config()))
+    again = _run_probe(_fast_probe(), _ctx(loop, _tiny_config()))
     assert DTYPE_MISMATCH_ID in _ids(again)
 
 
@@ -195,13 +205,25 @@ def test_replay_keeps_shapes_and_strides_and_changes_only_the_compute_dtype() ->
     assert not fp32.error and not bf16.error
     # Interleaved, one of each per round, and never fewer than the U test needs.
     assert len(fp32.samples) == len(bf16.samples) == MIN_CALLS
+    # Past the probe's deadline no round is added to the fewest, however long its own budget.
+    spent = time.perf_counter()
+    fp32, bf16 = bench_pair(
+        spec,
+        torch.float32,
+        torch.bfloat16,
+        lambda: None,
+        repeats=40,
+        budget_s=3600.0,
+        deadline=spent,
+    )
+    assert len(fp32.samples) == len(bf16.samples) == MIN_CALLS
     _, broken = bench_pair(spec, torch.float32, torch.bool, lambda: None)  # no bool matmul
     assert broken.error and not broken.samples
 
 
 def test_spent_benchmark_budget_leaves_speed_unjudged() -> None:
     probe = PrecisionProbe(bench_signatures=2, total_bench_budget_s=0.0)
-    result = run_probe(probe, _ctx(TinyLoop(), _tiny_config()))
+    result = _run_probe(probe, _ctx(TinyLoop(), _tiny_config()))
     assert result.status == "ok", result.traceback
     comparison = result.data["speed_comparison"]
     assert comparison["speedup"] is None
@@ -212,7 +234,7 @@ def test_spent_benchmark_budget_leaves_speed_unjudged() -> None:
 def test_without_a_workload_the_probe_is_skipped() -> None:
     probe = PrecisionProbe()
     assert isinstance(probe, Probe) and probe.name == "precision"
-    result = run_probe(probe, _ctx(None, _tiny_config()))
+    result = _run_probe(probe, _ctx(None, _tiny_config()))
     assert result.status == "skipped" and "trace" in result.reason
 
 
@@ -221,7 +243,7 @@ def test_bf16_not_native_fires_from_the_probe_on_a_cpu_without_bf16() -> None:
 
     old_cpu = _cpu_info(["avx2", "fma"])
     assert bf16_native(old_cpu) is False
-    result = run_probe(_fast_probe(), _ctx(TinyLoop(), _tiny_config(), old_cpu))
+    result = _run_probe(_fast_probe(), _ctx(TinyLoop(), _tiny_config(), old_cpu))
     # One cause, one finding: its own finding, or (when the probe measured bf16 clearly slower,
     # which a loaded machine can make sure or not) the slowdown finding carries it, and the
     # check says where it went.
@@ -232,7 +254,7 @@ def test_bf16_not_native_fires_from_the_probe_on_a_cpu_without_bf16() -> None:
         assert note.outcome == "ok" and BF16_SLOWER_ID in note.text
     else:
         assert BF16_NOT_NATIVE_ID in _ids(result)
-    clean = run_probe(_fast_probe(), _ctx(TinyLoop(), _tiny_config(), _cpu_info()))
+    clean = _run_probe(_fast_probe(), _ctx(TinyLoop(), _tiny_config(), _cpu_info()))
     assert BF16_NOT_NATIVE_ID not in _ids(clean)
 
 
@@ -301,7 +323,7 @@ def _assert_unchanged(before: dict[str, Any], workload: Workload) -> None:
 def test_clean_bf16_step_has_no_upcast(tiny: Callable[[str], Workload]) -> None:
     workload = tiny("bf16-mixed")
     before = _snapshot(workload)
-    result = run_probe(_fast_probe(), _ctx(workload, workload.config))
+    result = _run_probe(_fast_probe(), _ctx(workload, workload.config))
     _assert_unchanged(before, workload)
     assert result.status == "ok", result.traceback
     assert not _ids(result) & {UPCAST_ID, DTYPE_MISMATCH_ID, FP32_WEIGHTS_ID, BF16_NOT_NATIVE_ID}
@@ -325,6 +347,21 @@ def test_clean_bf16_step_has_no_upcast(tiny: Callable[[str], Workload]) -> None:
     assert loaded.probes[0].data["claimed_vs_actual"] == data["claimed_vs_actual"]
 
 
+def test_past_its_time_budget_no_pair_is_timed_and_the_speed_answer_says_why(
+    tiny: Callable[[str], Workload],
+) -> None:
+    """The probe's time budget planted spent: no signature is timed in either dtype, and the
+    speed question stays open naming the budget (its twin within the budget, above, times them)."""
+    workload = tiny("bf16-mixed")
+    result = _run_probe(_fast_probe(), _ctx(workload, workload.config), budgets={"precision": 0.0})
+    assert result.status == "ok", result.traceback
+    rows = result.data["speed_comparison"]["signatures"]
+    assert rows and all(BUDGET_RAN_OUT in row["error"] for row in rows)
+    assert result.data["speed_comparison"]["speedup"] is None
+    (answer,) = [c for c in result.checks if c.id == BF16_SLOWER_ID]
+    assert answer.outcome == "not_judged" and BUDGET_RAN_OUT in answer.text
+
+
 def test_autocast_disabled_projection_is_found(tiny: Callable[[str], Workload]) -> None:
     workload = tiny("bf16-mixed")
     module = workload.denoiser.get_submodule(TARGET)
@@ -337,7 +374,7 @@ def test_autocast_disabled_projection_is_found(tiny: Callable[[str], Workload]) 
 
     module.forward = types.MethodType(upcast, module)
     try:
-        result = run_probe(_fast_probe(), _ctx(workload, workload.config))
+        result = _run_probe(_fast_probe(), _ctx(workload, workload.config))
     finally:
         del module.forward
     assert result.status == "ok", result.traceback
@@ -367,7 +404,7 @@ def test_float_under_autocast_is_lowered_not_flagged(tiny: Callable[[str], Workl
 
     module.forward = types.MethodType(floats, module)
     try:
-        result = run_probe(_fast_probe(), _ctx(workload, workload.config))
+        result = _run_probe(_fast_probe(), _ctx(workload, workload.config))
     finally:
         del module.forward
     assert result.status == "ok", result.traceback
@@ -377,7 +414,7 @@ def test_float_under_autocast_is_lowered_not_flagged(tiny: Callable[[str], Workl
 
 def test_fp32_lora_weights_in_bf16_full(tiny: Callable[[str], Workload]) -> None:
     workload = tiny("bf16-full")
-    clean = run_probe(_fast_probe(), _ctx(workload, workload.config))
+    clean = _run_probe(_fast_probe(), _ctx(workload, workload.config))
     assert clean.status == "ok", clean.traceback
     assert not _ids(clean) & {FP32_WEIGHTS_ID, UPCAST_ID}
     assert any("every weight is bf16" in line for line in ok_lines(clean))
@@ -387,7 +424,7 @@ def test_fp32_lora_weights_in_bf16_full(tiny: Callable[[str], Workload]) -> None
     for param in lora:
         param.data = param.data.float()  # a trainer that left this adapter in fp32
     try:
-        result = run_probe(_fast_probe(), _ctx(workload, workload.config))
+        result = _run_probe(_fast_probe(), _ctx(workload, workload.config))
     finally:
         for param in lora:
             param.data = param.data.to(torch.bfloat16)
@@ -408,7 +445,7 @@ def test_fp32_run_skips_the_audit_but_reports_bf16_speed(
     tiny: Callable[[str], Workload],
 ) -> None:
     workload = tiny("fp32")
-    result = run_probe(_fast_probe(), _ctx(workload, workload.config))
+    result = _run_probe(_fast_probe(), _ctx(workload, workload.config))
     assert result.status == "ok", result.traceback
     assert UPCAST_ID not in _ids(result)
     assert any("asked for fp32" in line and "skipped" in line for line in ok_lines(result))
