@@ -36,7 +36,7 @@ class _PlantedSpeed(PrecisionProbe):  # type: ignore[misc]
         super().__init__(bench_signatures=4, upcast_bench_signatures=2)
         self.bf16_factor = bf16_factor
 
-    def _bencher(self, device: torch.device) -> Bencher:
+    def _bencher(self, device: torch.device, deadline: float | None = None) -> Bencher:
         factors = {"fp32": 1.0, "bf16": self.bf16_factor, "fp16": 0.5}
 
         def bench(spec: object, base: torch.dtype, low: torch.dtype) -> tuple[BenchResult, ...]:
