@@ -93,6 +93,12 @@ class Decided:
     low: float | None = None
     high: float | None = None
 
+    @property
+    def held_back(self) -> bool:
+        """Borderline at its own line, so shown as info: a warning can be borderline too, at
+        the critical line above it, and still be raised."""
+        return self.borderline and self.severity not in ADVICE
+
 
 #: The line each deciding value is held against (the warn line of the one severity rule).
 LINE = 0.10
@@ -408,9 +414,8 @@ def deciding_lines(row: Row) -> list[str]:
         values = [v for o in ok if (v := _value(o, finding_id)) is not None]
         judged = [o.decided.get(finding_id) for o in ok]
         raised = [d for d in judged if d is not None and d.severity in ADVICE]
-        # A warning can be borderline too: at the critical line above it, not at its own.
         upper = sum(d.borderline for d in raised)
-        border = sum(d is not None and d.severity not in ADVICE and d.borderline for d in judged)
+        border = sum(d is not None and d.held_back for d in judged)
         lower = sum(d is not None and d.severity not in ADVICE and not d.borderline for d in judged)
         absent = sum(d is None for d in judged)
         text = (
@@ -438,11 +443,7 @@ def _flip_cause(outcomes: Sequence[RunOutcome], finding_id: str, values: Sequenc
     if values and min(values) < LINE <= max(values):
         causes.append(f"its value straddles the {LINE:.0%} line across the runs")
     border = sum(
-        1
-        for o in outcomes
-        if (d := o.decided.get(finding_id)) is not None
-        and d.borderline
-        and d.severity not in ADVICE
+        1 for o in outcomes if (d := o.decided.get(finding_id)) is not None and d.held_back
     )
     if border:
         causes.append(f"its interval straddled the line (borderline) in {border} runs")
