@@ -70,7 +70,7 @@ def fit_before_running(config: RunConfig, device_kind: str, memory_bytes: int | 
 
 def _fit_line(config: RunConfig, memory_bytes: int) -> str:
     assert config.preset is not None
-    from diagnose.probes.environment.probe import preset_memory, with_activations
+    from diagnose.probes.environment.probe import preset_memory
 
     full = preset_memory(config, config.preset)
     if full is None:
@@ -78,7 +78,7 @@ def _fit_line(config: RunConfig, memory_bytes: int) -> str:
     gib = 2**30
     if full.static_bytes <= memory_bytes:
         # Only then are the activations worth counting (seconds on the meta device).
-        return _activations_will_not_fit(config, with_activations(full, config), memory_bytes)
+        return _activations_will_not_fit(config, full, memory_bytes)
     said = (
         f"{config.preset} at full size needs {full.static_bytes / gib:.2f} GiB before any "
         f"activation ({full.basis}), more than the GPU's {memory_bytes / gib:.2f} GiB: expect an "
@@ -97,7 +97,11 @@ def _fit_line(config: RunConfig, memory_bytes: int) -> str:
 
 def _activations_will_not_fit(config: RunConfig, full: FullSizeMemory, memory_bytes: int) -> str:
     """One line when the weights fit but one step's peak (counted on the meta device) does not,
-    with whether gradient checkpointing would make it fit; else ''."""
+    with whether gradient checkpointing would make it fit; else ''. The run's own step is
+    counted first; the checkpointed one only when that does not fit (each count is seconds)."""
+    from diagnose.probes.environment.probe import with_activations
+
+    full = with_activations(full, config, checkpointing=config.grad_checkpointing)
     peak = full.peak_bytes(checkpointing=config.grad_checkpointing)
     if peak is None or peak <= memory_bytes:
         return ""
@@ -107,8 +111,10 @@ def _activations_will_not_fit(config: RunConfig, full: FullSizeMemory, memory_by
         f"{full.activations_at} (weights and state {full.static_bytes / gib:.2f} GiB, the rest "
         f"activations), more than the GPU's {memory_bytes / gib:.2f} GiB"
     )
-    checkpointed = full.peak_bytes(checkpointing=True)
-    if not config.grad_checkpointing and checkpointed is not None and checkpointed <= memory_bytes:
+    checkpointed = None
+    if not config.grad_checkpointing:
+        checkpointed = with_activations(full, config, checkpointing=True).peak_bytes(True)
+    if checkpointed is not None and checkpointed <= memory_bytes:
         gib_checkpointed = f"{checkpointed / gib:.2f} GiB"
         return f"{said}; with gradient checkpointing about {gib_checkpointed}: --grad-checkpointing"
     return f"{said}: expect an out-of-memory error or a spill; lower the batch or resolution"

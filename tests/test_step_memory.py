@@ -109,6 +109,46 @@ def test_a_step_that_fits_only_with_checkpointing_is_told_so_before_running() ->
     assert "lower the batch or resolution" in fit_before_running(config, "cuda", small)
 
 
+def test_the_run_s_own_step_is_counted_first_and_the_other_only_when_it_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each count of a full-size step takes seconds on the meta device, before the first step:
+    a run whose own step fits pays one; the checkpointed count is made only to say whether
+    checkpointing would make a step that does not fit fit."""
+    from diagnose.probes.environment.probe import preset_memory
+    from diagnose.workload import memory
+
+    config = RunConfig(preset="sd15", size="full", precision="bf16-mixed", batch=1)
+    both = step_memory(config, "sd15", "full")
+    static = preset_memory(config, "sd15")
+    assert both.peak_bytes and both.checkpointed_peak_bytes and static is not None
+    # GPUs where both peaks fit, only the checkpointed one, neither.
+    large = static.static_bytes + 2 * both.peak_bytes
+    between = static.static_bytes + (both.peak_bytes + both.checkpointed_peak_bytes) // 2
+    small = static.static_bytes + both.checkpointed_peak_bytes // 2
+
+    counted: list[bool] = []
+    count = memory.count_step_bytes
+
+    def recording(*args: object, **kwargs: object) -> int:
+        counted.append(bool(kwargs["checkpointing"]))
+        return count(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(memory, "count_step_bytes", recording)
+    for checkpointing, gpu, want, says in [
+        (False, large, [False], False),
+        (True, between, [True], False),
+        (True, small, [True], True),  # checkpointing already: nothing else to count
+        (False, between, [False, True], True),  # does not fit: would it with checkpointing?
+    ]:
+        memory._counted.cache_clear()
+        counted.clear()
+        run = dataclasses.replace(config, grad_checkpointing=checkpointing)
+        said = fit_before_running(run, "cuda", gpu)
+        assert counted == want, (checkpointing, gpu)
+        assert bool(said) == says, said
+
+
 def test_a_model_that_cannot_be_counted_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model that reads a tensor's value while it runs cannot be counted on the meta device:
     the count says why instead of guessing."""

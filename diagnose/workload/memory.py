@@ -113,37 +113,39 @@ class StepMemory:
     error: str = ""
 
 
-def step_memory(config: Any, preset: str, size: str) -> StepMemory:
+def step_memory(
+    config: Any, preset: str, size: str, *, checkpointing: tuple[bool, ...] = (False, True)
+) -> StepMemory:
     """:func:`count_step_bytes` for ``config``'s training step of ``preset`` at ``size``: at the
     largest of its resolutions (the preset's own when it names none) and its batch, in its
-    compute dtype, with the attention kernel it asked for."""
+    compute dtype, with the attention kernel it asked for. Counted without and with gradient
+    checkpointing, or only as ``checkpointing`` names (each count is seconds at full size; the
+    one not asked for is None)."""
     from diagnose.workload.models import precision_policy
     from diagnose.workload.presets import load_preset
 
     resolution = max(config.resolution or load_preset(preset, size).resolutions)
     at = f"{resolution} px, batch {config.batch}"
     policy = precision_policy(config.precision)
-    counts: list[int] = []
+    counts: dict[bool, int] = {}
     targets = tuple(config.target_modules) if config.target_modules is not None else None
     try:
-        for checkpointing in (False, True):
-            counts.append(
-                _counted(
-                    preset,
-                    size,
-                    resolution,
-                    config.batch,
-                    config.rank,
-                    targets,
-                    policy.autocast_dtype or policy.weight_dtype,
-                    checkpointing,
-                    config.attention != "math",
-                )
+        for mode in checkpointing:
+            counts[mode] = _counted(
+                preset,
+                size,
+                resolution,
+                config.batch,
+                config.rank,
+                targets,
+                policy.autocast_dtype or policy.weight_dtype,
+                mode,
+                config.attention != "math",
             )
     except Exception as exc:  # an op without a meta kernel, code that reads a tensor's value
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return StepMemory(at, error=f"{type(exc).__name__}: {text}"[:300])
-    return StepMemory(at, counts[0], counts[1])
+    return StepMemory(at, counts.get(False), counts.get(True))
 
 
 @functools.lru_cache(maxsize=16)

@@ -215,17 +215,34 @@ def preset_memory(
     return with_activations(memory, config, size) if activations else memory
 
 
-def with_activations(memory: FullSizeMemory, config: Any, size: str = "full") -> FullSizeMemory:
+def with_activations(
+    memory: FullSizeMemory,
+    config: Any,
+    size: str = "full",
+    *,
+    checkpointing: bool | None = None,
+) -> FullSizeMemory:
     """``memory`` with one step's peak beyond the weights, without and with gradient
-    checkpointing (:func:`diagnose.workload.memory.step_memory`: seconds of counting)."""
+    checkpointing (:func:`diagnose.workload.memory.step_memory`: seconds of counting each), or
+    only the one ``checkpointing`` names (the other stays as ``memory`` had it)."""
     from diagnose.workload.memory import step_memory
 
-    step = step_memory(config, memory.preset, size)
+    modes = (False, True) if checkpointing is None else (checkpointing,)
+    step = step_memory(config, memory.preset, size, checkpointing=modes)
+    if step.error:
+        return dataclasses.replace(
+            memory,
+            activation_bytes=None,
+            checkpointed_activation_bytes=None,
+            activations_at=step.error,
+        )
     return dataclasses.replace(
         memory,
-        activation_bytes=step.peak_bytes,
-        checkpointed_activation_bytes=step.checkpointed_peak_bytes,
-        activations_at=step.error or step.at,
+        activation_bytes=step.peak_bytes if False in modes else memory.activation_bytes,
+        checkpointed_activation_bytes=(
+            step.checkpointed_peak_bytes if True in modes else memory.checkpointed_activation_bytes
+        ),
+        activations_at=step.at,
     )
 
 
