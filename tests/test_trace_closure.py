@@ -4,8 +4,6 @@ ran, not the outermost range. Real CPU traces of one loop stepped both ways."""
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -74,11 +72,12 @@ def test_forward_and_backward_are_not_charged_to_the_optimizer(
 ) -> None:
     steps = _kinds(alternating)[how]
 
-    def median(phase: str) -> float:
-        return statistics.median(p.get(phase, 0.0) for p in steps)
+    def least(phase: str) -> float:
+        # Another process can only add time to a phase: the least over the steps is its own.
+        return min(p.get(phase, 0.0) for p in steps)
 
-    forward, backward, optimizer = median("forward"), median("backward"), median("optimizer")
-    step = statistics.median(sum(p.values()) for p in steps)
+    forward, backward, optimizer = least("forward"), least("backward"), least("optimizer")
+    step = min(sum(p.values()) for p in steps)
     # Convolutions dominate the step; AdamW over a few tensors is a small part of it.
     assert forward > optimizer and backward > optimizer, steps
     assert forward + backward > 0.6 * step, steps
