@@ -57,7 +57,11 @@ def fit_before_running(config: RunConfig, device_kind: str, memory_bytes: int | 
     """One line when a full-size model cannot fit the GPU before any activation (its weights as
     ``--base`` stores them, LoRA, gradients, optimizer state), else ''. Said before the model is
     built: building it would only end in an out-of-memory error or a spill. The same
-    configuration on the same memory gives the same line: it is counted once and kept."""
+    configuration on the same memory gives the same line: it is counted once and kept.
+
+    One step's activations are not counted here: counting a full-size step on the meta device
+    takes seconds before every first step, and on a GPU the step itself says whether they fit.
+    When it runs out of memory, :func:`out_of_memory_error` counts them to say why."""
     if device_kind not in ("cuda", "rocm") or not memory_bytes or config.size != "full":
         return ""
     if config.preset is None or config.model_dir is not None:
@@ -65,7 +69,27 @@ def fit_before_running(config: RunConfig, device_kind: str, memory_bytes: int | 
     from diagnose.user_cache import remembered_text
 
     key = {"config": config.to_dict(), "device_kind": device_kind, "memory_bytes": memory_bytes}
-    return remembered_text("memory-fit", key, lambda: _fit_line(config, memory_bytes))
+    return remembered_text("weights-fit", key, lambda: _fit_line(config, memory_bytes))
+
+
+def out_of_memory_error(config: RunConfig, memory_bytes: int | None, error: str) -> DiagnoseError:
+    """The error that ends a run whose training step ran out of the GPU's memory (``error``:
+    torch's message): for a full-size preset, one step's peak counted on the meta device and
+    whether gradient checkpointing would make it fit; else what to lower."""
+    said = ""
+    if config.size == "full" and config.preset and config.model_dir is None and memory_bytes:
+        from diagnose.probes.environment.probe import preset_memory
+
+        full = preset_memory(config, config.preset)
+        if full is not None and full.static_bytes <= memory_bytes:
+            said = _activations_will_not_fit(config, full, memory_bytes)
+    if not said:
+        first = (error.strip().splitlines() or [""])[0][:200]
+        lower = "lower the batch or resolution"
+        if not config.grad_checkpointing:
+            lower += ", or train with --grad-checkpointing"
+        said = f"{first}: {lower}" if first else lower
+    return DiagnoseError(f"the training step ran out of GPU memory: {said}", ExitCode.UNSUPPORTED)
 
 
 def _fit_line(config: RunConfig, memory_bytes: int) -> str:
@@ -77,8 +101,7 @@ def _fit_line(config: RunConfig, memory_bytes: int) -> str:
         return ""
     gib = 2**30
     if full.static_bytes <= memory_bytes:
-        # Only then are the activations worth counting (seconds on the meta device).
-        return _activations_will_not_fit(config, full, memory_bytes)
+        return ""
     said = (
         f"{config.preset} at full size needs {full.static_bytes / gib:.2f} GiB before any "
         f"activation ({full.basis}), more than the GPU's {memory_bytes / gib:.2f} GiB: expect an "
@@ -302,6 +325,10 @@ def execute_run(
                 "torch has from 2.5 on (install torch>=2.5, or use --preset sd15, sdxl or sd3)",
                 ExitCode.UNSUPPORTED,
             ) from exc
+        except torch.cuda.OutOfMemoryError as exc:
+            # CUDA's and HIP's alike. Explained here, where the step's own peak is worth its
+            # seconds of counting (fit_before_running leaves it out).
+            raise out_of_memory_error(config, device_info.memory_bytes, str(exc)) from None
         except StrictViolation:
             assert strict is not None and strict_log is not None
             add_strict(record, strict, [strict_log])

@@ -277,14 +277,17 @@ def test_a_full_size_model_that_cannot_fit_is_said_before_running() -> None:
     """SD1.5 at full size (its real shapes on the meta device) against a GPU of 1.6 GiB: in bf16
     its weights, LoRA and AdamW state need about 2.0 GiB, stored as fp8 1.7, as NF4 1.5 (its
     convolutions and VAE stay bf16)."""
-    from diagnose.run import fit_before_running
+    from diagnose.run import fit_before_running, out_of_memory_error
 
     gpu = int(1.6 * 2**30)
     said = fit_before_running(RunConfig(preset="sd15", size="full"), "cuda", gpu)
     assert said.startswith("sd15 at full size needs 2.03 GiB") and "GPU's 1.60 GiB" in said
     assert said.endswith("stored as nf4 it needs 1.54 GiB: --base nf4")
-    # Stored as NF4 the weights fit, but one step's activations at 512 px do not.
-    nf4 = fit_before_running(RunConfig(preset="sd15", size="full", base="nf4"), "cuda", gpu)
+    # Stored as NF4 the weights fit: nothing to say before the step; one step's activations at
+    # 512 px do not fit, which the step's out-of-memory error then says.
+    nf4_config = RunConfig(preset="sd15", size="full", base="nf4")
+    assert fit_before_running(nf4_config, "cuda", gpu) == ""
+    nf4 = out_of_memory_error(nf4_config, gpu, "CUDA out of memory.").message
     assert "weights and state 1.54 GiB" in nf4 and "more than the GPU's 1.60 GiB" in nf4
     fp8 = fit_before_running(RunConfig(preset="sd15", size="full", base="fp8"), "cuda", gpu)
     assert "needs 1.70 GiB" in fp8 and fp8.endswith("--base nf4")

@@ -15,7 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from diagnose.config import RunConfig
-from diagnose.run import fit_before_running
+from diagnose.errors import ExitCode
+from diagnose.run import fit_before_running, out_of_memory_error
 from diagnose.timing import PhaseTimer
 from diagnose.workload import Workload, build_workload
 from diagnose.workload.memory import step_memory
@@ -86,35 +87,24 @@ def test_the_counted_peak_matches_the_allocators_within_a_fifth(
     assert abs(predicted_growth - measured_growth) / measured_growth < 0.2, peaks
 
 
-def test_a_step_that_fits_only_with_checkpointing_is_told_so_before_running() -> None:
-    config = RunConfig(preset="sd15", size="full", precision="bf16-mixed", batch=1)
-    counted = step_memory(config, "sd15", "full")
-    assert counted.peak_bytes and counted.checkpointed_peak_bytes
-    from diagnose.probes.environment.probe import preset_memory
-
-    static = preset_memory(config, "sd15")
-    assert static is not None
-    # A GPU between the checkpointed peak and the plain one.
-    between = static.static_bytes + (counted.peak_bytes + counted.checkpointed_peak_bytes) // 2
-    said = fit_before_running(config, "cuda", between)
-    assert "512 px, batch 1" in said and "--grad-checkpointing" in said
-    # Already checkpointing: it fits, nothing to say; a GPU larger than the plain peak: neither.
-    assert (
-        fit_before_running(dataclasses.replace(config, grad_checkpointing=True), "cuda", between)
-        == ""
-    )
-    assert fit_before_running(config, "cuda", static.static_bytes + 2 * counted.peak_bytes) == ""
-    # Smaller than the checkpointed peak: the batch or resolution must come down.
-    small = static.static_bytes + counted.checkpointed_peak_bytes // 2
-    assert "lower the batch or resolution" in fit_before_running(config, "cuda", small)
+#: What torch says when a CUDA step runs out of memory (its first line).
+TORCH_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 8 GiB"
 
 
-def test_the_run_s_own_step_is_counted_first_and_the_other_only_when_it_does_not_fit(
+def _said(config: RunConfig, gpu: int) -> str:
+    error = out_of_memory_error(config, gpu, TORCH_OOM)
+    assert error.code == ExitCode.UNSUPPORTED
+    assert error.message.startswith("the training step ran out of GPU memory: ")
+    return error.message
+
+
+def test_a_step_that_runs_out_of_memory_is_told_whether_checkpointing_would_fit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Each count of a full-size step takes seconds on the meta device, before the first step:
-    a run whose own step fits pays one; the checkpointed count is made only to say whether
-    checkpointing would make a step that does not fit fit."""
+    """Before the first step only the weights are held against the GPU (no count: seconds of
+    meta-device work every run would pay); a step that then runs out of memory is told, from the
+    count, what one step peaks at and whether gradient checkpointing would make it fit. The
+    run's own step is counted first, the checkpointed one only to answer that."""
     from diagnose.probes.environment.probe import preset_memory
     from diagnose.workload import memory
 
@@ -122,7 +112,7 @@ def test_the_run_s_own_step_is_counted_first_and_the_other_only_when_it_does_not
     both = step_memory(config, "sd15", "full")
     static = preset_memory(config, "sd15")
     assert both.peak_bytes and both.checkpointed_peak_bytes and static is not None
-    # GPUs where both peaks fit, only the checkpointed one, neither.
+    # GPUs where the plain peak fits, only the checkpointed one, neither.
     large = static.static_bytes + 2 * both.peak_bytes
     between = static.static_bytes + (both.peak_bytes + both.checkpointed_peak_bytes) // 2
     small = static.static_bytes + both.checkpointed_peak_bytes // 2
@@ -135,18 +125,28 @@ def test_the_run_s_own_step_is_counted_first_and_the_other_only_when_it_does_not
         return count(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(memory, "count_step_bytes", recording)
-    for checkpointing, gpu, want, says in [
-        (False, large, [False], False),
-        (True, between, [True], False),
-        (True, small, [True], True),  # checkpointing already: nothing else to count
-        (False, between, [False, True], True),  # does not fit: would it with checkpointing?
-    ]:
+    checkpointed = dataclasses.replace(config, grad_checkpointing=True)
+    for gpu in (large, between, small):
+        assert fit_before_running(config, "cuda", gpu) == ""  # the weights fit
+    assert counted == [], "counted before the first step"
+
+    def said(run: RunConfig, gpu: int) -> tuple[str, list[bool]]:
         memory._counted.cache_clear()
         counted.clear()
-        run = dataclasses.replace(config, grad_checkpointing=checkpointing)
-        said = fit_before_running(run, "cuda", gpu)
-        assert counted == want, (checkpointing, gpu)
-        assert bool(said) == says, said
+        return _said(run, gpu), list(counted)
+
+    text, modes = said(config, between)
+    assert "512 px, batch 1" in text and "--grad-checkpointing" in text
+    assert modes == [False, True]  # does not fit: would it with checkpointing?
+    text, modes = said(config, small)
+    assert "lower the batch or resolution" in text and modes == [False, True]
+    text, modes = said(checkpointed, small)
+    assert "lower the batch or resolution" in text and modes == [True]
+    # The count says it fits, yet the step ran out (another process holds memory, say): torch's
+    # own words, and what to lower.
+    text, modes = said(config, large)
+    assert TORCH_OOM in text and "--grad-checkpointing" in text and modes == [False]
+    assert "--grad-checkpointing" not in said(checkpointed, large)[0]
 
 
 def test_a_model_that_cannot_be_counted_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,8 +178,9 @@ def test_a_model_that_cannot_be_counted_says_why(monkeypatch: pytest.MonkeyPatch
 def test_a_model_whose_text_encoder_reads_its_mask_is_counted_at_full_size() -> None:
     """Z-Image's Qwen3 text encoder reads its attention mask's values, which the meta device
     lacks; the count takes the captions' token counts from the host instead. The first report
-    this project was built from (Z-Image on an NF4 base, 1024 px, a 16 GB card) is then told
-    before running that one step's activations need gradient checkpointing to fit."""
+    this project was built from (Z-Image on an NF4 base, 1024 px, a 16 GB card) is then told,
+    when its step runs out of memory, that one step's activations need gradient checkpointing
+    to fit."""
     from diagnose.probes.environment.probe import preset_memory
 
     config = RunConfig(
@@ -198,7 +199,8 @@ def test_a_model_whose_text_encoder_reads_its_mask_is_counted_at_full_size() -> 
     card = 16 * GIB
     assert static.static_bytes + counted.checkpointed_peak_bytes < card
     assert static.static_bytes + counted.peak_bytes > card
-    said = fit_before_running(config, "cuda", card)
+    assert fit_before_running(config, "cuda", card) == ""  # the weights fit
+    said = _said(config, card)
     assert "1024 px, batch 1" in said and "--grad-checkpointing" in said
 
 
