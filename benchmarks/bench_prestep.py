@@ -4,12 +4,12 @@
 
 For each seed configuration at full size (SDXL bf16-mixed AdamW8bit; Z-Image on an NF4 base with
 an NF4 text encoder at 512/1024 px) one fresh process times, as ``diagnose run`` meets them on a
-GPU: start-up (importing what the run imports), the configuration resolved for an H200, the memory
-fit said before building (on the meta device, activations included), the inventory, the model
+GPU: start-up (importing what the run imports), the configuration resolved for an H200, whether
+the weights fit, said before building (counted on the meta device), the inventory, the model
 built on the meta device (the denoiser, VAE and text encoders from their configs), and the probes'
 set-up that needs no device (the Triton corpus's float64 references at its GPU shapes, one seed).
 Each process runs ``--repeat`` times in a row, with a cache folder of the benchmark's own: the
-first pays what a cold machine pays, the later ones what the user's cache keeps (the memory fit's
+first pays what a cold machine pays, the later ones what the user's cache keeps (the weights fit's
 line, the references). Prints one table, seconds per stage: ``to step`` sums the stages a run
 goes through before its first step (all but the references, which its Triton probe meets after
 the steps), ``all`` every stage, ``cpu to step`` the process's CPU seconds before the first step
@@ -43,7 +43,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 #: An H200's memory, as the fit is judged on the GPU.
 H200_BYTES = int(139.8 * 2**30)
-STAGES = ("start-up", "resolve", "memory fit", "inventory", "build (meta)", "triton references")
+STAGES = ("start-up", "resolve", "weights fit", "inventory", "build (meta)", "triton references")
 #: The stages after the first step in a run (its Triton probe's set-up).
 AFTER_STEPS = ("triton references",)
 #: The process's CPU seconds over the stages before the first step: what a busy machine's load
@@ -71,7 +71,7 @@ def _one(name: str) -> dict[str, float]:
 
     config = RunConfig(size="full", device="cuda", **CONFIGS[name])
     config = timed("resolve", lambda: run.resolve_config(config, "cuda", H200_BYTES))
-    timed("memory fit", lambda: run.fit_before_running(config, "cuda", H200_BYTES))
+    timed("weights fit", lambda: run.fit_before_running(config, "cuda", H200_BYTES))
     from diagnose.inventory import collect_inventory
 
     timed("inventory", lambda: collect_inventory("cuda"))

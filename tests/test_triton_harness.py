@@ -169,21 +169,22 @@ def test_device_mode_times_the_compile_and_stops_after_a_fault(tmp_path: Path) -
 
     module = tmp_path / "eager_cases.py"
     module.write_text(_EAGER_CASES)
-    checks, ran = _run_in_process(
+    checks, ran, planned = _run_in_process(
         [str(module)], torch.device("cpu"), "cuda", "sm_90", [1], None, 900.0
     )
-    assert ran == [1]
+    assert ran == [1] and planned == len(checks)
+    # Every case's first check, then the rest (gpu_shapes run in device mode).
     assert [(c.case, c.shape["n"], c.verdict) for c in checks] == [
         ("fine", 5, "pass"),
-        ("fine", 7, "pass"),  # gpu_shapes run in device mode
         ("faults", 5, "launch_error"),
-        ("faults", 7, "launch_error"),
         ("after", 5, "launch_error"),
+        ("fine", 7, "launch_error"),
+        ("faults", 7, "launch_error"),
         ("after", 7, "launch_error"),
     ]
     assert checks[0].compile_seconds is not None and checks[0].mode == "device"
-    assert "illegal memory access" in checks[2].message
-    assert checks[3].message.startswith("not run: the GPU faulted in faults")
+    assert "illegal memory access" in checks[1].message
+    assert all(c.message.startswith("not run: the GPU faulted in faults") for c in checks[2:])
 
 
 _TWO_FINE_CASES = _EAGER_CASES.replace(
@@ -200,12 +201,41 @@ def test_device_mode_starts_no_seed_past_its_time_budget(tmp_path: Path) -> None
     module = tmp_path / "eager_cases.py"
     module.write_text(_TWO_FINE_CASES)
     args = ([str(module)], torch.device("cpu"), "cuda", "sm_90", [1, 2, 3], None)
-    spent, ran = _run_in_process(*args, 0.0)
-    assert ran == [1] and {c.run_seed for c in spent} == {1} and len(spent) == 4
-    whole, ran = _run_in_process(*args, 900.0)
-    assert ran == [1, 2, 3] and len(whole) == 12
+    spent, ran, planned = _run_in_process(*args, 0.0)
+    assert ran == [1] and {c.run_seed for c in spent} == {1} and len(spent) == planned == 4
+    whole, ran, planned = _run_in_process(*args, 900.0)
+    assert ran == [1, 2, 3] and len(whole) == planned == 12
     assert all(c.verdict == "pass" for c in whole)
     assert all((c.compile_seconds is None) == (c.run_seed != 1) for c in whole)
+
+
+def test_a_probe_budget_that_runs_out_stops_within_the_pass_and_says_how_much_ran(
+    tmp_path: Path,
+) -> None:
+    """The run's Triton probe on a GPU holds to its time budget check by check: once it has
+    passed, no check starts (the first always does), and the pass's order has judged every
+    case's first check before any second one. What passed says how much of the corpus that was;
+    with the budget left, every check runs and nothing is said of it."""
+    import time
+
+    from diagnose.probes.triton.cases.runner import _run_in_process
+
+    module = tmp_path / "eager_cases.py"
+    module.write_text(_TWO_FINE_CASES)
+    args = ([str(module)], torch.device("cpu"), "cuda", "sm_90", [1], None, 900.0)
+    spent = time.perf_counter()
+    checks, ran, planned = _run_in_process(*args, spent)
+    assert ran == [1] and planned == 4 and [c.case for c in checks] == ["fine"]
+    suite = SuiteResult("device", "cuda", "sm_90", "cuda:0", 1, [str(module)], planned=planned)
+    suite.checks = checks
+    [line] = [x for x in ok_lines(judge_suite(suite, TritonEnvironment())) if "time budget" in x]
+    assert "1 of 4 checks (1 case) ran within the probe's time budget" in line
+    assert "`diagnose triton` runs them all" in line
+    whole, ran, planned = _run_in_process(*args, time.perf_counter() + 3600)
+    assert planned == len(whole) == 4 and [c.case for c in whole[:2]] == ["fine", "also"]
+    suite = SuiteResult("device", "cuda", "sm_90", "cuda:0", 1, [str(module)])
+    suite.checks = whole
+    assert not any("time budget" in x for x in ok_lines(judge_suite(suite, TritonEnvironment())))
 
 
 # --- environment ----------------------------------------------------------------------------------

@@ -416,7 +416,8 @@ def judge_suite(suite: SuiteResult, env: TritonEnvironment) -> ProbeResult:
 
 
 def _passed_line(suite: SuiteResult) -> str:
-    """What passed, by kind: Triton kernels and torch.compile (inductor) checks."""
+    """What passed, by kind: Triton kernels and torch.compile (inductor) checks; and how much of
+    the corpus that was, when a time budget cut it short."""
     parts = []
     for kind in ("triton", "inductor"):
         passed = sum(1 for c in suite.checks if c.kind == kind and c.verdict == "pass")
@@ -427,6 +428,13 @@ def _passed_line(suite: SuiteResult) -> str:
         else:
             backend = "C++ CPU backend" if suite.mode == "interpreter" else "Triton kernels"
             parts.append(f"torch.compile (inductor, {backend}): {passed} checks passed")
+    if suite.planned > len(suite.checks):
+        cases = len({c.case for c in suite.checks})
+        parts.append(
+            f"{len(suite.checks)} of {suite.planned} checks ({cases} case"
+            f"{'' if cases == 1 else 's'}) ran within the probe's time budget; `diagnose triton` "
+            "runs them all"
+        )
     return "; ".join(parts)
 
 
@@ -502,6 +510,9 @@ class TritonProbe:
             seed=self.seed,
             timeout_s=self.timeout_s,
             progress=ctx.progress,
+            # On a GPU a cold stack compiles every kernel: within the run's budget the first
+            # check of every case runs, and `diagnose triton` runs the whole corpus.
+            deadline=ctx.deadline,
         )
         if not suite.ran:
             reasons = sorted({c.message for c in suite.checks})

@@ -133,18 +133,33 @@ def plan_checks(
     cases: Sequence[TritonCase], mode: Mode, seeds: Sequence[int] = (DEFAULT_SEED,)
 ) -> list[PlannedCheck]:
     """Every (seed, case, dtype, shape) to run, in a fixed order: the same cases and seeds give
-    the same indices. Seed by seed, so a run cut short has whole passes over the cases."""
+    the same indices. Seed by seed, so a run cut short has whole passes over the cases; within a
+    seed, every case's first check (its first dtype at its first shape) comes before any case's
+    second, so a pass cut short by a time budget has still compiled and judged every kernel."""
     planned: list[PlannedCheck] = []
     for run_seed in seeds:
-        for case in cases:
-            shapes = list(case.shapes) + (list(case.gpu_shapes) if mode == "device" else [])
-            dtypes = list(case.dtypes)
-            if mode == "device":
-                dtypes += [d for d in case.gpu_dtypes if d not in dtypes]
-            for dtype in dtypes:
-                for shape in shapes:
-                    planned.append(PlannedCheck(len(planned), case, dict(shape), dtype, run_seed))
+        combos = [
+            [(dtype, shape) for dtype in _dtypes(case, mode) for shape in _shapes(case, mode)]
+            for case in cases
+        ]
+        order = [(case, combo[0]) for case, combo in zip(cases, combos, strict=True) if combo]
+        order += [
+            (case, one) for case, combo in zip(cases, combos, strict=True) for one in combo[1:]
+        ]
+        for case, (dtype, shape) in order:
+            planned.append(PlannedCheck(len(planned), case, dict(shape), dtype, run_seed))
     return planned
+
+
+def _shapes(case: TritonCase, mode: Mode) -> list[Shape]:
+    return list(case.shapes) + (list(case.gpu_shapes) if mode == "device" else [])
+
+
+def _dtypes(case: TritonCase, mode: Mode) -> list[torch.dtype]:
+    dtypes = list(case.dtypes)
+    if mode == "device":
+        dtypes += [d for d in case.gpu_dtypes if d not in dtypes]
+    return dtypes
 
 
 def check_seed(run_seed: int, case: str, shape: Shape, dtype: torch.dtype) -> int:
@@ -420,12 +435,16 @@ def run_checks(
     on_start: Callable[[PlannedCheck], None] | None = None,
     on_result: Callable[[PlannedCheck, CheckResult], None] | None = None,
     state: RunState | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[CheckResult]:
     """Run the planned checks from index ``start`` on, in order; ``state`` carries over from an
-    earlier call (the checks it compiled)."""
+    earlier call (the checks it compiled). ``stop``: asked before every check after the first;
+    once it says so, no further check starts (a time budget that ran out)."""
     state = state if state is not None else RunState()
-    results = []
+    results: list[CheckResult] = []
     for check in plan_checks(cases, env.mode, seeds)[start:]:
+        if results and stop is not None and stop():
+            break
         if on_start is not None:
             on_start(check)
         result = run_check(check, env, state)

@@ -64,6 +64,9 @@ class SuiteResult:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
+    #: Checks planned for the passes that started, when a time budget cut the last one short
+    #: (0: none was cut).
+    planned: int = 0
 
     def __post_init__(self) -> None:
         if not self.seeds:
@@ -98,6 +101,7 @@ class SuiteResult:
             "seconds": self.seconds,
             "counts": self.counts(),
             "notes": list(self.notes),
+            "planned": self.planned,
             "checks": [c.to_dict() for c in self.checks],
         }
 
@@ -146,6 +150,7 @@ def run_suite(
     seeds: int = 1,
     timeout_s: float = 900.0,
     progress: Callable[[str], None] | None = None,
+    deadline: float | None = None,
 ) -> SuiteResult:
     """Run every check of ``sources`` (module names or .py files holding ``CASES``), once per
     seed: ``seeds`` seeds from ``seed`` (default: the fixed default seed) on.
@@ -153,6 +158,10 @@ def run_suite(
     A GPU device runs them compiled, in this process; any other runs them in Triton's
     interpreter in a subprocess (and the inductor cases on inductor's CPU backend). Raises
     CaseLoadError for a source that does not give cases.
+
+    ``deadline`` (``time.perf_counter()``; a probe's time budget, on a GPU): no check starts
+    once it has passed, past the first, even within the first seed's pass; the pass's order
+    has then judged every case's first check before any second one.
     """
     sources = [validate_source(s) for s in sources]
     all_seeds = run_seeds(seed, seeds)
@@ -160,9 +169,15 @@ def run_suite(
     if device.type == "cuda" and not interpreter_forced():
         backend, arch = device_target(device)
         suite = SuiteResult("device", backend, arch, str(device), all_seeds[0], sources)
-        suite.checks, ran = _run_in_process(
-            sources, device, backend, arch, all_seeds, progress, timeout_s
+        suite.checks, ran, planned = _run_in_process(
+            sources, device, backend, arch, all_seeds, progress, timeout_s, deadline
         )
+        if planned > len(suite.checks):
+            suite.planned = planned
+            suite.notes.append(
+                f"{len(suite.checks)} of {planned} checks run: the time budget ran out (each "
+                "pass runs every case's first check before any second one)"
+            )
         if len(ran) < len(all_seeds):
             suite.notes.append(
                 f"seeds {all_seeds[len(ran)]}-{all_seeds[-1]} not run: the {timeout_s:g} s time "
@@ -191,28 +206,39 @@ def _run_in_process(
     seeds: Sequence[int],
     progress: Callable[[str], None] | None,
     timeout_s: float,
-) -> tuple[list[CheckResult], list[int]]:
-    """The checks of every seed, seed by seed, and the seeds run: no seed starts once
-    ``timeout_s`` is spent (the first always runs), so a cut run has whole passes."""
+    deadline: float | None = None,
+) -> tuple[list[CheckResult], list[int], int]:
+    """The checks of every seed, seed by seed, the seeds whose pass started, and the checks
+    those passes planned: no seed starts once ``timeout_s`` is spent (the first always runs),
+    so a cut run has whole passes; past ``deadline`` (:func:`run_suite`) no check starts at all,
+    past the first, and the pass it cut is the last."""
     cases = [case for source in sources for case in load_cases(source)]
     env = CheckEnv("device", backend, arch, device)
     per_seed = len(plan_checks(cases, "device", seeds[:1]))
     total = per_seed * len(seeds)
-    deadline = time.monotonic() + timeout_s
+    seeds_deadline = time.monotonic() + timeout_s
+    check_deadline = deadline
     state = RunState()
     results: list[CheckResult] = []
     ran: list[int] = []
+
+    def budget_spent() -> bool:
+        return check_deadline is not None and time.perf_counter() >= check_deadline
+
     for number, seed in enumerate(seeds):
-        if ran and time.monotonic() >= deadline:
+        if ran and (time.monotonic() >= seeds_deadline or budget_spent()):
             break
 
         def on_start(check: Any, done: int = number * per_seed) -> None:
             if progress is not None:
                 progress(f"triton check {done + check.index + 1}/{total}: {check.label}")
 
-        results += run_checks(cases, env, [seed], on_start=on_start, state=state)
+        checks = run_checks(cases, env, [seed], on_start=on_start, state=state, stop=budget_spent)
+        results += checks
         ran.append(seed)
-    return results, ran
+        if len(checks) < per_seed:
+            break  # the budget cut this pass short
+    return results, ran, per_seed * len(ran)
 
 
 @dataclass
