@@ -137,10 +137,12 @@ def _activations_will_not_fit(config: RunConfig, full: FullSizeMemory, memory_by
     checkpointed = None
     if not config.grad_checkpointing:
         checkpointed = with_activations(full, config, checkpointing=True).peak_bytes(True)
-    if checkpointed is not None and checkpointed <= memory_bytes:
-        gib_checkpointed = f"{checkpointed / gib:.2f} GiB"
-        return f"{said}; with gradient checkpointing about {gib_checkpointed}: --grad-checkpointing"
-    return f"{said}: expect an out-of-memory error or a spill; lower the batch or resolution"
+    if checkpointed is None:
+        return f"{said}: lower the batch or resolution"
+    with_checkpointing = f"with gradient checkpointing about {checkpointed / gib:.2f} GiB"
+    if checkpointed <= memory_bytes:
+        return f"{said}; {with_checkpointing}: --grad-checkpointing"
+    return f"{said}, and {with_checkpointing}: lower the batch or resolution"
 
 
 def refuse_full_size_on_cpu(config: RunConfig, device_kind: str, force: bool) -> None:
