@@ -116,8 +116,8 @@ def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Tra
         "manual": {"mode": "manual"},
         "upcast": {"mode": "upcast"},
         "float_under_autocast": {"mode": "float_under_autocast"},
-        # Long enough to stay over a tenth of a step on a loaded 2-core machine.
-        "slow_loader": {"loader_sleep": 0.1},
+        # Several steps' time per batch: far over a tenth of a step on a loaded 2-core machine.
+        "slow_loader": {"loader_sleep": 0.05},
         # One profiled step waits several steps' time for its batch, the rest none.
         "one_stall": {"loader_sleep": 0.1, "stall_at": PROFILED // 2},
     }
