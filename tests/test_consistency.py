@@ -6,6 +6,7 @@ trace, and real runs of the workload with planted slow-downs."""
 from __future__ import annotations
 
 import ast
+import functools
 import html
 from pathlib import Path
 
@@ -128,8 +129,10 @@ _LINE_MODULES = {
 }
 
 
-def _lines_of(path: Path) -> set[str]:
-    """The module's numeric constants (and those defined as another of them): its lines."""
+@functools.cache
+def _lines_of(path: Path) -> frozenset[str]:
+    """The module's numeric constants (and those defined as another of them): its lines. Read
+    once per module: every file the scan reads asks for every catalog's lines."""
     found: set[str] = set()
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
         target, value = None, None
@@ -144,10 +147,10 @@ def _lines_of(path: Path) -> set[str]:
         number = isinstance(value, ast.Constant) and type(value.value) in (int, float)
         if number or (isinstance(value, ast.Name) and value.id in found):
             found.add(target.id)
-    return found
+    return frozenset(found)
 
 
-def _names_in(node: ast.AST, modules: dict[str, set[str]], lines: set[str]) -> set[str]:
+def _names_in(node: ast.AST, modules: dict[str, frozenset[str]], lines: set[str]) -> set[str]:
     """The lines ``node`` reads: a name imported from (or defined in) a catalog, or a catalog
     module's attribute (``catalog.RAISE_SHARE``)."""
     out: set[str] = set()
@@ -168,7 +171,7 @@ def threshold_comparisons(path: Path) -> list[tuple[int, str]]:
     parameter whose default is one: a threshold compared by hand."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     per_module = {name: _lines_of(p) for name, p in _LINE_MODULES.items()}
-    modules: dict[str, set[str]] = {}  # alias -> its lines
+    modules: dict[str, frozenset[str]] = {}  # alias -> its lines
     lines: set[str] = set()  # names bound to a line here
     if path.parent == _CATALOGS or path == _LINE_MODULES["diagnose.verdicts"]:
         lines |= _lines_of(path)
