@@ -25,7 +25,7 @@ from diagnose.config import MIN_BUDGETED_STEPS, RunConfig
 from diagnose.contention import LoadWindow, threads_for_load
 from diagnose.device import describe_device, select_device
 from diagnose.entry import seconds_since_entry
-from diagnose.errors import DiagnoseError, ExitCode
+from diagnose.errors import DiagnoseError, ExitCode, first_line
 from diagnose.finish import Progress, RunOutputs, finish_run, redact_own_trace
 from diagnose.inventory import collect_inventory
 from diagnose.output import TRACE_NAME
@@ -84,7 +84,7 @@ def out_of_memory_error(config: RunConfig, memory_bytes: int | None, error: str)
         if full is not None and full.static_bytes <= memory_bytes:
             said = _activations_will_not_fit(config, full, memory_bytes)
     if not said:
-        first = (error.strip().splitlines() or [""])[0][:200]
+        first = first_line(error, 200)
         lower = "lower the batch or resolution"
         if not config.grad_checkpointing:
             lower += ", or train with --grad-checkpointing"
@@ -288,7 +288,17 @@ def execute_run(
 
         say("building the model")
         with _stage(wall, "build"):
-            workload = build_workload(config, device)
+            try:
+                workload = build_workload(config, device)
+            except torch.cuda.OutOfMemoryError as exc:
+                # The weights were held against the GPU before (fit_before_running); what does
+                # not fit here is the rest the build makes on the device (the cached latents
+                # and text embeddings among it), or memory another process holds.
+                raise DiagnoseError(
+                    f"building the model ran out of GPU memory: {first_line(str(exc), 200)}: "
+                    "lower the resolution or batch, or free the GPU of other processes",
+                    ExitCode.UNSUPPORTED,
+                ) from None
     finally:
         # Closed on every path: an open window is the one every later comparison consults.
         seen = load.close() if load is not None else None

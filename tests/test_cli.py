@@ -289,6 +289,28 @@ def test_a_step_that_runs_out_of_memory_ends_with_one_line_and_exit_5(
     )
 
 
+def test_a_build_that_runs_out_of_memory_ends_with_one_line_and_exit_5(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Out of memory while the model is built (what the build caches on the device, or memory
+    another process holds): one line and exit 5, not an internal error."""
+    import torch
+
+    import diagnose.workload
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB\nmore")
+
+    monkeypatch.setattr(diagnose.workload, "build_workload", out_of_memory)
+    code = main(["run", "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "run")])
+    assert code == ExitCode.UNSUPPORTED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "diagnose: error: building the model ran out of GPU memory: CUDA out of memory. Tried to "
+        "allocate 8.00 GiB: lower the resolution or batch, or free the GPU of other processes"
+    )
+
+
 def test_run_with_the_network_blocked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
