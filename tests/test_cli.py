@@ -267,48 +267,42 @@ def test_a_probe_that_raises_still_leaves_a_report(tmp_path: Path) -> None:
     assert load_record(out).probes[-1].traceback
 
 
-def test_a_step_that_runs_out_of_memory_ends_with_one_line_and_exit_5(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("where", "said"),
+    [
+        (
+            "diagnose.run.measure",
+            "the training step ran out of GPU memory: CUDA out of memory. Tried to allocate "
+            "8.00 GiB: lower the batch or resolution, or train with --grad-checkpointing",
+        ),
+        (
+            # What the build makes on the device beyond the weights checked before, or memory
+            # another process holds.
+            "diagnose.workload.build_workload",
+            "building the model ran out of GPU memory: CUDA out of memory. Tried to allocate "
+            "8.00 GiB: lower the resolution or batch, or free the GPU of other processes",
+        ),
+    ],
+)
+def test_running_out_of_gpu_memory_ends_with_one_line_and_exit_5(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    where: str,
+    said: str,
 ) -> None:
-    """torch's out-of-memory error in the steps (CUDA's and HIP's are the same class) is not an
-    internal error: the run cannot be done on this device, said in one line with what to lower."""
+    """torch's out-of-memory error (CUDA's and HIP's are the same class), in the steps or while
+    the model is built, is not an internal error: the run cannot be done on this device, said in
+    one line with what to lower."""
     import torch
-
-    import diagnose.run
-
-    def out_of_memory(*args: object, **kwargs: object) -> None:
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore")
-
-    monkeypatch.setattr(diagnose.run, "measure", out_of_memory)
-    code = main(["run", "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "run")])
-    assert code == ExitCode.UNSUPPORTED
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (
-        "diagnose: error: the training step ran out of GPU memory: CUDA out of memory. Tried to "
-        "allocate 20.00 GiB: lower the batch or resolution, or train with --grad-checkpointing"
-    )
-
-
-def test_a_build_that_runs_out_of_memory_ends_with_one_line_and_exit_5(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Out of memory while the model is built (what the build caches on the device, or memory
-    another process holds): one line and exit 5, not an internal error."""
-    import torch
-
-    import diagnose.workload
 
     def out_of_memory(*args: object, **kwargs: object) -> None:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB\nmore")
 
-    monkeypatch.setattr(diagnose.workload, "build_workload", out_of_memory)
+    monkeypatch.setattr(where, out_of_memory)
     code = main(["run", "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "run")])
     assert code == ExitCode.UNSUPPORTED
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (
-        "diagnose: error: building the model ran out of GPU memory: CUDA out of memory. Tried to "
-        "allocate 8.00 GiB: lower the resolution or batch, or free the GPU of other processes"
-    )
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"diagnose: error: {said}"
 
 
 def test_run_with_the_network_blocked(
