@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from diagnose.catalogs.triton_catalog import seeds_label
+from diagnose.probes.budgets import budget_spent
 from diagnose.probes.triton.cases.api import CheckEnv, Mode, shape_label
 from diagnose.probes.triton.cases.check import (
     FAILING,
@@ -217,23 +218,22 @@ def _run_in_process(
     per_seed = len(plan_checks(cases, "device", seeds[:1]))
     total = per_seed * len(seeds)
     seeds_deadline = time.monotonic() + timeout_s
-    check_deadline = deadline
     state = RunState()
     results: list[CheckResult] = []
     ran: list[int] = []
 
-    def budget_spent() -> bool:
-        return check_deadline is not None and time.perf_counter() >= check_deadline
+    def stop() -> bool:
+        return budget_spent(deadline)
 
     for number, seed in enumerate(seeds):
-        if ran and (time.monotonic() >= seeds_deadline or budget_spent()):
+        if ran and (time.monotonic() >= seeds_deadline or stop()):
             break
 
         def on_start(check: Any, done: int = number * per_seed) -> None:
             if progress is not None:
                 progress(f"triton check {done + check.index + 1}/{total}: {check.label}")
 
-        checks = run_checks(cases, env, [seed], on_start=on_start, state=state, stop=budget_spent)
+        checks = run_checks(cases, env, [seed], on_start=on_start, state=state, stop=stop)
         results += checks
         ran.append(seed)
         if len(checks) < per_seed:
