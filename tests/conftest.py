@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,14 @@ def percentages(text: str) -> list[float]:
 #: What diagnose keeps between runs (diagnose.user_cache) goes to the suite's own folder, never
 #: the user's, and every suite run starts cold.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="diagnose-tests-cache-")
+
+#: A suite started as a background job of a non-interactive shell (``pytest &`` in a script)
+#: inherits SIGINT ignored, and so does every process it starts: the trainers of the Ctrl-C and
+#: ``--timeout`` tests were then deaf to the SIGINT those tests are about, and a test waited on
+#: one forever. The tests model a terminal, where Ctrl-C is delivered: Python's own handler
+#: again here, and the default action in every process started from here.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 #: Variables that pytest or torch itself set (torch.profiler sets the inductor cache folder).
 _ENV_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
@@ -193,7 +202,6 @@ def busy_core() -> Iterator[None]:
     """Another process spinning on one of this process's cores for the length of the test: a
     machine other work keeps busy. It is started outside this process's tree (its parent exits
     at once), as another user's job is: diagnose counts its own children as its own work."""
-    import signal
     import subprocess
     import sys
 

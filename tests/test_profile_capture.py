@@ -13,6 +13,7 @@ start its own scenarios and lose the overlap that keeps the module's wall time d
 from __future__ import annotations
 
 import ast
+import contextlib
 import gzip
 import importlib.util
 import json
@@ -318,17 +319,36 @@ def _interrupted(folder: Path) -> Run:
         try:
             rest, _ = launcher.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            # Say where it stuck (which processes lived on, what they wrote) rather than only
-            # that it did.
-            alive = [p.name for p in (folder / "capture").glob("*") if p.is_file()]
+            # Say where it stuck (what the processes wrote, which signals the trainers ignore)
+            # rather than only that it did. The trainers lead sessions of their own and hold the
+            # launcher's stdout: they are ended too, or reading that pipe to its end waits on them.
+            written = sorted(p.name for p in (folder / "capture").glob("*") if p.is_file())
+            ignored = {}
+            for status in (folder / "capture").glob("process-*.json"):
+                pid = int(status.stem.removeprefix("process-"))
+                with contextlib.suppress(OSError):
+                    ignored[pid] = _ignored_signals(pid)
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
             launcher.kill()
-            launcher.communicate()
+            launcher.communicate(timeout=30)
             pytest.fail(
-                "the launcher outlived its SIGINT by 60 s; capture files: "
-                f"{sorted(alive)}; stderr: {(folder / 'stderr.txt').read_text()[-2000:]}"
+                f"the launcher outlived its SIGINT by 60 s; capture files: {written}; signals "
+                f"each trainer ignored: {ignored}; stderr: "
+                f"{(folder / 'stderr.txt').read_text()[-2000:]}"
             )
     result = launch_result_from(report)
     return Run(result, folder, {"launcher_returncode": launcher.returncode, "stdout": rest})
+
+
+def _ignored_signals(pid: int) -> list[str]:
+    """The signals a live process ignores (Linux's /proc: the SigIgn mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            mask = int(line.split()[1], 16)
+            named = (s for s in signal.valid_signals() if isinstance(s, signal.Signals))
+            return [s.name for s in named if mask >> (s - 1) & 1]
+    return []
 
 
 def launch_result_from(report: Path) -> LaunchResult:
