@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import signal
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -203,7 +204,6 @@ def busy_core() -> Iterator[None]:
     machine other work keeps busy. It is started outside this process's tree (its parent exits
     at once), as another user's job is: diagnose counts its own children as its own work."""
     import subprocess
-    import sys
 
     spawn = (
         "import os, sys\n"
@@ -245,3 +245,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = kept
+
+
+#: The most test processes ``-n auto`` starts: each imports torch and builds its models, and on a
+#: machine with many cores the memory runs out before the cores do.
+MOST_TEST_PROCESSES = 4
+#: How long the cores are watched before the suite starts: long enough for several readings.
+LOAD_LOOK_S = 1.0
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` (the README's command): one test process per core that other work leaves
+    free, watched for a moment before the suite starts; at least one. On an idle machine the
+    suite uses every core; beside a browser and a build it runs in the cores they leave, as it
+    would alone, instead of adding processes that race the load (the tests that compare
+    timings are proven beside one busy process, not beside their own crowd).
+    PYTEST_XDIST_AUTO_NUM_WORKERS still decides when set (pytest-xdist's own answer)."""
+    import time
+
+    from diagnose.contention import LoadWindow
+
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    window = LoadWindow().open()
+    time.sleep(LOAD_LOOK_S)
+    seen = window.close()
+    cores = seen.cpus or os.cpu_count() or 1
+    processes = max(1, min(MOST_TEST_PROCESSES, round(cores - seen.others_cores)))
+    # pytest captures sys.stdout already: the terminal's own stream.
+    assert sys.__stderr__ is not None
+    sys.__stderr__.write(
+        f"-n auto: {processes} test process(es); other work held {seen.others_cores:.1f} of "
+        f"{cores} cores\n"
+    )
+    return processes

@@ -537,11 +537,11 @@ def test_stop_after_ends_the_process_once_captured(runs: dict[str, Future[Run]])
 
 def test_torchrun_two_ranks(runs: dict[str, Future[Run]]) -> None:
     run = _get(runs, "ddp")
-    said = (run.folder / "stdout.txt").read_text()
+    said = (run.folder / "stderr.txt").read_text()
     # gloo now and then aborts a rank in its own teardown ("terminate called without an active
-    # exception"), after both ranks met at the trainer's last barrier (the marker): torch's, not
-    # the capture's, and too rare to reproduce on demand with or without diagnose around the
-    # job. Any other failure fails here.
+    # exception"), after both ranks met at the trainer's last barrier (the marker), once
+    # torch.profiler ran in the ranks: torch's, not the capture's (the same trainer profiling
+    # itself with torch.profiler, without diagnose, aborts as often). Any other failure fails.
     torch_teardown_abort = run.marker.exists() and "terminate called without an active" in said
     assert run.result.returncode == 0 or torch_teardown_abort, said
     assert [c.rank for c in run.result.captures] == [0, 1]

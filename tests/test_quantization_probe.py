@@ -112,8 +112,14 @@ def test_a_quantized_base_costs_a_measured_share_of_the_step(
     result, untouched = probed
     assert result.status == "ok", result.reason or result.traceback
     ab = result.data["ab"]
-    # bitsandbytes expands every 4-bit weight on every call: the fp32 base is surely faster.
-    assert ab["outcome"] == "faster", ab
+    # bitsandbytes expands every 4-bit weight on every call: the fp32 base is surely faster,
+    # unless the machine's load swung enough to explain the gap (the probe then says it could
+    # not be sure, and counts the comparison it set aside: the design, not a miss).
+    load = result.host_load
+    set_aside = load is not None and load.comparisons_set_aside > 0
+    assert ab["outcome"] == "faster" or (ab["outcome"] == "inconclusive" and set_aside), ab
+    if ab["outcome"] == "inconclusive":
+        pytest.skip(f"the load's swings set the A/B aside: {ab['ratio']}")
     (finding,) = [f for f in result.findings if f.id == DEQUANT_COST.id]
     stored = sorted(ab["stored_step_seconds"])[len(ab["stored_step_seconds"]) // 2]
     assert finding.saving_basis == "measured"
