@@ -317,12 +317,16 @@ def apply_lora(
     alpha: float | None,
     target_modules: Sequence[str],
     lora_dtype: torch.dtype,
+    *,
+    initialise: bool = True,
 ) -> int:
     """Wrap ``target_modules`` of the frozen denoiser in a peft LoRA adapter.
 
     The adapter is added the way diffusers' LoRA training scripts add it (``add_adapter`` with
     gaussian init), its weights are cast to ``lora_dtype`` (fp32 master weights except in
     bf16-full), and only they require grad. Returns the number of wrapped modules.
+    ``initialise=False`` leaves the adapter's values as they come (a model on the meta device,
+    which has none: drawing them there is most of the seconds of counting a full-size model).
     """
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
@@ -331,7 +335,7 @@ def apply_lora(
         r=rank,
         # peft annotates int but only ever divides by r: a float alpha works (kohya allows one).
         lora_alpha=cast(int, alpha if alpha is not None else rank),
-        init_lora_weights="gaussian",
+        init_lora_weights="gaussian" if initialise else False,
         target_modules=list(target_modules),
     )
     try:
@@ -409,9 +413,17 @@ def _lora_denoiser_on_meta(
     ``construct_on(meta, ...)``."""
     denoiser = build_denoiser(spec)
     base_parameters = count_parameters(denoiser)
+    return denoiser, base_parameters, lora_on_meta(denoiser, spec, rank, target_modules)
+
+
+def lora_on_meta(
+    denoiser: torch.nn.Module, spec: Any, rank: int, target_modules: Sequence[str] | None
+) -> int:
+    """Freeze the preset's denoiser (built on the meta device) and wrap it in LoRA as a run
+    does (``target_modules``: the preset's when None); the number of wrapped modules."""
     denoiser.requires_grad_(False)
     targets = target_modules if target_modules is not None else spec.lora_target_modules
-    return denoiser, base_parameters, apply_lora(denoiser, rank, None, targets, torch.float32)
+    return apply_lora(denoiser, rank, None, targets, torch.float32, initialise=False)
 
 
 def _on_meta_with_lora(
@@ -478,6 +490,7 @@ __all__ = [
     "diffusers_class",
     "format_count",
     "freeze_components",
+    "lora_on_meta",
     "meta_components",
     "model_info",
     "precision_policy",

@@ -172,7 +172,8 @@ def preset_memory(
         build_vae,
         construct_on,
         count_parameters,
-        describe_preset,
+        lora_on_meta,
+        trainable_parameters,
     )
     from diagnose.workload.presets import load_preset
     from diagnose.workload.quantize import stored_bytes
@@ -181,16 +182,18 @@ def preset_memory(
     base = getattr(config, "base", None)
     encoder_base = getattr(config, "text_encoder_base", None) or base
     try:
-        info = describe_preset(preset, size, config.rank, config.target_modules)
         spec = load_preset(preset, size)
+        # Each component built once: a full-size build is most of this function's seconds.
         with construct_on(torch.device("meta"), torch.float32):
+            denoiser = build_denoiser(spec)
+            parameters = count_parameters(denoiser)
+            # Counted before LoRA wraps its linear layers: the adapter is not stored as the base.
+            frozen = stored_bytes(denoiser, base, weight)
+            lora_on_meta(denoiser, spec, config.rank, config.target_modules)
+            trainable = sum(p.numel() for p in trainable_parameters(denoiser))
             vae = count_parameters(build_vae(spec))
             encoders = [build_text_encoder(e) for e in spec.text_encoders]
-            frozen = (
-                stored_bytes(build_denoiser(spec), base, weight)
-                + sum(stored_bytes(e, encoder_base, weight) for e in encoders)
-                + vae * weight
-            )
+            frozen += sum(stored_bytes(e, encoder_base, weight) for e in encoders) + vae * weight
             others = vae + sum(count_parameters(e) for e in encoders)
     except Exception:  # the full-size numbers only refine the verdict; without them it stands
         return None
@@ -204,10 +207,10 @@ def preset_memory(
     memory = FullSizeMemory(
         preset=preset,
         frozen_bytes=frozen,
-        trainable_bytes=info.trainable_parameters * (2 * lora + state),
+        trainable_bytes=trainable * (2 * lora + state),
         basis=(
-            f"{preset} at full size built on the meta device: {info.parameters + others:,} "
-            f"frozen parameters{stored}, {info.trainable_parameters:,} LoRA "
+            f"{preset} at full size built on the meta device: {parameters + others:,} "
+            f"frozen parameters{stored}, {trainable:,} LoRA "
             f"parameters at {lora} bytes plus their gradient and {state} bytes of "
             f"{config.optimizer} state"
         ),
