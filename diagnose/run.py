@@ -296,7 +296,7 @@ def execute_run(
                 # and text embeddings among it), or memory another process holds.
                 raise DiagnoseError(
                     f"building the model ran out of GPU memory: {first_line(str(exc), 200)}: "
-                    "lower the resolution or batch, or free the GPU of other processes",
+                    "lower the batch or resolution, or free the GPU of other processes",
                     ExitCode.UNSUPPORTED,
                 ) from None
     finally:

@@ -280,7 +280,7 @@ def test_a_probe_that_raises_still_leaves_a_report(tmp_path: Path) -> None:
             # another process holds.
             "diagnose.workload.build_workload",
             "building the model ran out of GPU memory: CUDA out of memory. Tried to allocate "
-            "8.00 GiB: lower the resolution or batch, or free the GPU of other processes",
+            "8.00 GiB: lower the batch or resolution, or free the GPU of other processes",
         ),
     ],
 )

@@ -238,6 +238,19 @@ def test_a_probe_budget_that_runs_out_stops_within_the_pass_and_says_how_much_ra
     assert not any("time budget" in x for x in ok_lines(judge_suite(suite, TritonEnvironment())))
 
 
+def test_seeds_left_out_name_the_budget_that_stopped_them() -> None:
+    """A device run says what it left out for time and which budget did it: the probe's deadline,
+    or ``diagnose triton --timeout``'s seconds; nothing when everything ran."""
+    from diagnose.probes.triton.cases.runner import budget_notes
+
+    by_probe = budget_notes(3, 8, [1, 2, 3], [1], 900.0, probe_budget=True)
+    assert by_probe[0].startswith("3 of 8 checks run: the time budget ran out")
+    assert by_probe[1] == "seeds 2–3 not run: the probe's time budget was spent after 1 of 3 seeds"
+    by_timeout = budget_notes(8, 8, [1, 2, 3], [1, 2], 120.0, probe_budget=False)
+    assert by_timeout == ["seed 3 not run: the 120 s time budget was spent after 2 of 3 seeds"]
+    assert budget_notes(8, 8, [1, 2], [1, 2], 120.0, probe_budget=True) == []
+
+
 # --- environment ----------------------------------------------------------------------------------
 
 

@@ -143,6 +143,32 @@ def device_target(device: torch.device) -> tuple[str, str]:
         return backend, f"sm_{major}{minor}"
 
 
+def budget_notes(
+    checks: int,
+    planned: int,
+    seeds: Sequence[int],
+    ran: Sequence[int],
+    timeout_s: float,
+    probe_budget: bool,
+) -> list[str]:
+    """What a device run left out for time: the checks of its last pass and the seeds it did not
+    start, with the budget that stopped it (``probe_budget``: a probe's deadline had passed,
+    else ``timeout_s``, ``diagnose triton --timeout``'s)."""
+    notes = []
+    if planned > checks:
+        notes.append(
+            f"{checks} of {planned} checks run: the time budget ran out (each pass runs every "
+            "case's first check before any second one)"
+        )
+    if len(ran) < len(seeds):
+        budget = "the probe's time budget" if probe_budget else f"the {timeout_s:g} s time budget"
+        notes.append(
+            f"{seeds_label(seeds[len(ran) :])} not run: {budget} was spent after "
+            f"{len(ran)} of {len(seeds)} seeds"
+        )
+    return notes
+
+
 def run_suite(
     sources: Sequence[str],
     *,
@@ -175,15 +201,10 @@ def run_suite(
         )
         if planned > len(suite.checks):
             suite.planned = planned
-            suite.notes.append(
-                f"{len(suite.checks)} of {planned} checks run: the time budget ran out (each "
-                "pass runs every case's first check before any second one)"
-            )
-        if len(ran) < len(all_seeds):
-            suite.notes.append(
-                f"seeds {all_seeds[len(ran)]}-{all_seeds[-1]} not run: the {timeout_s:g} s time "
-                f"budget was spent after {len(ran)} of {len(all_seeds)} seeds"
-            )
+        probe_budget = budget_spent(deadline)
+        suite.notes.extend(
+            budget_notes(len(suite.checks), planned, all_seeds, ran, timeout_s, probe_budget)
+        )
         all_seeds = ran
     else:
         suite = SuiteResult("interpreter", "interpreter", "", "cpu", all_seeds[0], sources)
