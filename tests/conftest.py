@@ -272,7 +272,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     seen = window.close()
     cores = seen.cpus or os.cpu_count() or 1
     processes = max(1, min(MOST_TEST_PROCESSES, round(cores - seen.others_cores)))
-    # pytest captures sys.stdout already: the terminal's own stream.
+    # pytest captures sys.stdout and sys.stderr by now: the terminal's own stream.
     assert sys.__stderr__ is not None
     sys.__stderr__.write(
         f"-n auto: {processes} test process(es); other work held {seen.others_cores:.1f} of "

@@ -183,7 +183,7 @@ def preset_memory(
     encoder_base = getattr(config, "text_encoder_base", None) or base
     try:
         spec = load_preset(preset, size)
-        # Each component built once: a full-size build is most of this function's seconds.
+        # Each component built once (a full-size build on the meta device takes seconds).
         with construct_on(torch.device("meta"), torch.float32):
             denoiser = build_denoiser(spec)
             parameters = count_parameters(denoiser)
