@@ -326,7 +326,7 @@ def apply_lora(
     gaussian init), its weights are cast to ``lora_dtype`` (fp32 master weights except in
     bf16-full), and only they require grad. Returns the number of wrapped modules.
     ``initialise=False`` leaves the adapter's values as they come (a model on the meta device,
-    which has none: drawing them there is most of the seconds of counting a full-size model).
+    which holds none: drawing them there only costs time when a full-size model is counted).
     """
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
