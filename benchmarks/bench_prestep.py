@@ -5,7 +5,7 @@
 For each seed configuration at full size (SDXL bf16-mixed AdamW8bit; Z-Image on an NF4 base with
 an NF4 text encoder at 512/1024 px) one fresh process times, as ``diagnose run`` meets them on a
 GPU: start-up (importing what the run imports), the configuration resolved for an H200, whether
-the weights fit, said before building (counted on the meta device), the inventory, the model
+the weights fit, said before building (from the presets' shipped counts), the inventory, the model
 built on the meta device (the denoiser, VAE and text encoders from their configs), and the probes'
 set-up that needs no device (the Triton corpus's float64 references at its GPU shapes, one seed).
 Each process runs ``--repeat`` times in a row, with a cache folder of the benchmark's own: the

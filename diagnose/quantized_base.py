@@ -19,6 +19,9 @@ BaseKind = Literal["bf16", "fp16", "fp32", "nf4", "fp4", "int8", "fp8"]
 BASE_KINDS: tuple[BaseKind, ...] = ("bf16", "fp16", "fp32", "nf4", "fp4", "int8", "fp8")
 #: The kinds that store the base in fewer bits than any compute dtype.
 QUANTIZED_KINDS: tuple[BaseKind, ...] = ("nf4", "fp4", "int8", "fp8")
+#: The kinds that cast every frozen parameter to a float dtype (the others store only the linear
+#: layers' weights in their own bytes).
+FLOAT_KINDS: tuple[BaseKind, ...] = tuple(k for k in BASE_KINDS if k not in QUANTIZED_KINDS)
 #: The kinds bitsandbytes stores.
 BNB_KINDS: tuple[BaseKind, ...] = ("nf4", "fp4", "int8")
 
@@ -81,11 +84,27 @@ def storage(kind: str) -> StorageKind:
     return KINDS[kind]  # type: ignore[index]
 
 
+def stored_bytes_of(
+    parameters: int, linear_weights: int, kind: str | None, precision_bytes: int
+) -> int:
+    """Bytes a frozen model of ``parameters`` takes stored as ``kind`` (None: the precision's
+    ``precision_bytes`` each), ``linear_weights`` of them the weights of the linear layers a
+    quantized kind stores in its own bytes (the rest stay in the precision's dtype); a float kind
+    casts every parameter."""
+    if kind in FLOAT_KINDS:
+        return round(parameters * storage(kind).bytes_per_weight)
+    total = float(parameters * precision_bytes)
+    if kind is not None:
+        total -= linear_weights * (precision_bytes - storage(kind).bytes_per_weight)
+    return round(total)
+
+
 __all__ = [
     "BASE_KINDS",
     "BNB_KINDS",
     "DEQUANT_KERNELS",
     "DEQUANT_OPS",
+    "FLOAT_KINDS",
     "FP8_DTYPES",
     "KINDS",
     "QUANTIZED_KINDS",
@@ -93,4 +112,5 @@ __all__ = [
     "BaseKind",
     "StorageKind",
     "storage",
+    "stored_bytes_of",
 ]

@@ -7,7 +7,7 @@ import pytest
 from diagnose.config import PRESETS, SIZES
 from diagnose.errors import DiagnoseError, ExitCode
 from diagnose.record import ModelInfo
-from diagnose.workload.models import describe_preset
+from diagnose.workload.models import count_preset, describe_preset
 from diagnose.workload.presets import (
     SDXL_MIN_MEMORY_BYTES,
     all_presets,
@@ -117,13 +117,20 @@ def test_default_preset_follows_the_device() -> None:
 
 
 def _listed_as_counted(name: str, size: str, info: ModelInfo) -> None:
-    """`diagnose presets` lists what a model built now counts (else: scripts/preset_counts)."""
+    """The shipped counts are what the models built now count (else: scripts/preset_counts):
+    what `diagnose presets` lists, and what a run's weights' memory is counted from."""
     listed = preset_counts()[(name, size)]
+    assert listed == count_preset(name, size), f"{name}/{size}: run scripts/preset_counts"
     assert (listed.class_name, listed.parameters, listed.trainable_parameters) == (
         info.class_name,
         info.parameters,
         info.trainable_parameters,
-    ), f"{name}/{size}: run scripts/preset_counts"
+    )
+    # Memory is counted from the shipped file for the preset's own targets at any rank: a LoRA's
+    # parameters grow with its rank, which the file's scaling must match.
+    assert count_preset(name, size, rank=4) == listed.at_rank(4)
+    assert 0 < listed.stored_linear_weights < listed.parameters
+    assert all(0 < e.stored_linear_weights < e.parameters for e in listed.text_encoders)
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -297,3 +297,36 @@ def test_a_full_size_model_that_cannot_fit_is_said_before_running() -> None:
     assert fit_before_running(RunConfig(preset="sd15", size="full"), "cpu", gpu) == ""
     assert fit_before_running(RunConfig(preset="sd15", size="tiny"), "cuda", gpu) == ""
     assert fit_before_running(RunConfig(preset="sd15", size="full"), "cuda", None) == ""
+
+
+def test_the_weights_fit_is_said_without_building_or_importing_diffusers(tmp_path: Path) -> None:
+    """A run says whether a full-size model fits before its first step: from the shipped counts
+    (held against a fresh build by tests/test_presets.py), in a fresh process with an empty cache,
+    without building a model or importing the libraries that build it (seconds on every cold
+    start); a LoRA on other modules than the preset's is counted by building it."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from diagnose.config import RunConfig\n"
+        "from diagnose.run import fit_before_running\n"
+        "sdxl = RunConfig(preset='sdxl', size='full', rank=32)\n"
+        "print(fit_before_running(sdxl, 'cuda', 4 << 30))\n"
+        "print(sorted({'diffusers', 'transformers', 'peft', 'bitsandbytes'} & set(sys.modules)))\n"
+        "custom = RunConfig(preset='sdxl', size='full', rank=32, target_modules=('to_q', 'to_v'))\n"
+        "print(fit_before_running(custom, 'cuda', 4 << 30))\n"
+        "print(sorted({'diffusers', 'peft'} & set(sys.modules)))\n"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    said, imported, custom, imported_after = done.stdout.splitlines()[-4:]
+    assert said.startswith("sdxl at full size needs ") and "counted from its configs" in said
+    assert "46,448,640 LoRA parameters" in said  # rank 32: twice the listed rank-16 count
+    assert imported == "[]"
+    assert custom.startswith("sdxl at full size needs ") and custom != said
+    assert imported_after == "['diffusers', 'peft']"

@@ -19,7 +19,14 @@ import torch
 
 from diagnose.errors import DiagnoseError, ExitCode, first_line
 from diagnose.record import ModelInfo
-from diagnose.workload.presets import Preset, TextEncoderSpec, load_preset
+from diagnose.workload.presets import (
+    COUNTED_RANK,
+    ComponentCount,
+    Preset,
+    PresetCount,
+    TextEncoderSpec,
+    load_preset,
+)
 from diagnose.workload.tokenizers import CaptionTokenizer, HashTokenizer
 
 #: Denoiser classes we know how to call, and the family each one belongs to. A UNet is SDXL when
@@ -465,6 +472,38 @@ def describe_preset(
     return model_info(*_on_meta_with_lora(preset, size, rank, target_modules))
 
 
+def count_preset(
+    preset: str,
+    size: str,
+    rank: int = COUNTED_RANK,
+    target_modules: Sequence[str] | None = None,
+) -> PresetCount:
+    """A preset's models built on the meta device (each once: a full-size build takes seconds)
+    and counted: what :data:`diagnose.workload.presets.COUNTS_FILE` ships for the default LoRA,
+    and what a LoRA on other modules is counted from."""
+    from diagnose.workload.quantize import stored_linear_weights
+
+    spec = load_preset(preset, size)
+    with construct_on(torch.device("meta"), torch.float32):
+        denoiser = build_denoiser(spec)
+        parameters = count_parameters(denoiser)
+        # Counted before LoRA wraps the linear layers: the adapter is not stored as the base.
+        linear_weights = stored_linear_weights(denoiser)
+        lora_on_meta(denoiser, spec, rank, target_modules)
+        vae = count_parameters(build_vae(spec))
+        encoders = [build_text_encoder(e) for e in spec.text_encoders]
+    return PresetCount(
+        class_name=type(denoiser).__name__,
+        parameters=parameters,
+        trainable_parameters=sum(p.numel() for p in trainable_parameters(denoiser)),
+        stored_linear_weights=linear_weights,
+        vae_parameters=vae,
+        text_encoders=tuple(
+            ComponentCount(count_parameters(e), stored_linear_weights(e)) for e in encoders
+        ),
+    )
+
+
 def lora_tensor_sizes(
     preset: str, size: str, rank: int = 16, target_modules: Sequence[str] | None = None
 ) -> list[int]:
@@ -486,6 +525,7 @@ __all__ = [
     "cast_frozen",
     "construct_on",
     "count_parameters",
+    "count_preset",
     "describe_preset",
     "diffusers_class",
     "format_count",

@@ -12,6 +12,7 @@ only reads them: it imports nothing heavy, so the CLI can list and validate pres
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import cache
@@ -147,14 +148,64 @@ def default_preset(device_kind: str, memory_bytes: int | None) -> tuple[str, str
     return ("sdxl", "full")
 
 
+#: The LoRA rank the counts' trainable parameters are counted at (the runs' default): a LoRA's
+#: parameters grow in proportion to its rank, so other ranks are scaled from it.
+COUNTED_RANK = 16
+
+
+@dataclass(frozen=True)
+class ComponentCount:
+    """A frozen model's parameters, and how many of them are the weights of the linear layers a
+    quantized ``--base`` stores in its own bytes (see ``diagnose.workload.quantize``)."""
+
+    parameters: int
+    stored_linear_weights: int
+
+
 @dataclass(frozen=True)
 class PresetCount:
-    """A preset's denoiser as ``diagnose presets`` lists it: its class, its parameters and those
-    the default LoRA (rank 16 on the preset's target modules) trains."""
+    """A preset's models counted on the meta device: what ``diagnose presets`` lists (the
+    denoiser's class, its parameters and those the default LoRA trains: rank
+    :data:`COUNTED_RANK` on the preset's target modules) and what its weights' memory is counted
+    from before a run builds anything (the quantizable share of the denoiser, the VAE, the text
+    encoders)."""
 
     class_name: str
     parameters: int
     trainable_parameters: int
+    stored_linear_weights: int
+    vae_parameters: int
+    text_encoders: tuple[ComponentCount, ...]
+
+    def at_rank(self, rank: int) -> PresetCount:
+        """These counts with the default LoRA at ``rank``."""
+        return dataclasses.replace(
+            self, trainable_parameters=self.trainable_parameters * rank // COUNTED_RANK
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "class": self.class_name,
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "stored_linear_weights": self.stored_linear_weights,
+            "vae_parameters": self.vae_parameters,
+            "text_encoders": [dataclasses.asdict(e) for e in self.text_encoders],
+        }
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> PresetCount:
+        return cls(
+            class_name=str(entry["class"]),
+            parameters=int(entry["parameters"]),
+            trainable_parameters=int(entry["trainable_parameters"]),
+            stored_linear_weights=int(entry["stored_linear_weights"]),
+            vae_parameters=int(entry["vae_parameters"]),
+            text_encoders=tuple(
+                ComponentCount(int(e["parameters"]), int(e["stored_linear_weights"]))
+                for e in entry["text_encoders"]
+            ),
+        )
 
 
 #: The counts' file beside the configs: written by ``scripts/preset_counts`` from the models
@@ -164,17 +215,13 @@ COUNTS_FILE = "counts.json"
 
 @cache
 def preset_counts() -> dict[tuple[str, str], PresetCount]:
-    """Every preset's counts, read from :data:`COUNTS_FILE`: listing the presets imports no
-    torch and builds no model."""
+    """Every preset's counts, read from :data:`COUNTS_FILE`: listing the presets, or saying
+    whether a full-size one fits a GPU, imports no torch and builds no model."""
     resource = resources.files("diagnose.workload") / "configs" / COUNTS_FILE
     try:
         data = json.loads(resource.read_text(encoding="utf-8"))
         return {
-            (name, size): PresetCount(
-                class_name=str(entry["class"]),
-                parameters=int(entry["parameters"]),
-                trainable_parameters=int(entry["trainable_parameters"]),
-            )
+            (name, size): PresetCount.from_dict(entry)
             for name, sizes in data.items()
             for size, entry in sizes.items()
         }
@@ -190,9 +237,11 @@ def all_presets() -> list[tuple[str, str]]:
 
 
 __all__ = [
+    "COUNTED_RANK",
     "COUNTS_FILE",
     "SDXL_MIN_MEMORY_BYTES",
     "TEXT_ENCODER_ROLES",
+    "ComponentCount",
     "ComponentSpec",
     "Preset",
     "PresetCount",

@@ -14,13 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from diagnose.errors import DiagnoseError, ExitCode
-from diagnose.quantized_base import BNB_KINDS, BaseKind, storage
+from diagnose.quantized_base import BNB_KINDS, FLOAT_KINDS, BaseKind, stored_bytes_of
 
-#: The unquantized kinds: the frozen weights cast to that dtype.
+#: The unquantized kinds' dtypes: the frozen weights cast to that dtype.
 FLOAT_BASES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
+    kind: {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kind]
+    for kind in FLOAT_KINDS
 }
 
 
@@ -148,19 +147,20 @@ def quantize_linears(
 
 
 def stored_bytes(module: torch.nn.Module, kind: str | None, precision_bytes: int) -> int:
-    """Bytes ``module``'s frozen parameters take stored as ``kind`` (None: the precision's
-    ``precision_bytes`` each), counted from its shapes (a meta-device model will do): a float kind
-    casts every parameter; a quantized one stores the linear layers' weights in its own bytes
-    (:data:`diagnose.quantized_base.KINDS`) and keeps the rest in the precision's dtype."""
-    if kind in FLOAT_BASES:
-        weights = sum(p.numel() for p in module.parameters())
-        return round(weights * storage(kind).bytes_per_weight)
-    total = float(sum(p.numel() for p in module.parameters()) * precision_bytes)
-    if kind is not None:
-        per_weight = storage(kind).bytes_per_weight
-        for _, _, layer in stored_linears(module):
-            total -= layer.weight.numel() * (precision_bytes - per_weight)
-    return round(total)
+    """Bytes ``module``'s frozen parameters take stored as ``kind`` (see
+    :func:`diagnose.quantized_base.stored_bytes_of`), counted from its shapes (a meta-device model
+    will do)."""
+    return stored_bytes_of(
+        sum(p.numel() for p in module.parameters()),
+        stored_linear_weights(module),
+        kind,
+        precision_bytes,
+    )
+
+
+def stored_linear_weights(module: torch.nn.Module) -> int:
+    """Elements of the weights a quantized base stores in its own bytes (:func:`stored_linears`)."""
+    return sum(layer.weight.numel() for _, _, layer in stored_linears(module))
 
 
 __all__ = [
@@ -168,5 +168,6 @@ __all__ = [
     "Float8StorageLinear",
     "quantize_linears",
     "stored_bytes",
+    "stored_linear_weights",
     "stored_linears",
 ]

@@ -20,7 +20,8 @@ GIB = 1024**3
 @dataclass(frozen=True)
 class FullSizeMemory:
     """The memory a run's real model holds before any activation, for a run that trained its
-    shrunk stand-in: counted on the preset's full size built on the meta device."""
+    shrunk stand-in: counted from the preset's full-size configs (their models counted on the
+    meta device, :func:`diagnose.workload.presets.preset_counts`)."""
 
     preset: str
     #: Bytes of the frozen weights (denoiser, text encoders, VAE) in the run's weight dtype.

@@ -46,8 +46,10 @@ from diagnose.probes.environment.rocm import (
     rule_rocm_warmup,
     rule_tunableop_tuning,
 )
+from diagnose.quantized_base import stored_bytes_of
 from diagnose.record import ProbeResult
 from diagnose.telemetry import TelemetrySummary
+from diagnose.workload.presets import PresetCount
 
 #: The rules in report order; each is a pure function of EnvironmentFacts.
 RULES: tuple[Rule, ...] = (
@@ -162,60 +164,65 @@ def preset_memory(
     config: Any, preset: str, size: str = "full", *, activations: bool = False
 ) -> FullSizeMemory | None:
     """``preset``'s memory at ``size`` before activations, as ``config`` stores and trains it
-    (None when it cannot be built on the meta device); with ``activations``, also one step's
-    peak beyond the weights, without and with gradient checkpointing (seconds of counting)."""
-    import torch
+    (None when it cannot be counted); with ``activations``, also one step's peak beyond the
+    weights, without and with gradient checkpointing (seconds of counting)."""
+    count = _preset_count(config, preset, size)
+    if count is None:
+        return None
+    memory = memory_of(config, preset, count)
+    return with_activations(memory, config, size) if activations else memory
 
-    from diagnose.workload.models import (
-        build_denoiser,
-        build_text_encoder,
-        build_vae,
-        construct_on,
-        count_parameters,
-        lora_on_meta,
-        trainable_parameters,
-    )
-    from diagnose.workload.presets import load_preset
-    from diagnose.workload.quantize import stored_bytes
 
+def _preset_count(config: Any, preset: str, size: str) -> PresetCount | None:
+    """The counts a preset's memory is counted from: the shipped ones for the preset's own LoRA
+    targets (no model built, so that a run can say a full-size model will not fit before it
+    imports diffusers), else its models built on the meta device (seconds at full size)."""
+    from diagnose.workload.presets import preset_counts
+
+    targets = getattr(config, "target_modules", None)
+    try:
+        shipped = preset_counts().get((preset, size)) if targets is None else None
+        if shipped is not None:
+            return shipped.at_rank(config.rank)
+        from diagnose.workload.models import count_preset
+
+        return count_preset(preset, size, config.rank, targets)
+    except Exception:  # the full-size numbers only refine the verdict; without them it stands
+        return None
+
+
+def memory_of(config: Any, preset: str, count: PresetCount) -> FullSizeMemory:
+    """The memory of ``preset``'s models, counted as ``count``, as ``config`` stores and trains
+    them, before activations."""
     weight = 4 if config.precision == "fp32" else 2
     base = getattr(config, "base", None)
     encoder_base = getattr(config, "text_encoder_base", None) or base
-    try:
-        spec = load_preset(preset, size)
-        # Each component built once (a full-size build on the meta device takes seconds).
-        with construct_on(torch.device("meta"), torch.float32):
-            denoiser = build_denoiser(spec)
-            parameters = count_parameters(denoiser)
-            # Counted before LoRA wraps its linear layers: the adapter is not stored as the base.
-            frozen = stored_bytes(denoiser, base, weight)
-            lora_on_meta(denoiser, spec, config.rank, config.target_modules)
-            trainable = sum(p.numel() for p in trainable_parameters(denoiser))
-            vae = count_parameters(build_vae(spec))
-            encoders = [build_text_encoder(e) for e in spec.text_encoders]
-            frozen += sum(stored_bytes(e, encoder_base, weight) for e in encoders) + vae * weight
-            others = vae + sum(count_parameters(e) for e in encoders)
-    except Exception:  # the full-size numbers only refine the verdict; without them it stands
-        return None
+    frozen = stored_bytes_of(count.parameters, count.stored_linear_weights, base, weight)
+    frozen += sum(
+        stored_bytes_of(e.parameters, e.stored_linear_weights, encoder_base, weight)
+        for e in count.text_encoders
+    )
+    frozen += count.vae_parameters * weight
+    others = count.vae_parameters + sum(e.parameters for e in count.text_encoders)
     lora = 2 if config.precision == "bf16-full" else 4
     state = _OPTIMIZER_STATE_BYTES.get(config.optimizer, 8)
+    trainable = count.trainable_parameters
     stored = (
         f" (the denoiser stored as {base}, the text encoders as {encoder_base})"
         if base or encoder_base
         else f" at {weight} bytes"
     )
-    memory = FullSizeMemory(
+    return FullSizeMemory(
         preset=preset,
         frozen_bytes=frozen,
         trainable_bytes=trainable * (2 * lora + state),
         basis=(
-            f"{preset} at full size built on the meta device: {parameters + others:,} "
+            f"counted from its configs: {count.parameters + others:,} "
             f"frozen parameters{stored}, {trainable:,} LoRA "
             f"parameters at {lora} bytes plus their gradient and {state} bytes of "
             f"{config.optimizer} state"
         ),
     )
-    return with_activations(memory, config, size) if activations else memory
 
 
 def with_activations(
