@@ -1,8 +1,10 @@
 """What is the same on every run, kept between runs in the user's cache folder.
 
 Some work before a run's first step depends only on things known before it starts (the
-configuration, the device's memory, the code and library versions): counting a full-size model's
-memory on the meta device takes seconds to tens of seconds and gives the same line every time. It
+configuration, the device's memory, the code and library versions): whether a full-size model with
+a LoRA on modules of the user's choosing fits the GPU is counted on the meta device, seconds before
+every first step, and gives the same line every time (the presets' own LoRAs are counted from
+their shipped counts). It
 is kept under ``$XDG_CACHE_HOME/diagnose`` (else ``~/.cache/diagnose``), one file per key, keyed
 by everything that decides it, this package's own code included; an entry that cannot be read or
 holds another key is computed again and rewritten, never trusted.
