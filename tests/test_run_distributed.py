@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -190,6 +191,28 @@ def test_a_killed_rank_stops_the_others(tmp_path: Path) -> None:
         assert all(p.poll() is not None for p in job.processes)
     assert info.value.message.startswith("rank 1 of 2 was killed by SIGKILL")
     assert info.value.code == ExitCode.INTERNAL_ERROR
+
+
+def test_a_rank_whose_teardown_aborts_still_returns_its_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's gloo process group now and then aborts a process while its interpreter shuts down
+    ("terminate called without an active exception", in plain torchrun scripts too), after the
+    rank's work is done: planted here as an exit handler that aborts. A rank that has written its
+    result leaves without that teardown, so its result is not lost to it; a rank that ends with
+    an error still exits with its code (the test above)."""
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text("import atexit, os\natexit.register(os.abort)\n")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(plant), os.environ.get("PYTHONPATH")]))
+    )
+    with _job(tmp_path) as job:
+        job.start()
+        results = job.wait()
+        assert [p.returncode for p in job.processes] == [0, 0]
+    assert [r.rank for r in results] == [0, 1]
+    assert all(r.record.timing is not None for r in results)
 
 
 def test_a_rank_error_keeps_its_exit_code(tmp_path: Path) -> None:

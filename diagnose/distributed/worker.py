@@ -169,4 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == ExitCode.OK:
+        # The result is written and the process group destroyed: nothing is left to do. torch's
+        # gloo process group now and then aborts a process while its interpreter shuts down
+        # ("terminate called without an active exception", plain torchrun scripts too), which
+        # would fail the run after its work was done; the rank leaves without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
