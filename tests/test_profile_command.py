@@ -6,7 +6,10 @@ processes through the CLI; the capture layer itself is tested in test_profile_ca
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,6 +20,7 @@ import pytest
 
 from diagnose.cli import main
 from diagnose.profile.claims import precision_claim
+from diagnose.profile.launch import LaunchResult, RankCapture
 from diagnose.sampling import find_py_spy
 
 needs_py_spy = pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
@@ -124,18 +128,21 @@ def applied_flag(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     # Its steps would be short on a fast machine: each spends some CPU time of its own, so that
     # the profiled window outlasts py-spy's attach, which a count of steps alone cannot promise.
     options = [*FAST[:-1], "12"]
-    code = _profile(
-        out,
-        sys.executable,
-        str(script),
-        "--mixed_precision",
-        "bf16",
-        "--work-ms",
-        "40",
-        "--exit",
-        "3",
-        options=options,
-    )
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        code = _profile(
+            out,
+            sys.executable,
+            str(script),
+            "--mixed_precision",
+            "bf16",
+            "--work-ms",
+            "40",
+            "--exit",
+            "3",
+            options=options,
+        )
+    (folder / "diagnose-stderr.txt").write_text(said.getvalue())
     return code, out
 
 
@@ -287,6 +294,8 @@ def test_its_twin_with_the_flag_applied_stays_quiet_and_keeps_the_exit_code(
 ) -> None:
     code, out = applied_flag
     assert code == 3  # the script's own exit code, with the outputs written
+    said = (out.parent / "diagnose-stderr.txt").read_text()
+    assert "the command exited with code 3 after its steps were captured: the report stands" in said
     record = _record(out)
     assert "precision.fp32_training" not in {f["id"] for f in record["findings"]}
     capture = next(p for p in record["probes"] if p["name"] == "capture")
@@ -296,6 +305,30 @@ def test_its_twin_with_the_flag_applied_stays_quiet_and_keeps_the_exit_code(
     # The parent samples the GPU a rank trains on; a CPU rank has none, and the record says so.
     during = record["inventory"]["telemetry"]["during_steps"]
     assert during["available"] is False and "cpu device" in during["reason"]
+
+
+def test_how_the_command_ended_is_said_with_whether_its_steps_were_captured(
+    tmp_path: Path,
+) -> None:
+    """A torchrun job whose rank torch aborts at exit after its work is done (gloo does, now and
+    then) ends by a signal or a failing status with complete captures: the line says the report
+    stands; a capture cut short does not get that line."""
+
+    def ended(returncode: int, *statuses: str) -> str:
+        captures = [
+            RankCapture(rank, 100 + rank, status, tmp_path / f"rank{rank}.json", None, {})
+            for rank, status in enumerate(statuses)
+        ]
+        result = LaunchResult(("torchrun",), returncode, captures, [], False, None, 1.0)
+        return result.ending()
+
+    stands = "after its steps were captured: the report stands"
+    aborted = ended(-int(signal.SIGABRT), "complete", "complete")
+    assert aborted == f"the command was ended by SIGABRT {stands}"
+    assert ended(1, "complete", "complete") == f"the command exited with code 1 {stands}"
+    cut = ended(-int(signal.SIGKILL), "complete", "partial: the process was killed")
+    assert cut == "the command was ended by SIGKILL"
+    assert ended(7) == "the command exited with code 7"
 
 
 def test_a_command_that_fails_before_its_first_step_writes_nothing(tmp_path: Path) -> None:

@@ -215,7 +215,7 @@ class ProfileCommand:
             return _strict_exit(logs, result.exit_code)
         if result.exit_code != 0:
             print(
-                f"diagnose: the command exited with code {result.exit_code}; so does diagnose",
+                f"diagnose: {result.ending()}; diagnose exits with {result.exit_code} too",
                 file=sys.stderr,
             )
         return result.exit_code

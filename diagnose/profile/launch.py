@@ -154,6 +154,24 @@ class LaunchResult:
         SIGINT: Python ends that way on an uncaught KeyboardInterrupt)."""
         return 128 - self.returncode if self.returncode < 0 else self.returncode
 
+    def ending(self) -> str:
+        """How the command ended, for a line to the user: its exit status or the signal that
+        ended it, and whether that came after every rank's steps were captured (then the report
+        stands whatever the command's status: torch's gloo, for one, now and then aborts a
+        process at exit after its work is done)."""
+        if self.returncode < 0:
+            try:
+                name = signal.Signals(-self.returncode).name
+            except ValueError:
+                name = f"signal {-self.returncode}"
+            how = f"was ended by {name}"
+        else:
+            how = f"exited with code {self.returncode}"
+        captured = bool(self.captures) and all(c.complete for c in self.captures)
+        return f"the command {how}" + (
+            " after its steps were captured: the report stands" if captured else ""
+        )
+
     @property
     def stepped(self) -> bool:
         return bool(self.captures)
