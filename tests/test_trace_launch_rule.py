@@ -27,8 +27,9 @@ def test_a_gpu_waiting_for_the_host_most_of_the_step_is_critical_and_first(
     shared_traces: Path,
 ) -> None:
     """Regression: on the MI250 toy step the GPU waits for the host 98% of the step, yet an
-    info finding of 0.04 ms was ranked above it. The wait is read off the trace, so it is the
-    saving (basis "trace"), and the one severity rule makes it critical."""
+    info finding of 0.04 ms was ranked above it. The wait is read off the trace (basis "trace"):
+    what is left of it with the profiler's expected part of each launch taken out is the saving,
+    the whole wait its upper end, and the one severity rule makes it critical."""
     record = _settled(shared_traces / "rocm" / "mi250_minitoy_train.json.gz")
     in_order = ranked(record.findings)
     first = in_order[0]
@@ -39,8 +40,10 @@ def test_a_gpu_waiting_for_the_host_most_of_the_step_is_critical_and_first(
     wait = first.evidence["device_waiting_for_host_seconds_per_step"]
     assert first.evidence["share_of_step"] > 0.9
     saving = first.est_seconds_saved_per_it
-    assert saving is not None and saving == pytest.approx(wait) and saving <= step
-    assert first.sure_seconds_saved_per_it == pytest.approx(wait * RECOVERABLE)
+    rest = first.evidence["wait_less_expected_profiler_seconds_per_step"]
+    assert saving is not None and saving == pytest.approx(rest) and 0.8 * wait < saving < wait
+    assert first.sure_seconds_saved_per_it == pytest.approx(saving * RECOVERABLE)
+    assert first.high_seconds_saved_per_it == pytest.approx(wait) and wait <= step
     assert all(f.severity != "critical" for f in in_order[1:])
     assert contradictions(record, specs()) == []
     [check] = [c for c in record.all_checks() if c.id == "compute.launch_bound"]
@@ -71,6 +74,34 @@ def test_the_gpu_runs_saving_is_no_more_than_the_step_less_the_gpus_busy_time(
     assert contradictions(record, specs()) == []
 
 
+#: The H200 LoRA loops' steps timed without the profiler (the evidence's README): AdamW
+#: foreach, and the same loop with bitsandbytes' AdamW8bit.
+UNPROFILED_S = {"lora_adamw_foreach": 0.0347, "lora_bnb_adamw8bit": 0.054}
+
+
+@pytest.mark.parametrize("loop", sorted(UNPROFILED_S))
+def test_launch_gaps_the_profiler_may_have_made_are_left_undecided_on_a_trace_alone(
+    shared_evidence: Path, loop: str
+) -> None:
+    """The first GPU traces of a LoRA loop: the GPU waits for the host about 42% of each
+    profiled step, in gaps of about 30 µs after some 900 launches a step. Timed without the
+    profiler the loop is 23 and 18 ms shorter: the profiler's host time per launch is most of
+    those gaps (the first GPU run said "saves ~24 ms/it" of the first, whose real step leaves
+    14 ms beside the GPU's busy time, most of it the data wait). A trace alone cannot tell, so
+    the question is left open, says why and how to settle it, and nothing on the page claims
+    more than the unprofiled step leaves beside the GPU's busy time."""
+    record = _settled(shared_evidence / "traces" / f"{loop}.json.gz")
+    assert "compute.launch_bound" not in {f.id for f in record.findings}
+    [check] = [c for c in record.all_checks() if c.id == "compute.launch_bound"]
+    assert check.outcome == "not_judged"
+    assert "the profiler adds host time to each of its" in check.text
+    assert "judged without the profiler: diagnose profile" in check.text
+    busy = record.breakdown.device_busy_seconds
+    assert busy is not None
+    claimed = sum(f.est_seconds_saved_per_it or 0.0 for f in record.findings)
+    assert claimed <= UNPROFILED_S[loop] - busy
+
+
 def test_launch_gaps_are_judged_less_the_profilers_time_on_the_unprofiled_step(
     tmp_path: Path,
 ) -> None:
@@ -79,7 +110,7 @@ def test_launch_gaps_are_judged_less_the_profilers_time_on_the_unprofiled_step(
     profiler's per-launch time comes out of every gap and the step less the device's busy time
     bounds the saving."""
     path = tmp_path / "tiny.json"
-    training_trace(path, kernel_us=5, host_gap_us=60)
+    training_trace(path, kernel_us=5, host_gap_us=200)
     profiled = _settled(path)
     [traced] = [f for f in profiled.findings if f.id == "compute.launch_bound"]
     assert "each profiled step" in traced.title and "may be the profiler's own" in traced.detail

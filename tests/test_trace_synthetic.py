@@ -190,7 +190,7 @@ def test_launch_bound_needs_the_host_to_be_late(tmp_path: Path) -> None:
     """Tiny kernels launched one by one with host time between them: the device waits for each
     launch. The twin has the same 2 µs gaps between kernels, but every kernel was queued in
     advance: that is device-side latency, not the host."""
-    starved = training_trace(tmp_path / "tiny.json", kernel_us=5, host_gap_us=60)
+    starved = training_trace(tmp_path / "tiny.json", kernel_us=5, host_gap_us=200)
     finding = next(f for f in starved.findings if f.id == "compute.launch_bound")
     assert "kernel launches" in finding.title
     assert finding.evidence["short_gaps_per_step"] >= 20

@@ -81,6 +81,7 @@ def launch_bound_finding(
     *,
     share: float,
     wait_seconds: float,
+    wait_less_profiler_seconds: float | None = None,
     launch_bound: bool,
     short_gaps: float,
     short_seconds: float,
@@ -105,11 +106,15 @@ def launch_bound_finding(
     ``launch_bound``: the wait is mostly short gaps (launch overhead), else long host stalls.
     Counts and seconds are per step. ``unprofiled_known``: the gaps had the profiler's
     ``profiler_us_per_launch`` taken out and the step is the unprofiled one; else they are the
-    profiled steps' and the finding says how much of them the profiler may be. ``capped``: the
-    gaps added up to more than the step less the device's busy time and the idle other causes
-    explain, and the wait is that ceiling."""
+    profiled steps' and the finding says how much of them the profiler may be, and
+    ``wait_less_profiler_seconds`` is what is left of them with the part a profiled launch is
+    expected to carry (:data:`PROFILER_US_PER_LAUNCH`) taken out of each: the saving, the whole
+    wait its upper end. ``capped``: the gaps added up to more than the step less the
+    device's busy time and the idle other causes explain, and the wait is that ceiling."""
     caveat = ""
-    saving: float | None = wait_seconds
+    saving: float | None = (
+        wait_seconds if wait_less_profiler_seconds is None else wait_less_profiler_seconds
+    )
     if not launch_bound and steps < 2:
         caveat += (
             " With a single profiled step a stall that repeats every step cannot be told from "
@@ -153,7 +158,11 @@ def launch_bound_finding(
         )
         fix = _STALL_FIX
     detail += " " + _profiler_said(
-        launches_per_step, profiler_us_per_launch, unprofiled_known, wait_seconds
+        launches_per_step,
+        profiler_us_per_launch,
+        unprofiled_known,
+        wait_seconds,
+        wait_less_profiler_seconds,
     )
     if capped:
         detail += (
@@ -161,8 +170,9 @@ def launch_bound_finding(
             "data, syncs and the allocator explain: the wait is that ceiling, which no fix of "
             "the host's pace can beat."
         )
+    what = "the whole wait" if wait_less_profiler_seconds is None else "that rest"
     detail += (
-        " The saving is the whole wait; severity is judged on the part the usual fixes recover "
+        f" The saving is {what}; severity is judged on the part the usual fixes recover "
         f"(about {RECOVERABLE:.0%})."
     )
     return LAUNCH_BOUND.build(
@@ -171,16 +181,40 @@ def launch_bound_finding(
         evidence=evidence,
         saving=saving,
         sure_saving=None if saving is None else saving * RECOVERABLE,
+        high_saving=(
+            None if saving is None or wait_less_profiler_seconds is None else wait_seconds
+        ),
         basis="trace",
         detail=detail + caveat,
         source=source,
     )
 
 
-def _profiler_said(
-    launches: float, us_per_launch: float, unprofiled_known: bool, wait_seconds: float
+def launch_wait_undecided(
+    share: float, share_less_profiler: float, launches: float, gaps: float, us_per_launch: float
 ) -> str:
-    """What the profiler did to the gaps: taken out (measured), or how much it may be."""
+    """The launch question left open on a trace alone: the profiled steps' wait for the host is
+    over the line that raises the finding, and what is left of it with the profiler's expected
+    part taken out is under it."""
+    return (
+        f"launch overhead: the GPU waits for the host {pct(share)} of each profiled step "
+        f"({gaps:.0f} short gaps a step), but the profiler adds host time to each of its "
+        f"{launches:.0f} launches a step (about {us_per_launch:.0f} µs each as measured on an "
+        f"H200): less that, {pct(share_less_profiler)} would be left, under the "
+        f"{RAISE_SHARE:.0%} line. Whether the host's pace costs anything is judged without the "
+        "profiler: diagnose profile -- your training command"
+    )
+
+
+def _profiler_said(
+    launches: float,
+    us_per_launch: float,
+    unprofiled_known: bool,
+    wait_seconds: float,
+    wait_less_profiler_seconds: float | None = None,
+) -> str:
+    """What the profiler did to the gaps: taken out (measured), or how much it may be and what
+    is left with its expected part taken out."""
     if unprofiled_known:
         return (
             f"Read on the unprofiled step: the profiler's host time per launch ({us_per_launch:.0f}"
@@ -189,11 +223,18 @@ def _profiler_said(
         )
     inflation = launches * PROFILER_US_PER_LAUNCH / 1e6
     part = f" ({pct(min(inflation / wait_seconds, 1.0))} of this wait)" if wait_seconds else ""
+    rest = (
+        ""
+        if wait_less_profiler_seconds is None
+        else f" With that much taken out of every gap, {ms(wait_less_profiler_seconds)} a step "
+        f"is left (the whole {ms(wait_seconds)} if the profiler added nothing)."
+    )
     return (
         "Read on the profiled steps: the profiler adds host time to every launch (about "
         f"{PROFILER_US_PER_LAUNCH:.0f} µs each as measured on an H200), so with "
-        f"{launches:.0f} launches a step up to {ms(inflation)}{part} may be the profiler's own. "
-        "Timed without it (diagnose run, diagnose profile), the gaps are judged less that."
+        f"{launches:.0f} launches a step up to {ms(inflation)}{part} may be the profiler's own."
+        f"{rest} Timed without it (diagnose run, diagnose profile), the profiler's part is "
+        "measured and taken out."
     )
 
 
@@ -204,6 +245,7 @@ __all__ = [
     "RECOVERABLE",
     "SPECS",
     "launch_bound_finding",
+    "launch_wait_undecided",
 ]
 
 
