@@ -199,10 +199,10 @@ def launch_wait_undecided(
     return (
         f"launch overhead: the GPU waits for the host {pct(share)} of each profiled step "
         f"({gaps:.0f} short gaps a step), but the profiler adds host time to each of its "
-        f"{launches:.0f} launches a step (about {us_per_launch:.0f} µs each as measured on an "
-        f"H200): less that, {pct(share_less_profiler)} would be left, under the "
-        f"{RAISE_SHARE:.0%} line. Whether the host's pace costs anything is judged without the "
-        "profiler: diagnose profile -- your training command"
+        f"{launches:.0f} launches a step (kernels, copies, memsets; about {us_per_launch:.0f} µs "
+        f"each as measured on an H200): less that, {pct(share_less_profiler)} would be left, "
+        f"under the {RAISE_SHARE:.0%} line. Whether the host's pace costs anything is judged "
+        "without the profiler: diagnose profile -- your training command"
     )
 
 
@@ -232,7 +232,8 @@ def _profiler_said(
     return (
         "Read on the profiled steps: the profiler adds host time to every launch (about "
         f"{PROFILER_US_PER_LAUNCH:.0f} µs each as measured on an H200), so with "
-        f"{launches:.0f} launches a step up to {ms(inflation)}{part} may be the profiler's own."
+        f"{launches:.0f} launches a step (kernels, copies, memsets) up to {ms(inflation)}{part} "
+        "may be the profiler's own."
         f"{rest} Timed without it (diagnose run, diagnose profile), the profiler's part is "
         "measured and taken out."
     )

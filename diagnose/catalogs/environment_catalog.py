@@ -608,8 +608,8 @@ def cpu_threads_low_finding(*, threads: int, physical: int, evidence: Mapping[st
 
 def cpu_few_cores_finding(*, usable: int, evidence: Mapping[str, Any]) -> Finding:
     return CPU_FEW_CORES.build(
-        f"A CPU run on {usable} cores: a real model's step takes minutes to hours here; these "
-        "numbers are a smoke test",
+        f"A CPU run on {usable} cores: a diffusion model's LoRA step takes minutes to hours "
+        "here; these numbers are a smoke test",
         fix="Measure on the GPU you train on: diagnose run --device cuda there, or diagnose "
         "profile -- <your training command> on that machine",
         evidence=evidence,

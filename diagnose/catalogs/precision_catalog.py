@@ -144,7 +144,7 @@ DTYPE_MISMATCH_FIX = (
 )
 
 FP32_HERE_FIX = in_trainers(
-    "Train in fp32 on this device (diagnose --precision fp32); on a GPU without fast bf16 use "
+    "Train in fp32 on this device (diagnose run --precision fp32); on a GPU without fast bf16 use "
     "fp16 mixed precision",
     kohya="--mixed_precision no",
     diffusers="accelerate launch --mixed_precision no",
@@ -162,7 +162,8 @@ FP16_INSTEAD_FIX = in_trainers(
 )
 
 CPU_WITHOUT_BF16_FIX = in_trainers(
-    "Train in fp32 on this CPU (diagnose --precision fp32), or use a CPU with AVX512-BF16 or AMX",
+    "Train in fp32 on this CPU (diagnose run --precision fp32), or use a CPU with AVX512-BF16 "
+    "or AMX",
     kohya="--mixed_precision no",
     diffusers="accelerate launch --mixed_precision no",
     onetrainer="train dtype FLOAT_32",

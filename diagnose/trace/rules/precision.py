@@ -394,14 +394,15 @@ def _fp32_training_finding(
         basis="estimated",
         detail=(
             _by_component(shares)
-            + "Every judged matmul and convolution ran on fp32 inputs. Mixed precision runs them "
-            f"on the {'matrix' if ctx.device.info.kind == 'rocm' else 'tensor'} cores; at about "
-            f"{ASSUMED_LOW_PRECISION_SPEEDUP:.0f}x (backward assumed 2x forward) the estimate is "
-            f"{ms(saving)} per step"
+            + "Every judged matmul and convolution ran on fp32 inputs. "
             + (
-                " (on a CPU the gain depends on AMX/AVX-512 bf16 support, so none is estimated)."
+                "Mixed precision runs them in bf16, which is faster only on a CPU with AMX or "
+                "AVX-512 bf16 units, so no saving is estimated."
                 if on_cpu
-                else "."
+                else "Mixed precision runs them on the "
+                f"{'matrix' if ctx.device.info.kind == 'rocm' else 'tensor'} cores; at about "
+                f"{ASSUMED_LOW_PRECISION_SPEEDUP:.0f}x (backward assumed 2x forward) the estimate "
+                f"is {ms(saving)} per step."
             )
         ),
         no_fast_bf16=low == "fp16",
