@@ -108,6 +108,12 @@ class CarryOver:
             parts.append(
                 f"{len(self.tiny_only)} hold for the tiny model only ({_ids(self.tiny_only)})"
             )
+        unclassified = self.of("unclassified")
+        if unclassified:
+            # Counted too, so that the line and the list under it add up.
+            parts.append(
+                f"{len(unclassified)} the catalog does not classify ({_ids(unclassified)})"
+            )
         return f"This run trained a {self.size} stand-in of {self.preset}; of its verdicts, " + (
             ", ".join(parts) + "."
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from diagnose.record import (
@@ -115,6 +115,10 @@ def borderline_at(
     """The :class:`Borderline` of a share (``ratio``: a factor) straddling its line, in words:
     ``data wait 9.6%–12.3% of the step, at the 10% line``. ``line_severity``: the severity the
     line gives, "" for a rule's own line (whether the finding is raised at all)."""
+    if not ratio:
+        # The statistical interval of a few steps' shares may reach past 0 or 1; no share can.
+        low, high = reading.share_interval()
+        reading = replace(reading, low=min(low, reading.value), high=max(high, reading.value))
     return Borderline(
         line_severity=line_severity,
         text=reading.words(what, _times if ratio else pct_fine, of),

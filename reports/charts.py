@@ -113,7 +113,9 @@ _CHART_ID = re.compile(r"[A-Za-z][A-Za-z0-9_-]*\Z")
 _AXIS_UNITS: tuple[tuple[float, float, str], ...] = (
     (36_000.0, 3600.0, "hours"),
     (1200.0, 60.0, "minutes"),
-    (0.01, 1.0, "seconds"),  # from 0.01 s: 0-0.05 s reads as well as 0-50 ms
+    # From 1 s, as the page's own numbers switch from ms to s: a 0-80 ms axis under segments
+    # labelled "11.9 ms" rather than 0.00-0.08 seconds.
+    (1.0, 1.0, "seconds"),
     (1e-3, 1e-3, "milliseconds"),
     (1e-6, 1e-6, "microseconds"),
     (0.0, 1e-9, "nanoseconds"),

@@ -30,6 +30,7 @@ from diagnose.units import (
     format_percent,
     format_seconds,
     is_number,
+    pct_change,
 )
 
 #: How a verdict reads, and the badge class the HTML gives it (existing report.css classes).
@@ -140,9 +141,9 @@ def _value(metric: MetricComparison, value: float | None, like: float | None) ->
 def _interval(metric: MetricComparison) -> str:
     if metric.ci_low is None or metric.ci_high is None:
         return ""
-    low = format_percent(metric.ci_low - 1, signed=True)
-    high = format_percent(metric.ci_high - 1, signed=True)
-    return f"{low}…{high}"
+    # To a tenth of a per cent, as the verdict's own words say it (a +10.4% end rounded to
+    # "+10%" would read as inside a ±10% threshold the verdict says it reaches beyond).
+    return f"{pct_change(metric.ci_low - 1)}…{pct_change(metric.ci_high - 1)}"
 
 
 def _p_value(metric: MetricComparison) -> str:

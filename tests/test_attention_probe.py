@@ -410,6 +410,15 @@ def test_slower_backend_needs_a_clear_and_worthwhile_gain() -> None:
     assert slower_backend_rule([noisy], s_per_it=0.5) is None
     # Clear but a negligible share of s/it: no finding either.
     assert slower_backend_rule([clear], s_per_it=100.0) is None
+    # The faster backend wins at some shapes only: the title says of how many calls, so that it
+    # agrees with the "all N of N calls ran fused kernels" answer beside it.
+    assert finding.title.startswith("SDPA flash ran for 10 attention calls per step; ")
+    other_shapes = _judged(ap.FLASH, "torch SDPA", [_trial("flash", 1.0), _trial("cudnn", 1.0)], 7)
+    some = slower_backend_rule([clear, other_shapes], s_per_it=0.5)
+    assert some is not None
+    assert some.title.startswith(
+        "SDPA flash ran for 10 of the 17 attention calls per step; at their shapes "
+    )
 
 
 def _graded(finding: Finding, step_seconds: float) -> Finding:

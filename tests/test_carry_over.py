@@ -54,6 +54,8 @@ def test_a_tiny_run_sorts_its_verdicts_by_what_carries_over() -> None:
     assert "attention.slower_backend" in summary  # withheld, named
     for item in result.tiny_only:
         assert item.check_id in summary
+    # The line counts every verdict the list under it shows, the unclassified ones too.
+    assert "1 the catalog does not classify (attention.flash_attn_package)" in summary
     assert len(result.lines()) == len(result.items)
     assert result.to_dict()["summary"] == summary
 

@@ -391,6 +391,15 @@ def test_a_baseline_run_given_twice_is_refused(baseline: RunRecord) -> None:
     assert raised.value.message.startswith("b is the same run as a")
 
 
+def test_a_run_compared_with_itself_says_so(baseline: RunRecord) -> None:
+    """`diagnose compare my-run my-run` passes, as it should, and says that it compared no two
+    runs; two runs of the same config say nothing of the kind."""
+    itself = compare_records(baseline, copy.deepcopy(baseline))
+    assert any(note.startswith("current is the same run as baseline") for note in itself.notes)
+    [again] = _runs(baseline, 1)
+    assert not any("same run" in note for note in compare_records(baseline, again).notes)
+
+
 def _runs(record: RunRecord, count: int) -> list[RunRecord]:
     """``count`` copies of ``record`` that read as separate runs (another creation time each)."""
     out = []

@@ -296,6 +296,20 @@ def test_junit_reads_back_in_an_independent_junit_reader(tmp_path: Path) -> None
     assert {p.name for p in suite.properties()} >= {"baseline", "current", "gate", "verdict"}
 
 
+def test_the_tables_interval_is_the_one_the_verdict_words_say() -> None:
+    """The table's confidence interval and the verdict's reason quote the same numbers, to a
+    tenth of a per cent: a table that rounded +10.4% to "+10%" read as inside the ±10% the
+    verdict said it reaches beyond."""
+    from diagnose.reports.gate_outputs import build_compare_view
+
+    comparison = compare_records(load_record(BASELINE), load_record(SLOW))
+    view = build_compare_view(comparison)
+    quoted = [row for row in view.rows if row.interval and ", CI " in row.reason]
+    assert quoted
+    for row in quoted:
+        assert f"CI {row.interval}" in row.reason, (row.interval, row.reason)
+
+
 def test_junit_escapes_hostile_record_strings() -> None:
     base = load_record(BASELINE)
     current = copy.deepcopy(base)

@@ -325,6 +325,24 @@ def test_bad_input_in_chunked_mode(tmp_path: Path, case: str) -> None:
     assert "\n" not in str(info.value) and str(path) in str(info.value)
 
 
+def test_a_gz_name_on_what_is_neither_gzip_nor_json_says_so(tmp_path: Path) -> None:
+    """Random bytes named .json.gz: the error says it is not the gzip its name promises (a JSON
+    parser's complaint about its first bytes did not); plain JSON under that name, with a byte
+    order mark and leading blanks, is still read."""
+    garbage = tmp_path / "trace.json.gz"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(DiagnoseError) as info:
+        read_trace(garbage)
+    assert info.value.code == ExitCode.BAD_INPUT
+    assert (
+        str(info.value)
+        == f"{garbage}: not a gzip file, though its name ends in .gz, and not JSON either"
+    )
+    plain = tmp_path / "plain.json.gz"
+    plain.write_bytes(b"\xef\xbb\xbf \n" + json.dumps(_small_trace()).encode())
+    assert len(read_trace(plain).device) == 6
+
+
 def test_missing_file_and_directory(tmp_path: Path) -> None:
     for path, expected in ((tmp_path / "nope.json", "no such file"), (tmp_path, "directory")):
         with pytest.raises(DiagnoseError) as info:

@@ -7,7 +7,8 @@ import pytest
 
 from diagnose.catalogs import specs
 from diagnose.record import Check, Finding, ProbeResult, RunRecord, StepSample
-from diagnose.verdicts import contradictions, grade, ranked, settle
+from diagnose.stats import at_line
+from diagnose.verdicts import borderline_at, contradictions, grade, ranked, settle
 from tests.factories import timed_record
 
 
@@ -209,3 +210,13 @@ def test_shares_are_of_the_bucket_mix() -> None:
     assert record.timing.headline.median == pytest.approx(1.4)
     assert record.timing.per_iteration == pytest.approx((4 * 1.4 + 3 * 0.2) / 7)
     assert record.findings[0].severity == "critical"  # 34% of the mix; 21% of the median
+
+
+def test_a_borderline_share_never_reads_below_zero() -> None:
+    """Three profiled steps' data-wait shares, one near zero: Student's interval of their mean
+    reaches below 0, which no share can ("-5.2%-11.8% of the step" on a compare page)."""
+    reading = at_line(0.033, 0.10, samples=[0.001, 0.02, 0.078])
+    assert reading.borderline and reading.low < 0
+    said = borderline_at(reading, "data wait", " of the step")
+    assert said.low == 0.0 and said.high == reading.high
+    assert said.text == "data wait 0%–13.3% of the step, at the 10% line"

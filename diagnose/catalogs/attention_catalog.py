@@ -385,12 +385,19 @@ def slower_backend(
     evidence: Mapping[str, Any],
     saving: float,
     sure_saving: float | None,
+    total_calls: float | None = None,
 ) -> Finding:
     """``attention.slower_backend``: the fused ``ran`` is measured ``saving`` s/it slower than
-    ``best``."""
+    ``best`` at the shapes of ``calls`` of the step's ``total_calls`` attention calls."""
+    some = total_calls is not None and total_calls > calls
+    which = (
+        f"{_count(calls)} of the {_count(total_calls or calls)} attention calls per step; at "
+        "their shapes"
+        if some
+        else f"{_count(calls)} attention calls per step;"
+    )
     return SLOWER_BACKEND.build(
-        f"{ran} ran for {_count(calls)} attention calls per step; {best_label} is measured "
-        f"{ms_significant(saving)}/it faster",
+        f"{ran} ran for {which} {best_label} is measured {ms_significant(saving)}/it faster",
         fix=f"Select {BACKEND_LABELS.get(best, best)}: {BACKEND_SWITCH.get(best, best)}.",
         evidence=evidence,
         saving=saving,

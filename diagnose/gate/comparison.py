@@ -131,6 +131,12 @@ def compare_records(
     notes: list[str] = []
     for name, record in zip(names, [*baselines, current], strict=True):
         _refuse_unmeasured(record, name)
+    itself = [n for b, n in zip(baselines, base_names, strict=True) if _run(b) == _run(current)]
+    if itself:
+        notes.append(
+            f"{names[-1]} is the same run as {itself[0]} (created {current.created}): this "
+            "checks the gate against itself, and compares no two runs."
+        )
     base_runs, cur_samples, samples_kind, sample_note = _comparable_samples(baselines, current)
     if sample_note:
         notes.append(sample_note)
@@ -201,7 +207,7 @@ def _refuse_repeated_runs(records: Sequence[RunRecord], names: Sequence[str]) ->
     (The current record may be a baseline too: comparing a run with itself is a sanity check.)"""
     seen: dict[tuple[object, ...], str] = {}
     for record, name in zip(records, names, strict=True):
-        identity = (record.created, record.command, tuple(s.seconds for s in record.timing.samples))
+        identity = _run(record)
         if identity in seen:
             raise DiagnoseError(
                 f"{name} is the same run as {seen[identity]} (created {record.created}): give "
@@ -209,6 +215,11 @@ def _refuse_repeated_runs(records: Sequence[RunRecord], names: Sequence[str]) ->
                 ExitCode.BAD_INPUT,
             )
         seen[identity] = name
+
+
+def _run(record: RunRecord) -> tuple[object, ...]:
+    """What tells one run from another: when it was made, by what command, its steps' times."""
+    return (record.created, record.command, tuple(s.seconds for s in record.timing.samples))
 
 
 def _labels(labels: Sequence[str], n_baselines: int) -> list[str]:

@@ -128,9 +128,17 @@ def kind(value: Any) -> str:
 def open_trace(path: Path) -> tuple[io.BufferedIOBase, int | None]:
     """The file's decompressed byte stream, and its compressed size when it is gzip."""
     with path.open("rb") as probe:
-        magic = probe.read(2)
-    if magic == b"\x1f\x8b":
+        head = probe.read(64)
+    if head[:2] == b"\x1f\x8b":
         return _open_gzip(path), path.stat().st_size
+    start = head.removeprefix(b"\xef\xbb\xbf").lstrip()[:1]
+    if path.suffix == ".gz" and start and start not in (b"{", b"["):
+        # Neither what its name says nor JSON: a JSON parser's complaint about its first bytes
+        # would not say that.
+        raise DiagnoseError(
+            f"{path}: not a gzip file, though its name ends in .gz, and not JSON either",
+            ExitCode.BAD_INPUT,
+        )
     return path.open("rb"), None
 
 

@@ -192,6 +192,7 @@ def slower_backend_rule(judged: Sequence[Judged], *, s_per_it: float | None) -> 
         },
         saving=saving,
         sure_saving=sure_total(savings),
+        total_calls=sum(j.group.calls for j in judged),
     )
 
 

@@ -380,6 +380,7 @@ def _fp32_training_finding(
         how_known=(
             f"{len(fp32) / n:.0f} matmul/conv calls per step in the forward pass, "
             f"{ms(forward_seconds)}/step"
+            + (f" ({ms(seconds)} with their backward)" if ctx.is_training else "")
         ),
         low=low,
         evidence={
