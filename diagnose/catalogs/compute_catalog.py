@@ -318,8 +318,9 @@ def is_blocking_call(name: str) -> bool:
 
 #: Host time the profiler adds to each launch on a GPU (CUPTI or roctracer callbacks and the op
 #: records around them), measured on an H200 (torch 2.11, record_shapes) from profiled against
-#: unprofiled steps of the same loop. Only used to say how much of a trace's host gaps may be
-#: the profiler's when the unprofiled step is not known; a measured one replaces it.
+#: unprofiled steps of the same loop. Used when the unprofiled step is not known (a trace alone):
+#: to say how much of the host gaps may be the profiler's, and to take that much out of every gap
+#: and of the step for the saving; a measured one replaces it.
 PROFILER_US_PER_LAUNCH = 30.0
 #: What a wait that blocks on work in flight adds to an unprofiled step beyond what the profiled
 #: trace shows of it. The profiled host reaches each wait after the device has drained, so the
