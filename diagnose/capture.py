@@ -221,7 +221,6 @@ def _profile(
             schedule=schedule,
             on_trace_ready=save,
             record_shapes=True,
-            profile_memory=True,
             with_stack=False,
         ) as prof,
     ):

@@ -106,7 +106,8 @@ _CHATTER = re.compile(
     r"^(USDT:.*profiler_(start|stop)"
     r"|.*ActivityProfilerController.*"
     r"|STAGE:.*"
-    # profile_memory=True: a tensor allocated before the profiled window was freed inside it.
+    # Any profiler with profile_memory=True: a tensor allocated before the profiled window was
+    # freed inside it.
     r"|.*Memory block of unknown size was allocated before the profiling started.*)$"
 )
 
