@@ -133,7 +133,8 @@ def _finish(code: int) -> int:
     Every file was written and closed before ``main`` returned, and the registered exit handlers
     (multiprocessing's, temporary folders' finalizers) still run here; what is skipped is the
     interpreter's module-by-module teardown, which with torch, diffusers and bitsandbytes loaded
-    took seconds after the last line was printed. ``DIAGNOSE_SLOW_EXIT=1`` keeps the normal exit.
+    took seconds after the last line was printed. ``DIAGNOSE_SLOW_EXIT=1`` keeps the normal exit
+    (but for a handled signal).
     """
     import atexit
 
@@ -145,8 +146,12 @@ def _finish(code: int) -> int:
             code = code or int(ExitCode.BROKEN_PIPE)
         except (OSError, ValueError):
             pass  # a closed stream: nothing more can reach it
-    if os.environ.get("DIAGNOSE_SLOW_EXIT") or "torch" not in sys.modules:
+    interrupted = code in (int(ExitCode.INTERRUPTED), int(ExitCode.TERMINATED))
+    if not interrupted and (os.environ.get("DIAGNOSE_SLOW_EXIT") or "torch" not in sys.modules):
         return code  # nothing heavy loaded: the normal exit is quick
+    # After a handled Ctrl-C or SIGTERM, always this way: its exit code is decided, and the
+    # interpreter's own exit was seen (the suite beside a busy process, 1 run in 4) to end such a
+    # process by SIGINT instead of 130, with the outputs already cleaned up.
     atexit._run_exitfuncs()
     os._exit(code)
 

@@ -285,6 +285,7 @@ def lora_loop(
     kernel_us: float = 40.0,
     batches: tuple[list[int], ...] = (BATCH,),
     new_epoch_at: int | None = None,
+    stretched_us: tuple[float, ...] = (),
 ) -> Path:
     """A profiled LoRA loop of ``steps`` steps with ``fault`` planted in every step:
 
@@ -296,13 +297,17 @@ def lora_loop(
     * ``closing_sync``: a bare ``torch.cuda.synchronize()`` closing each step (a timing loop's).
 
     ``batches``: the batch shape of each step in turn (resolution buckets); ``new_epoch_at``: the
-    step whose DataLoader starts a new epoch (its sampler draws a permutation of the dataset).
+    step whose DataLoader starts a new epoch (its sampler draws a permutation of the dataset);
+    ``stretched_us``: host time added to each step in turn, no op open (a busy machine's
+    descheduling).
     """
     w = KinetoWriter()
     for number in range(steps):
         with w.label(f"ProfilerStep#{number + 2}"):
             batch = batches[number % len(batches)]
             _step(w, fault, blocks, params, kernel_us, batch, number == new_epoch_at)
+            if number < len(stretched_us):
+                w.python(stretched_us[number])
         w.python(30.0)
     return w.save(path)
 

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from diagnose.trace.analysis import TraceAnalysis, analysis_to_record, analyze_trace
 from tests.conftest import ok_lines, one_torch_thread, unjudged_lines
+from tests.synthetic_gpu import lora_loop
 
 # Big enough that a step takes ~10 ms on a CPU: a 1 ms scheduling hiccup while fetching a batch on
 # a loaded CI machine must not read as a data-starved loop in the clean twin.
@@ -331,3 +332,37 @@ def test_one_optimizer_step_and_no_markers_is_one_window(tmp_path: Path) -> None
     a = analyze_trace(capture_unscheduled(tmp_path / "once.json", 1))
     assert a.whole_trace_window and len(a.steps) == 1
     assert any("whole trace" in note for note in a.notes)
+
+
+def test_a_short_last_step_is_a_step_and_the_profilers_stub_is_not(tmp_path: Path) -> None:
+    """A busy machine stretched the first steps twenty times over: the last, short one still
+    holds a backward pass and is a step (a duration rule alone took it for torch.profiler's
+    closing stub). The twin, a real trace: the range a scheduled profiler leaves between its last
+    step() and stop(), with no training in it, is left out."""
+    plain = analyze_trace(lora_loop(tmp_path / "plain.json", steps=4))
+    one = plain.steps[0].wall_seconds
+    stretched = analyze_trace(
+        lora_loop(tmp_path / "stretched.json", steps=4, stretched_us=(20 * one * 1e6,) * 3)
+    )
+    assert [s.number for s in stretched.steps] == [2, 3, 4, 5]
+    assert stretched.steps[-1].wall_seconds < 0.1 * stretched.steps[0].wall_seconds
+    assert not any("stub" in note for note in stretched.notes)
+
+    torch.manual_seed(0)
+    model = TinyAttentionModel("clean")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, SEQ, DIM)
+    stub = tmp_path / "stub.json"
+    with profile(
+        activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=0, active=4)
+    ) as prof:
+        for _ in range(3):
+            model(x).float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            time.sleep(0.2)
+            prof.step()
+    prof.export_chrome_trace(str(stub))
+    b = analyze_trace(stub)
+    assert len(b.steps) == 3
+    assert any("is the stub torch.profiler leaves" in note for note in b.notes)

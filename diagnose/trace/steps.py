@@ -169,7 +169,11 @@ def find_steps(
     elif len(windows) >= 2 and not inferred:
         others = statistics.median(w.wall_seconds for w in windows[:-1])
         last = windows[-1]
-        if others > 0 and last.wall_seconds < _STUB_SHARE * others:
+        # The stub holds no training step: in a training trace a last range with a backward pass
+        # in it is a step, however short beside steps a busy machine stretched.
+        trains = any(_passes_ending_in(backward, w.start_us, w.end_us) for w in windows[:-1])
+        stepped = trains and _passes_ending_in(backward, last.start_us, last.end_us) > 0
+        if others > 0 and last.wall_seconds < _STUB_SHARE * others and not stepped:
             windows.pop()
             notes.append(
                 f"The last step ({last.label}, {last.wall_seconds * 1e3:.2f} ms, under "
