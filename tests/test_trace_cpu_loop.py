@@ -354,9 +354,9 @@ def test_a_short_last_step_is_a_step_and_the_profilers_stub_is_not(tmp_path: Pat
     x = torch.randn(8, SEQ, DIM)
     stub = tmp_path / "stub.json"
     with profile(
-        activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=0, active=4)
+        activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=4)
     ) as prof:
-        for _ in range(3):
+        for _ in range(4):  # the profiler's warm-up step, then three recorded
             model(x).float().pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
