@@ -166,13 +166,15 @@ def find_steps(
             f"trace ({(end - start) / 1e3:.1f} ms) is analysed as one window, so per-step numbers "
             "are per trace."
         )
-    elif len(windows) >= 2 and not inferred:
+    for window in windows:
+        window.device_busy_seconds = busy.clip(window.start_us, window.end_us).total / 1e6
+        window.backward_passes = _passes_ending_in(backward, window.start_us, window.end_us)
+    if not whole and len(windows) >= 2 and not inferred:
         others = statistics.median(w.wall_seconds for w in windows[:-1])
         last = windows[-1]
         # The stub holds no training step: in a training trace a last range with a backward pass
         # in it is a step, however short beside steps a busy machine stretched.
-        trains = any(_passes_ending_in(backward, w.start_us, w.end_us) for w in windows[:-1])
-        stepped = trains and _passes_ending_in(backward, last.start_us, last.end_us) > 0
+        stepped = last.backward_passes > 0 and any(w.backward_passes for w in windows[:-1])
         if others > 0 and last.wall_seconds < _STUB_SHARE * others and not stepped:
             windows.pop()
             notes.append(
@@ -180,9 +182,6 @@ def find_steps(
                 f"{_STUB_SHARE:.0%} of the median step) is the stub torch.profiler leaves when it "
                 "stops; it is left out."
             )
-    for window in windows:
-        window.device_busy_seconds = busy.clip(window.start_us, window.end_us).total / 1e6
-        window.backward_passes = _passes_ending_in(backward, window.start_us, window.end_us)
     if len(windows) >= 3:
         typical = statistics.median(w.wall_seconds for w in windows)
         slow = [w for w in windows if w.wall_seconds > _SLOW_STEP * typical]
