@@ -420,10 +420,10 @@ def _lora_denoiser_on_meta(
     ``construct_on(meta, ...)``."""
     denoiser = build_denoiser(spec)
     base_parameters = count_parameters(denoiser)
-    return denoiser, base_parameters, lora_on_meta(denoiser, spec, rank, target_modules)
+    return denoiser, base_parameters, _lora_on_meta(denoiser, spec, rank, target_modules)
 
 
-def lora_on_meta(
+def _lora_on_meta(
     denoiser: torch.nn.Module, spec: Any, rank: int, target_modules: Sequence[str] | None
 ) -> int:
     """Freeze the preset's denoiser (built on the meta device) and wrap it in LoRA as a run
@@ -489,7 +489,7 @@ def count_preset(
         parameters = count_parameters(denoiser)
         # Counted before LoRA wraps the linear layers: the adapter is not stored as the base.
         linear_weights = stored_linear_weights(denoiser)
-        lora_on_meta(denoiser, spec, rank, target_modules)
+        _lora_on_meta(denoiser, spec, rank, target_modules)
         vae = count_parameters(build_vae(spec))
         encoders = [build_text_encoder(e) for e in spec.text_encoders]
     return PresetCount(
@@ -530,7 +530,6 @@ __all__ = [
     "diffusers_class",
     "format_count",
     "freeze_components",
-    "lora_on_meta",
     "meta_components",
     "model_info",
     "precision_policy",

@@ -14,12 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from diagnose.errors import DiagnoseError, ExitCode
-from diagnose.quantized_base import BNB_KINDS, FLOAT_KINDS, BaseKind, stored_bytes_of
+from diagnose.quantized_base import BNB_KINDS, BaseKind, stored_bytes_of
 
-#: The unquantized kinds' dtypes: the frozen weights cast to that dtype.
+#: The unquantized kinds (:data:`diagnose.quantized_base.FLOAT_KINDS`): the frozen weights cast
+#: to that dtype.
 FLOAT_BASES: dict[str, torch.dtype] = {
-    kind: {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kind]
-    for kind in FLOAT_KINDS
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
 }
 
 
